@@ -1,0 +1,375 @@
+"""Run configuration: the three dataclasses, the presets, `--set`, validation, JSON.
+
+Owns every knob of a run. One parser (`apply_sets`) turns `key=value` strings into
+typed field values; one validator (`validate`) refuses impossible combinations
+with the cause, the measured fact and the escape. Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import typing
+from dataclasses import dataclass, field, fields, replace
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A configuration the system cannot honour; the message names cause and escape."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The network's shape. Field names are unique across ModelConfig and TrainConfig."""
+
+    vocab: int = 256
+    d_model: int = 256
+    n_layers: int = 2  # distinct blocks in the body
+    max_iter: int = 2  # times the body is applied
+    rank: int = 8  # per-iteration low-rank delta on the mixer's projections (0 = pure tying)
+    # KDA mixer
+    n_heads: int = 4
+    head_dim: int = 64
+    conv_size: int = 4
+    gate_rank: int = 16  # low-rank f(x) that feeds the per-key-dim decay
+    kda_impl: str = "auto"  # auto | torch | fla
+    kda_chunk: int = 16  # chunk length of the torch arm
+    segment_len: int = 0  # 0 = whole window; else carry state, cut gradient at borders
+    # MoE FFN
+    d_ffn: int = 512
+    n_experts: int = 4
+    moe_topk: int = 2
+    moe_capacity: float = 0.0  # 0 = dropless; > 0 = capacity factor
+    moe_lb_coef: float = 0.0  # LFB update rate; 0 = controller off
+    moe_impl: str = "auto"  # auto | grouped | batched | triton
+    shared_rank: int = 16
+    # Engram
+    engram_rows: int = 1024
+    engram_dim: int = 16
+    engram_heads: int = 2
+    engram_orders: tuple[int, ...] = (2, 3)
+    # memory mechanisms (exact ones leave the math unchanged)
+    engram_ram: bool = False
+    moe_offload: bool = False
+    act_ckpt: bool = False
+    act_ckpt_quant: bool = False  # quantize checkpointed inputs to bf16 (approximate)
+    # the rest
+    max_seq_len: int = 512
+    bf16: bool = False  # compute in bf16 autocast on CUDA when dtype=none
+    init_std: float = 0.02
+
+    @property
+    def d_attn(self) -> int:
+        return self.n_heads * self.head_dim
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 300
+    batch: int = 8
+    seq_len: int = 256
+    seed: int = 0
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    dtype: str = "none"  # none | auto | fp32 | bf16 | fp16
+    compile: bool = False
+    # schedule
+    lr: float = 3e-3
+    min_lr_frac: float = 0.1
+    warmup: int = 20
+    schedule: str = "cosine"  # cosine | wsd | constant
+    wsd_decay_frac: float = 0.2
+    wd: float = 0.1
+    grad_clip: float = 1.0
+    max_skips: int = 10  # consecutive non-finite steps before the run stops
+    # optimizer
+    opt: str = "mix"  # mix | adamw
+    ns_steps: int = 5
+    ns_kind: str = "quintic"  # quintic | polar_express
+    ns_dtype: str = "auto"  # auto | fp32 | bf16
+    muon_state_dtype: str = "fp32"  # fp32 | bf16
+    muon_variant: str = "nesterov"  # nesterov | plain
+    muon_sf: str = "rms"  # rms | jordan
+    muon_momentum: float = 0.95
+    adam_betas: tuple[float, ...] = (0.9, 0.95)
+    engram_lr_mult: float = 5.0
+    optim_8bit: bool = False
+    # data and I/O
+    data: tuple[str, ...] = ()
+    data_weights: tuple[float, ...] = ()
+    val_frac: float = 0.01
+    val_bytes: int = 0
+    log_every: int = 10
+    eval_every: int = 100
+    eval_batches: int = 8
+    ckpt_every: int = 500
+    out_dir: str = "runs/default"
+    ckpt_name: str = "ckpt"
+    # distributed
+    dist: bool = False
+    dist_capacity: str = ""
+    dist_reduce: str = "auto"  # auto | fp32 | bf16 | fp16
+    dist_shard: str = "none"  # none | fsdp
+    bucket_mb: float = 0.0  # 0 = sized from the payload
+    fit_gb: float = 0.0  # 0 = no --fit
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    source: str
+    model: ModelConfig = field(default_factory=ModelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    # ---- JSON ----------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "source": self.source,
+            "model": dataclasses.asdict(self.model),
+            "train": dataclasses.asdict(self.train),
+        }
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=1, sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> RunConfig:
+        return cls(
+            source=str(d["source"]),
+            model=_build(ModelConfig, d.get("model", {})),
+            train=_build(TrainConfig, d.get("train", {})),
+        )
+
+    @classmethod
+    def from_json(cls, text: str) -> RunConfig:
+        return cls.from_dict(json.loads(text))
+
+
+def _build(cls, d: dict[str, Any]):
+    known = {f.name: f for f in fields(cls)}
+    unknown = sorted(set(d) - set(known))
+    if unknown:
+        raise ConfigError(
+            f"{cls.__name__} has no field(s) {unknown}; "
+            f"this file was written by another version of dormouse"
+        )
+    hints = typing.get_type_hints(cls)
+    kw = {k: _coerce_json(hints[k], v) for k, v in d.items()}
+    return cls(**kw)
+
+
+def _coerce_json(tp, v):
+    if typing.get_origin(tp) is tuple and isinstance(v, list):
+        return tuple(v)
+    return v
+
+
+# ---- presets ---------------------------------------------------------------
+
+_TINY = ModelConfig(
+    d_model=64, n_heads=4, head_dim=16, d_ffn=128, n_layers=1, max_iter=2, rank=8,
+    n_experts=4, moe_topk=2, engram_rows=64, engram_dim=8, engram_heads=2,
+    shared_rank=16, gate_rank=8, max_seq_len=64, bf16=False,
+)  # fmt: skip
+
+_SMALL = ModelConfig(
+    d_model=256, n_heads=4, head_dim=64, d_ffn=512, n_layers=4, max_iter=2, rank=16,
+    n_experts=8, moe_topk=2, engram_rows=8192, engram_dim=32, engram_heads=4,
+    shared_rank=64, gate_rank=32, max_seq_len=512, bf16=True,
+)  # fmt: skip
+
+_MEDIUM = ModelConfig(
+    d_model=768, n_heads=12, head_dim=64, d_ffn=1536, n_layers=6, max_iter=2, rank=32,
+    n_experts=8, moe_topk=2, engram_rows=65536, engram_dim=64, engram_heads=4,
+    shared_rank=128, gate_rank=64, max_seq_len=1024, bf16=True,
+)  # fmt: skip
+
+_B1 = ModelConfig(
+    d_model=1536, n_heads=12, head_dim=128, d_ffn=3072, n_layers=8, max_iter=2, rank=64,
+    n_experts=8, moe_topk=2, engram_rows=393216, engram_dim=128, engram_heads=4,
+    shared_rank=256, gate_rank=128, max_seq_len=2048, bf16=True,
+)  # fmt: skip
+
+_PRESETS: dict[str, tuple[ModelConfig, TrainConfig]] = {
+    "tiny": (_TINY, TrainConfig(batch=4, seq_len=64, steps=20, lr=1e-3, warmup=0,
+                                log_every=1, eval_every=0, ckpt_every=0)),
+    "small": (_SMALL, TrainConfig(batch=8, seq_len=256, steps=300, lr=3e-3, warmup=30,
+                                  eval_every=50)),
+    "medium": (_MEDIUM, TrainConfig(batch=8, seq_len=512, steps=5000, lr=2e-3, warmup=200,
+                                    eval_every=250)),
+    "b1": (_B1, TrainConfig(batch=8, seq_len=512, steps=20000, lr=1e-3, warmup=500,
+                            eval_every=500)),
+}  # fmt: skip
+
+#: What DESIGN.md §2 promises (parameters including Engram tables); tested at +-10%.
+PRESET_PARAMS = {"small": 9.5e6, "medium": 140e6, "b1": 1.07e9}
+
+
+def preset_names() -> list[str]:
+    return list(_PRESETS)
+
+
+def preset(name: str) -> RunConfig:
+    if name not in _PRESETS:
+        raise ConfigError(
+            f"unknown preset {name!r}; choose one of {', '.join(_PRESETS)}"
+            + _suggest(name, list(_PRESETS))
+        )
+    m, t = _PRESETS[name]
+    return RunConfig(source=f"preset:{name}", model=m, train=t)
+
+
+# ---- --set key=value ---------------------------------------------------------
+
+
+def _field_owner() -> dict[str, str]:
+    owner = {f.name: "model" for f in fields(ModelConfig)}
+    for f in fields(TrainConfig):
+        assert f.name not in owner, f"field name {f.name} used twice"
+        owner[f.name] = "train"
+    return owner
+
+
+def _suggest(key: str, options: list[str]) -> str:
+    near = difflib.get_close_matches(key, options, n=1, cutoff=0.5)
+    return f" (did you mean {near[0]!r}?)" if near else ""
+
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
+
+
+def parse_value(tp, text: str, key: str):
+    """Turn the text of `--set key=text` into the field's declared type."""
+    origin = typing.get_origin(tp)
+    try:
+        if tp is bool:
+            low = text.strip().lower()
+            if low in _TRUE:
+                return True
+            if low in _FALSE:
+                return False
+            raise ValueError(f"expected one of {sorted(_TRUE | _FALSE)}")
+        if tp is int:
+            return int(text, 0)
+        if tp is float:
+            return float(text)
+        if tp is str:
+            return text
+        if origin is tuple:
+            (inner, *_rest) = typing.get_args(tp)
+            parts = [p for p in text.replace(" ", "").strip("()[]").split(",") if p != ""]
+            return tuple(parse_value(inner, p, key) for p in parts)
+    except ValueError as e:
+        raise ConfigError(f"--set {key}={text!r}: not a valid {_tname(tp)} ({e})") from None
+    raise ConfigError(f"--set {key}: fields of type {tp} cannot be set from the command line")
+
+
+def _tname(tp) -> str:
+    return getattr(tp, "__name__", str(tp))
+
+
+def apply_sets(run: RunConfig, sets: list[str] | tuple[str, ...]) -> RunConfig:
+    """Apply `key=value` overrides (key may be `model.k`, `train.k` or plain `k`)."""
+    owner = _field_owner()
+    hints = {"model": typing.get_type_hints(ModelConfig), "train": typing.get_type_hints(TrainConfig)}
+    new = {"model": {}, "train": {}}
+    for item in sets:
+        if "=" not in item:
+            raise ConfigError(f"--set expects key=value, got {item!r}")
+        key, _, text = item.partition("=")
+        key = key.strip()
+        part, _, bare = key.rpartition(".")
+        if part and part not in ("model", "train"):
+            raise ConfigError(f"--set {key}: prefix must be 'model.' or 'train.'")
+        if bare not in owner or (part and owner[bare] != part):
+            raise ConfigError(f"--set: unknown key {key!r}" + _suggest(bare, sorted(owner)))
+        where = owner[bare]
+        new[where][bare] = parse_value(hints[where][bare], text, key)
+    return RunConfig(
+        source=run.source,
+        model=replace(run.model, **new["model"]),
+        train=replace(run.train, **new["train"]),
+    )
+
+
+# ---- validation ----------------------------------------------------------------
+
+_CHOICES = {
+    "kda_impl": ("auto", "torch", "fla"),
+    "moe_impl": ("auto", "grouped", "batched", "triton"),
+    "dtype": ("none", "auto", "fp32", "bf16", "fp16"),
+    "schedule": ("cosine", "wsd", "constant"),
+    "opt": ("mix", "adamw"),
+    "ns_kind": ("quintic", "polar_express"),
+    "ns_dtype": ("auto", "fp32", "bf16"),
+    "muon_state_dtype": ("fp32", "bf16"),
+    "muon_variant": ("nesterov", "plain"),
+    "muon_sf": ("rms", "jordan"),
+    "dist_reduce": ("auto", "fp32", "bf16", "fp16"),
+    "dist_shard": ("none", "fsdp"),
+}
+
+_POSITIVE = (
+    "vocab d_model n_layers max_iter n_heads head_dim conv_size kda_chunk d_ffn n_experts "
+    "moe_topk engram_rows engram_dim engram_heads max_seq_len batch seq_len ns_steps "
+    "eval_batches max_skips"
+).split()
+_NON_NEGATIVE = (
+    "rank gate_rank segment_len shared_rank moe_capacity moe_lb_coef steps warmup wd "
+    "grad_clip log_every eval_every ckpt_every val_bytes bucket_mb fit_gb lr min_lr_frac "
+    "engram_lr_mult"
+).split()
+
+
+def validate(run: RunConfig) -> RunConfig:
+    """Refuse impossible combinations; return the run unchanged when it is sound."""
+    m, t = run.model, run.train
+    vals = {**dataclasses.asdict(m), **dataclasses.asdict(t)}
+    for k, options in _CHOICES.items():
+        if vals[k] not in options:
+            raise ConfigError(f"{k}={vals[k]!r} is not one of {options}")
+    for k in _POSITIVE:
+        if vals[k] <= 0:
+            raise ConfigError(f"{k}={vals[k]} must be positive; set it with --set {k}=N (N >= 1)")
+    for k in _NON_NEGATIVE:
+        if vals[k] < 0:
+            raise ConfigError(f"{k}={vals[k]} must not be negative")
+    if m.vocab != 256:
+        raise ConfigError(f"vocab={m.vocab}: dormouse is byte-level, vocab must be 256")
+    if m.moe_topk > m.n_experts:
+        raise ConfigError(
+            f"moe_topk={m.moe_topk} exceeds n_experts={m.n_experts}: a token cannot pick more "
+            f"experts than exist; lower --set moe_topk or raise --set n_experts"
+        )
+    if m.n_heads * m.head_dim != m.d_model:
+        raise ConfigError(
+            f"n_heads*head_dim = {m.n_heads}*{m.head_dim} = {m.n_heads * m.head_dim} but "
+            f"d_model={m.d_model}; the mixer's heads must tile the model width: set head_dim="
+            f"{m.d_model // m.n_heads if m.d_model % m.n_heads == 0 else '?'} or change n_heads"
+        )
+    if not m.engram_orders or any(n < 2 for n in m.engram_orders):
+        raise ConfigError(f"engram_orders={m.engram_orders}: each order must be >= 2 bytes")
+    if t.seq_len > m.max_seq_len:
+        raise ConfigError(
+            f"seq_len={t.seq_len} exceeds the model's max_seq_len={m.max_seq_len}; "
+            f"lower --set seq_len or raise --set max_seq_len"
+        )
+    if m.segment_len and t.seq_len % m.segment_len:
+        raise ConfigError(
+            f"segment_len={m.segment_len} does not divide seq_len={t.seq_len}; segments must "
+            f"tile the window: pick a divisor of {t.seq_len} or segment_len=0 (whole window)"
+        )
+    if t.min_lr_frac > 1:
+        raise ConfigError(f"min_lr_frac={t.min_lr_frac} must be in [0, 1]")
+    if t.warmup > t.steps and t.steps > 0:
+        raise ConfigError(f"warmup={t.warmup} is longer than the run (steps={t.steps})")
+    if len(t.adam_betas) != 2 or not all(0 <= b < 1 for b in t.adam_betas):
+        raise ConfigError(f"adam_betas={t.adam_betas} must be two numbers in [0, 1)")
+    if t.data_weights and len(t.data_weights) != len(t.data):
+        raise ConfigError(
+            f"{len(t.data_weights)} data_weights for {len(t.data)} corpora; give one weight "
+            f"per --data file or none"
+        )
+    if t.dist_shard == "fsdp" and t.opt != "adamw":
+        pass  # the distributed layer decides; the single-process config is sound
+    return run
