@@ -1,0 +1,128 @@
+"""DormouseModel: byte embedding -> Engram -> looped body of blocks -> norm -> head.
+
+Owns the assembly of the network and its two entry points: `forward` (training and
+evaluation over whole windows) and `step` (recurrent decoding, one byte at a time,
+carrying every module's state in a cache). Parallelism is applied from outside
+(`dormouse/train/distributed.py`); nothing here imports torch.distributed.
+"""
+
+from __future__ import annotations
+
+import math
+from contextlib import nullcontext
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from ..config import ModelConfig
+from .engram import Engram
+from .kda import KDAMixer
+from .layers import RMSNorm
+from .moe import MoE
+
+
+class Block(nn.Module):
+    """Pre-norm KDA mixer + pre-norm MoE FFN, a residual around each."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.norm1 = RMSNorm(cfg.d_model)
+        self.mixer = KDAMixer(cfg)
+        self.norm2 = RMSNorm(cfg.d_model)
+        self.moe = MoE(cfg)
+
+    def forward(self, h, iteration: int, cache=None):
+        a, cache = self.mixer(self.norm1(h), iteration=iteration, cache=cache)
+        h = h + a
+        f, aux = self.moe(self.norm2(h))
+        return h + f, cache, aux
+
+
+class _QuantizedSaves(torch.autograd.graph.saved_tensors_hooks):
+    """Keep floating saved tensors in bf16 (half the memory, approximate by design)."""
+
+    def __init__(self):
+        def pack(t):
+            if t.is_floating_point() and t.dtype == torch.float32:
+                return (t.dtype, t.to(torch.bfloat16))
+            return (None, t)
+
+        def unpack(packed):
+            dtype, t = packed
+            return t if dtype is None else t.to(dtype)
+
+        super().__init__(pack, unpack)
+
+
+class DormouseModel(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab, cfg.d_model)
+        self.engram = Engram(cfg)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.norm_f = RMSNorm(cfg.d_model)
+        self.head = nn.Linear(cfg.d_model, cfg.vocab, bias=False)
+        nn.init.normal_(self.embed.weight, std=cfg.init_std)
+        # A small head keeps the initial loss near ln(256) (uniform bytes).
+        nn.init.normal_(self.head.weight, std=cfg.init_std / math.sqrt(2 * cfg.n_layers * cfg.max_iter))
+
+    # ---- training / evaluation --------------------------------------------------
+    def _apply_block(self, block: Block, h, iteration: int):
+        if not (self.cfg.act_ckpt and self.training and torch.is_grad_enabled()):
+            out, _, aux = block(h, iteration)
+            return out, aux
+        ctx = _QuantizedSaves() if self.cfg.act_ckpt_quant else nullcontext()
+        with ctx:
+            out, _, aux = checkpoint(block, h, iteration, use_reentrant=False)
+        return out, aux
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor | None = None):
+        """x, y: int64 [B, T] bytes. Returns (logits [B,T,256], mean CE loss or None, aux)."""
+        h = self.embed(x)
+        h, _ = self.engram(h, x)
+        loads, dropped = [], 0
+        for it in range(self.cfg.max_iter):
+            for block in self.blocks:
+                h, aux = self._apply_block(block, h, it)
+                loads.append(aux["load"])
+                dropped = dropped + aux.get("dropped", 0)
+        logits = self.head(self.norm_f(h))
+        loss = None
+        if y is not None:
+            loss = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), y.reshape(-1))
+        aux = {"load": torch.stack(loads).mean(0) if loads else None, "dropped": dropped}
+        return logits, loss, aux
+
+    def lfb_update(self, reduce=None) -> None:
+        """After each optimizer step: move every MoE's load-balancing bias (no-op when off)."""
+        for block in self.blocks:
+            block.moe.lfb_update(reduce=reduce)
+
+    # ---- recurrent decoding --------------------------------------------------------
+    def init_cache(self) -> dict:
+        return {"engram": {}, "mix": {}}
+
+    @torch.no_grad()
+    def step(self, x: torch.Tensor, cache: dict) -> torch.Tensor:
+        """Feed bytes x [B, t] (t >= 1) after what the cache has seen; return last logits.
+
+        Constant cost per byte: the mixers carry their recurrent state, Engram its
+        last bytes and conv tail, so nothing is recomputed over the prefix.
+        """
+        h = self.embed(x)
+        h, cache["engram"] = self.engram(h, x, cache=cache["engram"])
+        for it in range(self.cfg.max_iter):
+            for li, block in enumerate(self.blocks):
+                key = f"{li}.{it}"
+                h, cache["mix"][key], _ = block(h, it, cache=cache["mix"].get(key, {}))
+        return self.head(self.norm_f(h))[:, -1]
+
+
+def count_params(cfg: ModelConfig) -> int:
+    """Parameters of a model with this config, counted on the meta device (no memory)."""
+    with torch.device("meta"):
+        model = DormouseModel(cfg)
+    return sum(p.numel() for p in model.parameters()) + model.engram.host_numel()

@@ -1,0 +1,332 @@
+"""The training loop: one single-process loop with four distributed seams.
+
+`train(model, run, log, parallel)` owns the step: data, forward, the scaled
+backward, the non-finite decision, clipping, the optimizer and LFB update, the
+LR schedule, logging, evaluation, checkpoints and resume. What differs on a
+fleet is asked of `parallel` (see `seams.py`); everything else is shared code.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import sys
+import time
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from ..config import RunConfig, validate
+from . import checkpoint as ckpt
+from .data import open_data
+from .optim import MixOptimizer
+from .seams import RankShape, Seams
+
+LN2 = math.log(2.0)
+_log = logging.getLogger("dormouse.train")
+
+
+class TrainingError(RuntimeError):
+    pass
+
+
+# ---- schedule -----------------------------------------------------------------------
+
+
+def lr_factor(step: int, cfg) -> float:
+    """Multiplier on every group's base lr at `step` (0-based): warmup, then decay."""
+    if cfg.warmup and step < cfg.warmup:
+        return (step + 1) / cfg.warmup
+    if cfg.schedule == "constant" or cfg.steps <= cfg.warmup:
+        return 1.0
+    lo = cfg.min_lr_frac
+    if cfg.schedule == "cosine":
+        progress = (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
+        return lo + (1 - lo) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+    # wsd: warmup, stable at 1, then a linear decay over the last wsd_decay_frac of the run
+    decay_start = cfg.steps - int(cfg.steps * cfg.wsd_decay_frac)
+    if step < decay_start:
+        return 1.0
+    progress = (step - decay_start) / max(1, cfg.steps - decay_start)
+    return 1.0 - (1.0 - lo) * min(1.0, progress)
+
+
+# ---- device and precision -------------------------------------------------------------
+
+
+def resolve_device(name: str, log: Callable[[str], None]) -> torch.device:
+    if name == "auto":
+        dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        log(f"device=auto cuda_available={int(torch.cuda.is_available())} -> {dev}")
+        return dev
+    dev = torch.device(name)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise TrainingError(
+            f"--device {name} asked for CUDA but torch {torch.__version__} sees no CUDA device "
+            f"(a CPU build, or no driver); use --device cpu"
+        )
+    return dev
+
+
+def resolve_autocast(run: RunConfig, device: torch.device, log) -> torch.dtype | None:
+    """The compute dtype of the forward (None = plain fp32)."""
+    want = run.train.dtype
+    if want == "none":  # the probe is never called: the preset's bf16 flag decides
+        return torch.bfloat16 if (run.model.bf16 and device.type == "cuda") else None
+    from .device import probe_device, resolve_dtype
+
+    dtype, line = resolve_dtype(want, probe_device(device), log=log)
+    return None if dtype in (None, torch.float32) else dtype
+
+
+# ---- progress output --------------------------------------------------------------------
+
+
+class _Progress:
+    """A one-line progress bar on a terminal; nothing otherwise (plain log lines suffice)."""
+
+    def __init__(self, total: int, enabled: bool):
+        self.total, self.enabled = total, enabled and sys.stderr.isatty()
+
+    def update(self, step: int, loss: float) -> None:
+        if not self.enabled:
+            return
+        width = 30
+        done = int(width * step / max(1, self.total))
+        sys.stderr.write(f"\r[{'#' * done}{'.' * (width - done)}] {step}/{self.total} loss={loss:.4f}")
+        sys.stderr.flush()
+
+    def clear(self) -> None:
+        if self.enabled:
+            sys.stderr.write("\r" + " " * 70 + "\r")
+            sys.stderr.flush()
+
+
+# ---- evaluation -------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def evaluate(model, batches, device, autocast_dtype) -> dict[str, float]:
+    was = model.training
+    model.eval()
+    total, count = 0.0, 0
+    for x, y in batches:
+        x, y = x.to(device), y.to(device)
+        with _autocast(device, autocast_dtype):
+            _, loss, _ = model(x, y)
+        total += float(loss) * y.numel()
+        count += y.numel()
+    model.train(was)
+    nats = total / max(1, count)
+    return {"loss": nats, "bpb": nats / LN2, "tokens": count}
+
+
+def _autocast(device: torch.device, dtype):
+    if dtype is None:
+        return nullcontext()
+    return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+def _plot(metrics_path: Path, png: Path, log) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log("loss curve skipped: matplotlib is not installed (pip install matplotlib)")
+        return
+    rows = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
+    tr = [(r["step"], r["loss"]) for r in rows if r.get("kind") == "train"]
+    ev = [(r["step"], r["loss"]) for r in rows if r.get("kind") == "eval"]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    if tr:
+        ax.plot(*zip(*tr), label="train loss", lw=1)
+    if ev:
+        ax.plot(*zip(*ev), "o-", label="val loss", lw=1.5)
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (nats/byte)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+    log(f"loss curve written to {png}")
+
+
+# ---- the loop -------------------------------------------------------------------------------
+
+
+def ckpt_path(run: RunConfig) -> Path:
+    return Path(run.train.out_dir) / f"{run.train.ckpt_name}.pt"
+
+
+def train(
+    model: torch.nn.Module,
+    run: RunConfig,
+    log: Callable[[str], None] = print,
+    parallel: Seams | None = None,
+    *,
+    resume: bool = False,
+    stop_at: int | None = None,
+    progress: bool = False,
+) -> dict:
+    """Train `model` as `run` says. Returns a report of what happened.
+
+    `stop_at` ends the run after that many steps while keeping the schedule of the
+    full run (an interrupted run, for resume tests); the final checkpoint is written.
+    """
+    run = validate(run)
+    cfg = run.train
+    if parallel is None:
+        parallel = Seams([RankShape(cfg.batch, cfg.seq_len)])
+    main = parallel.is_main
+    say = log if main else (lambda _line: None)
+
+    device = resolve_device(cfg.device, say) if not hasattr(parallel, "device") else parallel.device
+    autocast_dtype = resolve_autocast(run, device, say)
+    model.to(device)
+    model.train()
+
+    data = open_data(cfg, log=say)
+    shape = parallel.shape
+    stream = data.train_stream(shape.batch, shape.seq_len, offset=parallel.offset, stride=parallel.stride)
+    val = data.val_batches(cfg.eval_batches, cfg.batch, cfg.seq_len) if (main or parallel.eval_on_all_ranks) else []
+
+    net = parallel.wrap(model)
+    opt = MixOptimizer.from_config(net, cfg, device.type, log=say)
+
+    out = Path(cfg.out_dir)
+    path = ckpt_path(run)
+    metrics_path = out / "metrics.jsonl"
+    start = 0
+    if resume:
+        if not path.exists():
+            raise TrainingError(f"--resume: no checkpoint at {path}; start without --resume")
+        ck = ckpt.read_checkpoint(path)
+        ckpt.load_model_state(parallel.unwrap(net), ck, path)
+        opt.load_state_dict(ck["optimizer"])
+        stream.load_state_dict(ck["data"])
+        ckpt.set_rng_state(ck["rng"])
+        start = int(ck["step"])
+        say(f"resumed from {path} at step {start}")
+    if main:
+        out.mkdir(parents=True, exist_ok=True)
+        if not resume:
+            metrics_path.write_text("")
+        (out / "config.json").write_text(run.to_json())
+    say(f"run {run.source}: {parallel.describe()} steps={cfg.steps} lr={cfg.lr} "
+        f"dtype={'fp32' if autocast_dtype is None else str(autocast_dtype).replace('torch.', '')}")  # fmt: skip
+
+    def save(step: int) -> None:
+        if main:
+            ckpt.save_checkpoint(path, run=run, model=parallel.unwrap(net), optimizer=opt,
+                                 step=step, data_state=stream.state_dict())  # fmt: skip
+        parallel.barrier()
+
+    def write_metrics(row: dict) -> None:
+        if main:
+            with metrics_path.open("a") as f:
+                f.write(json.dumps(row) + "\n")
+
+    def do_eval(step: int) -> dict:
+        res = {}
+        if main or parallel.eval_on_all_ranks:
+            res = evaluate(parallel.unwrap(net) if not parallel.eval_on_all_ranks else net,
+                           val, device, autocast_dtype)  # fmt: skip
+        if main:
+            tag = f" dist={parallel.rank}/{parallel.world_size}" if parallel.world_size > 1 else ""
+            log(f"eval step={step} loss={res['loss']:.4f} bpb={res['bpb']:.4f}{tag}")
+            write_metrics({"kind": "eval", "step": step, "loss": res["loss"], "bpb": res["bpb"]})
+        parallel.barrier()
+        return res
+
+    end = cfg.steps if stop_at is None else min(cfg.steps, stop_at)
+    bar = _Progress(cfg.steps, progress and main)
+    first_eval = do_eval(start) if (cfg.eval_every and start == 0 and val) else {}
+    skips = consecutive = 0
+    last_loss = float("nan")
+    tokens_seen = 0
+    t_log = time.perf_counter()
+    steps_since_log = 0
+    step = start
+    try:
+        for step in range(start, end):
+            factor = lr_factor(step, cfg)
+            opt.set_lr_factor(factor)
+            x, y = stream.next()
+            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+            with _autocast(device, autocast_dtype):
+                _, loss, aux = net(x, y)
+            (loss * parallel.loss_scale).backward()
+            finite = bool(torch.isfinite(loss.detach()))
+            if finite:
+                gnorm = torch.nn.utils.clip_grad_norm_(
+                    model.parameters(), cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
+                )
+                finite = bool(torch.isfinite(gnorm))
+            if not parallel.all_finite(finite):  # ONE collective: every rank skips together
+                opt.zero_grad(set_to_none=True)
+                skips += 1
+                consecutive += 1
+                say(f"step={step} skipped: non-finite loss or gradient (skips={skips})")
+                if consecutive >= cfg.max_skips:
+                    raise TrainingError(
+                        f"{consecutive} consecutive non-finite steps (max_skips={cfg.max_skips}) "
+                        f"at step {step}: the run diverged; lower --set lr (now {cfg.lr}) or "
+                        f"check the data"
+                    )
+                continue
+            consecutive = 0
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            parallel.unwrap(net).lfb_update(reduce=parallel.lfb_reduce)
+            tokens_seen += parallel.global_tokens
+            steps_since_log += 1
+            done = step + 1
+            if cfg.log_every and (done % cfg.log_every == 0 or done == end):
+                fleet = parallel.fleet_loss(loss.detach())
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                now = time.perf_counter()
+                ms = 1000 * (now - t_log) / max(1, steps_since_log)
+                tps = parallel.global_tokens * steps_since_log / max(1e-9, now - t_log)
+                t_log, steps_since_log = now, 0
+                last_loss = fleet
+                lr_now = cfg.lr * factor
+                bar.clear()
+                say(f"step={done} loss={fleet:.4f} bpb={fleet / LN2:.4f} lr={lr_now:.3e} "
+                    f"tok/s={tps:.0f} ms={ms:.1f}")  # fmt: skip
+                write_metrics({"kind": "train", "step": done, "loss": fleet, "bpb": fleet / LN2,
+                               "lr": lr_now, "tok_s": tps, "ms": ms,
+                               "load": aux["load"].tolist() if aux.get("load") is not None else None})  # fmt: skip
+            bar.update(done, last_loss)
+            if cfg.eval_every and done % cfg.eval_every == 0 and done != end and val:
+                do_eval(done)
+            if cfg.ckpt_every and done % cfg.ckpt_every == 0 and done != end:
+                save(done)
+        step = end
+    except KeyboardInterrupt:
+        bar.clear()
+        say(f"interrupted at step {step}: writing a checkpoint so --resume continues from here")
+        save(step)
+        raise
+    bar.clear()
+    final = do_eval(end) if val else {}
+    save(end)
+    if main and metrics_path.exists():
+        _plot(metrics_path, out / "loss.png", say)
+    return {
+        "steps": end,
+        "loss": last_loss,
+        "val": final,
+        "val_start": first_eval,
+        "skips": skips,
+        "tokens": tokens_seen,
+        "rank": parallel.rank,
+        "world_size": parallel.world_size,
+        "checkpoint": str(path),
+    }
