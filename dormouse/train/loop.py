@@ -194,7 +194,8 @@ def train(
     data = open_data(cfg, log=say)
     shape = parallel.shape
     stream = data.train_stream(shape.batch, shape.seq_len, offset=parallel.offset, stride=parallel.stride)
-    val = data.val_batches(cfg.eval_batches, cfg.batch, cfg.seq_len) if (main or parallel.eval_on_all_ranks) else []
+    evaluates = (main or parallel.eval_on_all_ranks) and data.has_val
+    val = data.val_batches(cfg.eval_batches, cfg.batch, cfg.seq_len) if evaluates else []
 
     net = parallel.wrap(model)
     opt = MixOptimizer.from_config(net, cfg, device.type, log=say)
@@ -222,8 +223,12 @@ def train(
         f"dtype={'fp32' if autocast_dtype is None else str(autocast_dtype).replace('torch.', '')}")  # fmt: skip
 
     def save(step: int) -> None:
+        # Every rank takes part in gathering the state (a collective under FSDP2);
+        # only rank 0 writes the file.
+        model_state = parallel.model_state(net)
+        opt_state = parallel.optimizer_state(opt)
         if main:
-            ckpt.save_checkpoint(path, run=run, model=parallel.unwrap(net), optimizer=opt,
+            ckpt.save_checkpoint(path, run=run, model_state=model_state, optimizer_state=opt_state,
                                  step=step, data_state=stream.state_dict())  # fmt: skip
         parallel.barrier()
 
