@@ -125,4 +125,6 @@ def count_params(cfg: ModelConfig) -> int:
     """Parameters of a model with this config, counted on the meta device (no memory)."""
     with torch.device("meta"):
         model = DormouseModel(cfg)
-    return sum(p.numel() for p in model.parameters()) + model.engram.host_numel()
+    # A host-RAM Engram store keeps its rows outside the parameter set; count them too.
+    host = getattr(model.engram.store, "host_numel", lambda: 0)()
+    return sum(p.numel() for p in model.parameters()) + host
