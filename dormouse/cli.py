@@ -218,6 +218,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     _setup_logging()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # `link` and `bench` own their flags: hand them everything after the subcommand.
+    passthrough = {"link": cmd_link, "bench": cmd_bench}
+    if argv and argv[0] in passthrough:
+        return passthrough[argv[0]](argparse.Namespace(rest=argv[1:]))
     args = build_parser().parse_args(argv)
     try:
         return args.fn(args)

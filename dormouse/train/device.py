@@ -1,0 +1,501 @@
+"""Per-device probe and dtype policy.
+
+Owns three things, in order of use:
+
+* the probe: what a device *is* (name, compute capability, memory, PCIe link), read from
+  metadata only. It never allocates a tensor and never launches a kernel; reading free
+  memory does open the driver's context on the card, which is why `probe(memory=False)`
+  exists for callers that only want the link.
+* the policy: which dtype rung the device can honour and which kernel arms are legal on it.
+* `dtype=` resolution: `none` never touches this module's probe, `auto` logs the reading
+  and the verdict, and an explicit rung the device cannot honour is refused loudly.
+
+`python -m dormouse probe` prints `format_probe_table(probe())` through `main_probe`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import re
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+MiB = 1 << 20
+GiB = 1 << 30
+
+#: Headroom held back from free memory before anything is planned into it: the
+#: allocator's fragmentation and the kernels' workspaces live there.
+BUDGET_RESERVE = 512 * MiB
+
+# The CUDA ladder. fp16 arithmetic is native from sm_53 (Maxwell GM20B); bf16 from sm_80
+# (Ampere), the first generation with bf16 tensor cores.
+FP16_SM = (5, 3)
+BF16_SM = (8, 0)
+
+# Kernel arms.
+# * Triton: PR triton-lang/triton#5066 (Triton 3.3) deprecated MMAv1, made tl.dot fall back
+#   to FMA below sm_80 and moved the README's supported hardware to "Compute Capability
+#   8.0+" (Turing was supported up to Triton 3.2). torch 2.11 ships a newer Triton, so
+#   every Triton arm here (the MoE arm, fla's KDA) is legal from sm_80. fla itself names no
+#   floor (fla-org/flash-linear-attention README/INSTALL) but switches its tl.dot precision
+#   to "ieee" below sm_80 (fla/utils.py IS_TF32_SUPPORTED), i.e. older cards sit outside
+#   the tuned path; the torch KDA arm is the tested twin there.
+TRITON_SM = (8, 0)
+FLA_KDA_SM = (8, 0)
+# * torch._grouped_mm: torch 2.8 admits only major == 9 on CUDA (Blas.cpp sm90_only; the
+#   "only supported on CUDA devices with compute capability = 9.0" error, e.g.
+#   huggingface/transformers#47999) and has no CPU kernel. From torch 2.9 a mm/bmm-loop
+#   fallback serves other CUDA cards, documented for SM >= 80 (pytorch/pytorch#161407,
+#   F.grouped_mm's docstring), and a CPU kernel exists (pytorch/pytorch#161717; checked per
+#   version in huggingface/transformers#46743). The fused CUTLASS kernel runs only on
+#   major 9 or 10 with bf16 operands (GroupedBlas.cpp: _scaled_mm_allowed_device(sm90_only,
+#   sm100_only)); elsewhere the fallback pays a host sync per call, so it is legal but not
+#   fast. Operands must be 16-byte aligned on every device.
+GROUPED_MM_SM = (8, 0)
+GROUPED_MM_TORCH = (2, 9)
+GROUPED_MM_FUSED_MAJORS = (9, 10)
+
+DTYPES = ("none", "auto", "fp32", "bf16", "fp16")
+_TORCH_DTYPE = {"bf16": torch.bfloat16, "fp32": torch.float32}
+_NO_FP16 = "the forward has no fp16 path (the fp16 forward is not written yet)"
+
+
+class DtypeError(ValueError):
+    """A dtype the device or the forward cannot honour; names cause, fact and escape."""
+
+
+class DeviceError(ValueError):
+    """A device that does not exist here; names what does."""
+
+
+# ---- the record ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class DeviceRecord:
+    """What one device is. -1 in a memory field means "could not be read", never a guess."""
+
+    index: int  # CUDA ordinal; 0 for the CPU
+    name: str
+    kind: str  # "cuda" | "cpu"
+    sm: tuple[int, int] | None  # compute capability; None on the CPU
+    total_mem: int  # bytes
+    free_mem: int  # bytes; -1 = unknown (another process may hold the card)
+    pcie_gen_max: int | None  # max generation this device and slot can train to
+    pcie_width_max: int | None
+    multiprocessors: int  # SMs on CUDA, logical cores on the CPU
+    note: str = ""  # why a field is unknown, in words
+
+    @property
+    def label(self) -> str:
+        return f"cuda:{self.index}" if self.kind == "cuda" else "cpu"
+
+    @property
+    def sm_text(self) -> str:
+        return f"{self.sm[0]}.{self.sm[1]}" if self.sm else "-"
+
+
+# ---- the probe ----------------------------------------------------------------------
+
+
+def probe(index: int | None = None, memory: bool = True) -> list[DeviceRecord]:
+    """Records for every visible device (or only `index`); a CPU record where CUDA is absent."""
+    if not torch.cuda.is_available():
+        if index not in (None, 0):
+            raise DeviceError(
+                f"device index {index} asked for, but torch {torch.__version__} sees no CUDA "
+                f"device; only the CPU is here"
+            )
+        return [_probe_cpu()]
+    count = torch.cuda.device_count()
+    if index is None:
+        return [_probe_cuda(i, memory) for i in range(count)]
+    if not 0 <= index < count:
+        raise DeviceError(
+            f"cuda:{index} does not exist: {count} CUDA device(s) are visible "
+            f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')}); "
+            f"use an index in 0..{count - 1}"
+        )
+    return [_probe_cuda(index, memory)]
+
+
+def probe_device(device: torch.device | str | int | None = None) -> DeviceRecord:
+    """The record of one device: a torch.device, "cpu", "cuda", "cuda:N", an ordinal, or
+    None for the device `auto` would pick."""
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if isinstance(device, int):
+        device = torch.device("cuda", device)
+    dev = torch.device(device)
+    if dev.type == "cpu":
+        return _probe_cpu()
+    if dev.type != "cuda":
+        raise DeviceError(f"device {dev} is neither cpu nor cuda; dormouse probes only those")
+    if not torch.cuda.is_available():
+        raise DeviceError(
+            f"{dev} asked for, but torch {torch.__version__} sees no CUDA device (a CPU build, "
+            f"or no driver); use --device cpu"
+        )
+    index = dev.index if dev.index is not None else torch.cuda.current_device()
+    return probe(index)[0]
+
+
+def _probe_cuda(index: int, memory: bool = True) -> DeviceRecord:
+    props = torch.cuda.get_device_properties(index)
+    notes = []
+    free = -1
+    total = int(props.total_memory)
+    if memory:
+        try:
+            free, total = (int(v) for v in torch.cuda.mem_get_info(index))
+        except Exception as e:  # noqa: BLE001 - any failure means "unknown", never a guess
+            # Measured (seeds §2): while another process holds the card the driver refuses a
+            # second context; get_device_properties still answers, mem_get_info does not.
+            notes.append(f"free memory unreadable ({type(e).__name__}: {_first_line(e)})")
+    else:
+        notes.append("free memory not read (memory=False)")
+    gen, width, why = _nvml_link(props)
+    if why:
+        notes.append(why)
+    return DeviceRecord(
+        index=index,
+        name=str(props.name),
+        kind="cuda",
+        sm=(int(props.major), int(props.minor)),
+        total_mem=total,
+        free_mem=free,
+        pcie_gen_max=gen,
+        pcie_width_max=width,
+        multiprocessors=int(props.multi_processor_count),
+        note="; ".join(notes),
+    )
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else "no message"
+
+
+def _nvml_link(props) -> tuple[int | None, int | None, str]:
+    """Max PCIe generation/width through NVML; (None, None, why) when it cannot be read.
+
+    The max, not the current value: an idle card downclocks its link (nvidia-smi's
+    "current" reads gen3 x8 on a gen3 x16 slot), and the all-reduce sees the trained max.
+    """
+    try:
+        import pynvml  # the nvidia-ml-py distribution
+    except ImportError:
+        return None, None, "PCIe unread: nvidia-ml-py (pynvml) is not installed"
+    try:
+        pynvml.nvmlInit()
+    except Exception as e:  # noqa: BLE001 - NVMLError has many subclasses
+        return None, None, f"PCIe unread: nvmlInit failed ({_first_line(e)})"
+    try:
+        handle, how = _nvml_handle(pynvml, props)
+        if handle is None:
+            return None, None, f"PCIe unread: {how}"
+        gen = int(pynvml.nvmlDeviceGetMaxPcieLinkGeneration(handle))
+        width = int(pynvml.nvmlDeviceGetMaxPcieLinkWidth(handle))
+        return gen, width, ""
+    except Exception as e:  # noqa: BLE001
+        return None, None, f"PCIe unread: NVML said {_first_line(e)}"
+    finally:
+        try:
+            pynvml.nvmlShutdown()
+        except Exception:  # noqa: BLE001 - shutdown failing changes nothing we report
+            pass
+
+
+def _nvml_handle(pynvml, props):
+    # NVML numbers devices in PCI order and ignores CUDA_VISIBLE_DEVICES, while CUDA's
+    # ordinals follow CUDA_DEVICE_ORDER and the mask: match by PCI address or UUID, never
+    # by ordinal.
+    dom = getattr(props, "pci_domain_id", None)
+    bus = getattr(props, "pci_bus_id", None)
+    dev = getattr(props, "pci_device_id", None)
+    if None not in (dom, bus, dev):
+        address = f"{int(dom):08X}:{int(bus):02X}:{int(dev):02X}.0"
+        get = getattr(pynvml, "nvmlDeviceGetHandleByPciBusId_v2", None) or getattr(
+            pynvml, "nvmlDeviceGetHandleByPciBusId"
+        )
+        return get(address), f"pci {address}"
+    uuid = getattr(props, "uuid", None)
+    if uuid is not None:
+        text = str(uuid)
+        text = text if text.startswith("GPU-") else "GPU-" + text
+        return pynvml.nvmlDeviceGetHandleByUUID(text), "uuid"
+    return None, "torch exposes neither the PCI address nor the UUID to match NVML's handle"
+
+
+def _probe_cpu() -> DeviceRecord:
+    notes = []
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        total = -1
+        notes.append("total memory unreadable (no sysconf)")
+    free = _meminfo_available()
+    if free < 0:
+        notes.append("free memory unreadable (no /proc/meminfo MemAvailable)")
+    return DeviceRecord(
+        index=0,
+        name=_cpu_name(),
+        kind="cpu",
+        sm=None,
+        total_mem=int(total),
+        free_mem=free,
+        pcie_gen_max=None,
+        pcie_width_max=None,
+        multiprocessors=os.cpu_count() or 1,
+        note="; ".join(notes),
+    )
+
+
+def _meminfo_available() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024  # the file counts kB
+    except OSError:
+        pass
+    return -1
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return re.sub(r"\s+", " ", line.split(":", 1)[1]).strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "cpu"
+
+
+# ---- the policy ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Policy:
+    """What a device may run. `rung` is the hardware ladder's answer; `auto` is what
+    dtype=auto actually runs once the forward's own gaps are applied."""
+
+    record: DeviceRecord
+    bf16: bool  # an explicit dtype=bf16 is honoured
+    fp16: bool  # the hardware computes fp16 (the ladder's reading; the forward lacks it)
+    rung: str  # the ladder verdict: bf16 | fp16 | fp32
+    auto: str  # what dtype=auto runs: bf16 | fp32
+    fallback: str  # "" or why auto runs below the rung
+    fla_kda: bool
+    triton_moe: bool
+    grouped_mm: bool  # torch._grouped_mm is legal on this device and torch
+    grouped_mm_fused: bool  # ... and reaches the fused kernel (bf16 operands)
+    why: tuple[str, ...] = ()  # the reason for every illegal arm and every non-obvious verdict
+
+
+def _version(text: str) -> tuple[int, int]:
+    m = re.match(r"(\d+)\.(\d+)", text)
+    if not m:
+        raise ValueError(f"cannot read a torch version from {text!r}")
+    return int(m.group(1)), int(m.group(2))
+
+
+def policy_for(record: DeviceRecord, torch_version: str | None = None) -> Policy:
+    """The dtype ladder and kernel legality for `record` (under `torch_version`, default the
+    running torch: grouped matmul legality moved between torch releases)."""
+    tv = _version(torch_version or torch.__version__)
+    why: list[str] = []
+    if record.kind == "cpu":
+        gmm = tv >= GROUPED_MM_TORCH
+        if not gmm:
+            why.append(f"grouped_mm: torch {tv[0]}.{tv[1]} has no CPU kernel (from 2.9)")
+        why.append("fla_kda, triton_moe: Triton kernels need a CUDA device")
+        # CPU autocast bf16 works, so an explicit request is honoured; auto stays fp32
+        # because the CPU arm is the reference path and bf16 there is opt-in, not a default.
+        why.append("auto: fp32 on the CPU (the reference arm); dtype=bf16 opts into autocast")
+        return Policy(record, bf16=True, fp16=False, rung="fp32", auto="fp32", fallback="",
+                      fla_kda=False, triton_moe=False, grouped_mm=gmm, grouped_mm_fused=False,
+                      why=tuple(why))  # fmt: skip
+    if record.sm is None:
+        raise DeviceError(f"{record.label} ({record.name}) has no compute capability recorded")
+    sm = record.sm
+    bf16 = sm >= BF16_SM
+    fp16 = sm >= FP16_SM
+    rung = "bf16" if bf16 else "fp16" if fp16 else "fp32"
+    auto, fallback = rung, ""
+    if rung == "fp16":
+        auto, fallback = "fp32", f"fp16 is this card's rung but {_NO_FP16}"
+    fla = sm >= FLA_KDA_SM
+    triton_moe = sm >= TRITON_SM
+    if not fla:
+        why.append(f"fla_kda: needs sm_{_sm(FLA_KDA_SM)} (Triton >= 3.3 supports 8.0+); "
+                   f"the torch KDA arm runs")  # fmt: skip
+    if not triton_moe:
+        why.append(f"triton_moe: needs sm_{_sm(TRITON_SM)}; the grouped/batched arms run")
+    if tv >= GROUPED_MM_TORCH:
+        gmm = sm >= GROUPED_MM_SM
+        fused = sm[0] in GROUPED_MM_FUSED_MAJORS
+        if not gmm:
+            why.append(f"grouped_mm: documented for sm_{_sm(GROUPED_MM_SM)}+; the batched arm runs")
+        elif not fused:
+            why.append("grouped_mm: legal through torch's mm-loop fallback (a host sync per "
+                       "call); the fused kernel is sm_9x/10x only")  # fmt: skip
+    elif tv >= (2, 8):
+        gmm = fused = sm[0] == 9
+        if not gmm:
+            why.append(f"grouped_mm: torch {tv[0]}.{tv[1]} admits compute capability 9.x only")
+    else:
+        gmm = fused = False
+        why.append(f"grouped_mm: torch {tv[0]}.{tv[1]} has no torch._grouped_mm")
+    return Policy(record, bf16=bf16, fp16=fp16, rung=rung, auto=auto, fallback=fallback,
+                  fla_kda=fla, triton_moe=triton_moe, grouped_mm=gmm, grouped_mm_fused=fused,
+                  why=tuple(why))  # fmt: skip
+
+
+def _sm(sm: tuple[int, int]) -> str:
+    return f"{sm[0]}{sm[1]}"
+
+
+# ---- memory budget ------------------------------------------------------------------
+
+
+def memory_budget(record: DeviceRecord) -> int | None:
+    """Free memory minus BUDGET_RESERVE, in bytes; None when free memory is unknown."""
+    if record.free_mem < 0:
+        return None
+    return max(0, record.free_mem - BUDGET_RESERVE)
+
+
+def budget_text(record: DeviceRecord) -> str:
+    b = memory_budget(record)
+    if b is None:
+        return "budget=unknown (free memory unreadable)"
+    return f"budget={b / GiB:.1f}GiB (free-{BUDGET_RESERVE // MiB}MiB)"
+
+
+# ---- dtype resolution ---------------------------------------------------------------
+
+_fallbacks = 0
+
+
+def fallback_count() -> int:
+    """How many times this process's dtype=auto ran fp32 where fp16 was the card's rung."""
+    return _fallbacks
+
+
+def resolve_dtype(
+    requested: str,
+    record: DeviceRecord | None = None,
+    log: Callable[[str], None] = print,
+) -> tuple[torch.dtype | None, str]:
+    """Turn `dtype=` into the forward's compute dtype, with the line that says why.
+
+    "none" returns (None, line) without probing or logging: the preset's bf16 flag decides,
+    as it did before this module existed. Every other value logs its line. Returns
+    torch.float32 for fp32 (plain, no autocast) and torch.bfloat16 for bf16.
+    """
+    global _fallbacks
+    if requested not in DTYPES:
+        raise DtypeError(f"dtype={requested!r} is not one of {DTYPES}; use --set dtype=auto")
+    if requested == "none":
+        return None, "dtype=none: the preset's bf16 flag decides (device not probed)"
+    if requested == "fp16":
+        raise DtypeError(_fp16_refusal(record))
+    if requested == "fp32":
+        where = f" device={record.name}" if record else ""
+        line = f"dtype=fp32{where} (explicit; every device honours it)"
+        log(line)
+        return torch.float32, line
+    if record is None:
+        record = probe_device(None)
+    pol = policy_for(record)
+    reading = f"device={record.name} sm={record.sm_text} bf16={int(pol.bf16)} fp16={int(pol.fp16)}"
+    if requested == "bf16":
+        if not pol.bf16:
+            raise DtypeError(
+                f"dtype=bf16 needs sm_{_sm(BF16_SM)} (Ampere) or newer; this card "
+                f"({record.name}, {record.label}) is sm_{_sm(record.sm)}; use --set dtype=auto "
+                f"(this card's best rung that the forward runs: {pol.auto}) or --set dtype=fp32"
+            )
+        line = f"dtype=bf16 {reading} -> bf16 (explicit) {budget_text(record)}"
+        log(line)
+        return torch.bfloat16, line
+    # auto
+    verdict = pol.auto
+    if pol.fallback:
+        _fallbacks += 1
+        verdict = f"{pol.rung} -> {pol.auto} (counted fp32 fallback #{_fallbacks}: {pol.fallback})"
+    elif record.kind == "cpu":
+        verdict = f"{pol.auto} (CPU: auto stays fp32; dtype=bf16 opts into CPU autocast)"
+    line = f"dtype=auto {reading} -> {verdict} {budget_text(record)}"
+    log(line)
+    return _TORCH_DTYPE[pol.auto], line
+
+
+def _fp16_refusal(record: DeviceRecord | None) -> str:
+    card = ""
+    if record is not None and record.kind == "cuda":
+        card = f" (this card, {record.name}, is sm_{_sm(record.sm)})"
+    return (
+        f"dtype=fp16: {_NO_FP16}{card}, so an fp16 label would run a different experiment; "
+        f"use --set dtype=auto (bf16 where the card has it, else a counted fp32 fallback), "
+        f"--set dtype=fp32, or --set dtype=bf16 on sm_{_sm(BF16_SM)}+"
+    )
+
+
+# ---- the probe table ----------------------------------------------------------------
+
+
+def _gib(n: int) -> str:
+    return "unknown" if n < 0 else f"{n / GiB:.1f}GiB"
+
+
+def format_probe_table(records: list[DeviceRecord]) -> str:
+    """One row per device: the reading, the budget and the policy's verdicts."""
+    head = ("device", "name", "sm", "total", "free", "budget", "pcie max", "SMs/cores",
+            "bf16", "fp16", "auto", "fla_kda", "triton_moe", "grouped_mm")  # fmt: skip
+    rows = [head]
+    notes = []
+    for r in records:
+        p = policy_for(r)
+        budget = memory_budget(r)
+        link = f"gen{r.pcie_gen_max} x{r.pcie_width_max}" if r.pcie_gen_max else "-"
+        gmm = ("fused" if p.grouped_mm_fused else "loop") if p.grouped_mm else "no"
+        auto = f"{p.auto} ({p.rung} rung)" if p.fallback else p.auto
+        rows.append((r.label, r.name, r.sm_text, _gib(r.total_mem), _gib(r.free_mem),
+                     "unknown" if budget is None else _gib(budget), link, str(r.multiprocessors),
+                     _yn(p.bf16), _yn(p.fp16), auto, _yn(p.fla_kda), _yn(p.triton_moe),
+                     gmm))  # fmt: skip
+        said = [r.note] + list(p.why) + [p.fallback]
+        notes += [f"  {r.label}: {text}" for text in said if text]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    if notes:
+        lines += ["", "notes:"] + notes
+    lines.append(f"budget = free - {BUDGET_RESERVE // MiB} MiB; pcie max = the trained maximum "
+                 f"(NVML), not the idle current value")  # fmt: skip
+    return "\n".join(lines)
+
+
+def _yn(b: bool) -> str:
+    return "yes" if b else "no"
+
+
+def main_probe(argv: list[str] | None = None) -> int:
+    """`python -m dormouse probe [--index N]`: print the table for the visible devices."""
+    ap = argparse.ArgumentParser(prog="dormouse probe", description=main_probe.__doc__)
+    ap.add_argument("--index", type=int, default=None, help="only this CUDA ordinal")
+    args = ap.parse_args(argv or [])
+    try:
+        records = probe(args.index)
+    except DeviceError as e:
+        print(f"probe: {e}")
+        return 2
+    print(format_probe_table(records))
+    return 0
