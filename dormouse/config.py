@@ -172,19 +172,19 @@ _TINY = ModelConfig(
 )  # fmt: skip
 
 _SMALL = ModelConfig(
-    d_model=256, n_heads=4, head_dim=64, d_ffn=512, n_layers=4, max_iter=2, rank=16,
-    n_experts=8, moe_topk=2, engram_rows=8192, engram_dim=32, engram_heads=4,
+    d_model=256, n_heads=4, head_dim=64, d_ffn=256, n_layers=4, max_iter=2, rank=16,
+    n_experts=8, moe_topk=2, engram_rows=4096, engram_dim=32, engram_heads=4,
     shared_rank=64, gate_rank=32, max_seq_len=512, bf16=True,
 )  # fmt: skip
 
 _MEDIUM = ModelConfig(
-    d_model=768, n_heads=12, head_dim=64, d_ffn=1536, n_layers=6, max_iter=2, rank=32,
+    d_model=768, n_heads=12, head_dim=64, d_ffn=768, n_layers=6, max_iter=2, rank=32,
     n_experts=8, moe_topk=2, engram_rows=65536, engram_dim=64, engram_heads=4,
     shared_rank=128, gate_rank=64, max_seq_len=1024, bf16=True,
 )  # fmt: skip
 
 _B1 = ModelConfig(
-    d_model=1536, n_heads=12, head_dim=128, d_ffn=3072, n_layers=8, max_iter=2, rank=64,
+    d_model=1536, n_heads=12, head_dim=128, d_ffn=1920, n_layers=8, max_iter=2, rank=64,
     n_experts=8, moe_topk=2, engram_rows=393216, engram_dim=128, engram_heads=4,
     shared_rank=256, gate_rank=128, max_seq_len=2048, bf16=True,
 )  # fmt: skip
