@@ -1,0 +1,466 @@
+"""Kimi Delta Attention: the mixer of every block, and its two interchangeable arms.
+
+Owns:
+- `kda_torch`: the chunked pure-PyTorch form of the KDA recurrence (runs everywhere,
+  autograd-friendly; the CPU path).
+- `kda_fla`: the same contract on fla-core's `chunk_kda` Triton kernel (CUDA only).
+- `choose_kda_impl`: which arm runs, with the reading that decided it.
+- `KDAMixer`: projections, short causal convs, gates, the recurrence, output gate and
+  norm, per-iteration low-rank deltas, segment-wise gradient cuts and the decode cache.
+
+The per-step recurrence both arms must reproduce is `references/kda_naive.py`.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import logging
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dormouse.config import ModelConfig
+from dormouse.model.layers import LowRankDelta, RMSNorm
+
+log = logging.getLogger("dormouse.model")
+
+KDA_IMPLS = ("auto", "torch", "fla")
+# Triton >= 3.3 supports Ampere and newer only (tl.dot falls back below sm_80); the
+# device policy in dormouse/train/device.py states the same rule for the probe table.
+_FLA_MIN_SM = (8, 0)
+_FLA_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_FLA_MAX_HEAD_DIM = 256  # chunk_kda asserts key head dim <= 256
+
+
+# ---- the torch arm -------------------------------------------------------------------
+
+
+def _to_chunks(x: torch.Tensor, n: int, c: int) -> torch.Tensor:
+    """[B, T, H, *] (T = n*c) -> [B, H, n, c, *]."""
+    B, _, H = x.shape[:3]
+    x = x.reshape(B, n, c, H, *x.shape[3:])
+    return x.movedim(3, 1)
+
+
+def kda_torch(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    chunk_size: int = 16,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Chunked KDA. Shapes as in `references/kda_naive.py`; returns (o in q's dtype, state).
+
+    Inside a chunk of length C, with G the within-chunk cumulative log decay (G_r = sum of
+    g over positions <= r), the delta-rule writes D (one row per position) solve the unit
+    lower-triangular system
+
+        (I + A) D = diag(beta) (V - (exp(G) * K) S0)
+        A_rs = beta_r sum_d k_rd k_sd exp(G_rd - G_sd)        for s < r
+
+    (the UT/WY form: D = U - W S0), the outputs are
+
+        O = (Q * exp(G)) S0 + Aqk D
+        Aqk_rs = sum_d q_rd k_sd exp(G_rd - G_sd)             for s <= r
+
+    and the state handed to the next chunk is
+        S = exp(G_C) * S0 + (K * exp(G_C - G))^T D.
+
+    Every exponent is a difference G_r - G_s with s <= r, hence <= 0: the decay never
+    overflows however strong it is (the upper triangle is masked BEFORE the exp). The cost is
+    a [C, C, K] decay tensor per chunk, which is why the chunk stays small (16).
+    Computes in fp32 (fp64 stays fp64, for gradient checks).
+    """
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    if scale is None:
+        scale = K**-0.5
+    out_dtype = q.dtype
+    cdt = torch.promote_types(q.dtype, torch.float32)
+    if T == 0:
+        S = q.new_zeros(B, H, K, V, dtype=cdt) if initial_state is None else initial_state.to(cdt)
+        return q.new_zeros(B, 0, H, V), (S if output_final_state else None)
+
+    C = max(1, min(chunk_size, T))  # a short input needs no padding up to a full chunk
+    N = -(-T // C)
+    pad = N * C - T
+
+    def prep(x: torch.Tensor) -> torch.Tensor:
+        x = x.to(cdt)
+        if pad:
+            # zero g (no decay), zero k and beta (no write): padded steps leave the state alone
+            x = torch.cat([x, x.new_zeros(x.shape[0], pad, *x.shape[2:])], dim=1)
+        return _to_chunks(x, N, C)
+
+    q, k, v, g, beta = (prep(x) for x in (q, k, v, g, beta))  # [B,H,N,C,*]
+    q = q * scale
+
+    G = g.cumsum(dim=-2)  # [B,H,N,C,K]
+    incl = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()  # s <= r
+    diff = G.unsqueeze(-2) - G.unsqueeze(-3)  # [B,H,N,C(r),C(s),K] = G_r - G_s
+    decay = diff.masked_fill(~incl.unsqueeze(-1), float("-inf")).exp()
+    k_dec = decay * k.unsqueeze(-3)  # k_s * e^(G_r - G_s)
+    Akk = torch.einsum("bhnrsk,bhnrk->bhnrs", k_dec, k)
+    Aqk = torch.einsum("bhnrsk,bhnrk->bhnrs", k_dec, q)
+    Akk = (Akk * beta.unsqueeze(-1)).tril(-1)
+    eye = torch.eye(C, dtype=cdt, device=q.device)
+
+    b = beta.unsqueeze(-1)
+    rhs = torch.cat([b * v, b * (G.exp() * k)], dim=-1)  # [B,H,N,C,V+K]
+    UW = torch.linalg.solve_triangular(eye + Akk, rhs, upper=False, unitriangular=True)
+    U, W = UW.split([V, K], dim=-1)
+
+    q_dec = q * G.exp()  # reads the chunk-start state through the decay so far
+    G_end = G[..., -1, :]  # [B,H,N,K]
+    k_end = k * (G_end.unsqueeze(-2) - G).exp()  # [B,H,N,C,K], exponent <= 0
+    a_end = G_end.exp().unsqueeze(-1)  # [B,H,N,K,1]
+
+    S = q.new_zeros(B, H, K, V) if initial_state is None else initial_state.to(cdt)
+    outs = []
+    for n in range(N):
+        D = U[:, :, n] - W[:, :, n] @ S  # [B,H,C,V] the delta-rule writes of this chunk
+        outs.append(q_dec[:, :, n] @ S + Aqk[:, :, n] @ D)
+        S = a_end[:, :, n] * S + k_end[:, :, n].transpose(-1, -2) @ D
+    o = torch.stack(outs, dim=2)  # [B,H,N,C,V]
+    o = o.movedim(1, 3).reshape(B, N * C, H, V)[:, :T]
+    return o.to(out_dtype), (S if output_final_state else None)
+
+
+# ---- the fla arm ---------------------------------------------------------------------
+
+
+def kda_fla(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    chunk_size: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`kda_torch`'s contract on fla-core's `chunk_kda` (CUDA, Triton).
+
+    `chunk_size` is accepted for symmetry and ignored: the kernel picks its own (64).
+    fla wants the state in fp32; the decay is handed over in fp32 too, since its cumulative
+    sum is the precision-critical part. Only keywords that every fla-core release with KDA
+    accepts are passed (q/k are already L2-normalised by the mixer).
+    """
+    from fla.ops.kda import chunk_kda  # lazy: fla (and Triton) exist on GPU boxes only
+
+    del chunk_size
+    if initial_state is not None:
+        initial_state = initial_state.float().contiguous()
+    o, S = chunk_kda(
+        q.contiguous(),
+        k.contiguous().to(q.dtype),
+        v.contiguous().to(q.dtype),
+        g.float().contiguous(),
+        beta.contiguous().to(q.dtype),
+        scale=scale,
+        initial_state=initial_state,
+        output_final_state=output_final_state,
+    )
+    return o.to(q.dtype), (S if output_final_state else None)
+
+
+@functools.lru_cache(maxsize=None)
+def _fla_import_error() -> str | None:
+    """None when `from fla.ops.kda import chunk_kda` works, else why not."""
+    try:
+        from fla.ops.kda import chunk_kda  # noqa: F401
+    except Exception as e:  # ImportError, or Triton failing to initialise
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def _fla_blockers(
+    device: torch.device, dtype: torch.dtype, head_dim: int | None
+) -> tuple[list[str], str]:
+    """(reasons fla cannot run here, the reading) for this device and compute dtype."""
+    why: list[str] = []
+    reading = [f"device={device}", f"dtype={str(dtype).replace('torch.', '')}"]
+    if device.type != "cuda":
+        # no import attempt off CUDA: importing Triton on a CPU box is slow and noisy
+        installed = importlib.util.find_spec("fla") is not None
+        reading.append(f"fla-core installed={'yes' if installed else 'no'}")
+        why.append(f"device {device} is not CUDA (fla's chunk_kda is a Triton GPU kernel)")
+        if not installed:
+            why.append("fla-core is not installed (pip install fla-core, or dormouse[gpu])")
+    else:
+        maj, mnr = torch.cuda.get_device_capability(device)
+        name = torch.cuda.get_device_name(device)
+        reading.append(f"gpu={name} sm_{maj}{mnr}")
+        if (maj, mnr) < _FLA_MIN_SM:
+            why.append(
+                f"{name} is sm_{maj}{mnr}; Triton kernels need sm_{_FLA_MIN_SM[0]}{_FLA_MIN_SM[1]}+"
+            )
+        err = _fla_import_error()
+        reading.append(f"fla import={'ok' if err is None else 'failed'}")
+        if err is not None:
+            why.append(f"`from fla.ops.kda import chunk_kda` failed ({err})")
+    if dtype not in _FLA_DTYPES:
+        why.append(f"compute dtype {dtype} is not one fla supports (fp32, bf16, fp16)")
+    if head_dim is not None and head_dim > _FLA_MAX_HEAD_DIM:
+        why.append(f"head_dim={head_dim} exceeds chunk_kda's limit of {_FLA_MAX_HEAD_DIM}")
+    return why, " ".join(reading)
+
+
+def choose_kda_impl(
+    requested: str,
+    device: torch.device | str,
+    dtype: torch.dtype = torch.float32,
+    head_dim: int | None = None,
+) -> tuple[str, str]:
+    """Resolve `kda_impl` for a device and compute dtype: (impl, the reading and verdict).
+
+    auto -> fla when it can run (fla imports, CUDA sm_80+, fp32/bf16/fp16, head_dim <= 256),
+    else torch;
+    an explicit `fla` that cannot run is refused, never quietly replaced.
+    """
+    if requested not in KDA_IMPLS:
+        raise ValueError(f"kda_impl={requested!r} is not one of {KDA_IMPLS}")
+    device = torch.device(device)
+    if requested == "torch":
+        return "torch", f"kda_impl=torch (requested) on {device}"
+    why, reading = _fla_blockers(device, dtype, head_dim)
+    if not why:
+        return "fla", f"kda_impl={requested}: {reading} -> fla"
+    if requested == "fla":
+        raise RuntimeError(
+            f"kda_impl=fla cannot run here: {'; '.join(why)} [{reading}]. Use --set "
+            f"kda_impl=torch (the chunked PyTorch arm, same math) or kda_impl=auto"
+        )
+    return "torch", f"kda_impl=auto: {reading}; {'; '.join(why)} -> torch"
+
+
+_KERNELS = {"torch": kda_torch, "fla": kda_fla}
+_LOGGED: set[tuple[str, str, str]] = set()  # one log line per distinct verdict, not per layer
+
+
+# ---- the mixer -----------------------------------------------------------------------
+
+
+class ShortConv(nn.Module):
+    """Causal depthwise conv over time; `tail` holds the previous conv_size-1 inputs."""
+
+    def __init__(self, channels: int, size: int):
+        super().__init__()
+        self.size = size
+        bound = 1.0 / math.sqrt(size)  # nn.Conv1d's default range for a depthwise filter
+        self.weight = nn.Parameter(torch.empty(channels, size).uniform_(-bound, bound))
+
+    def forward(
+        self, x: torch.Tensor, tail: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [B, T, C], tail [B, size-1, C] or None (zeros) -> (y [B, T, C], new tail)."""
+        B, T, Ch = x.shape
+        if tail is None:
+            tail = x.new_zeros(B, self.size - 1, Ch)
+        xt = torch.cat([tail.to(x.dtype), x], dim=1)
+        w = self.weight.to(x.dtype)
+        # a sum over the taps, not F.conv1d: each output is the same few ops whatever T is,
+        # so a byte-by-byte decode reproduces the full forward
+        y = xt[:, 0:T] * w[:, 0]
+        for j in range(1, self.size):
+            y = y + xt[:, j : j + T] * w[:, j]
+        return y, xt[:, T:]
+
+
+def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).sum(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    dt = x.device.type
+    if dt in ("cuda", "cpu") and torch.is_autocast_enabled(dt):
+        return torch.get_autocast_dtype(dt)
+    return x.dtype
+
+
+class KDAMixer(nn.Module):
+    """The token mixer of a block: h [B, T, d_model] -> [B, T, d_model].
+
+    Parameters (2D ones are matrices for Muon, except `qkv_conv.weight`, a [3*d_attn,
+    conv_size] stack of depthwise filter taps that belongs with AdamW):
+      q_proj, k_proj, v_proj : d_model -> d_attn (no bias)
+      qkv_conv.weight        : causal depthwise conv taps over the concatenated q|k|v
+      f_down, f_up           : low-rank d_model -> gate_rank -> d_attn feeding the decay
+      A_log, dt_bias         : [d_attn] 1D; decay g = -exp(A_log) * softplus(f(x) + dt_bias)
+      b_proj                 : d_model -> n_heads; beta = sigmoid(b_proj(x))
+      g_down, g_up (+bias)   : low-rank (rank head_dim) output gate, sigmoid
+      o_norm.weight          : per-head RMSNorm of the recurrence output [head_dim]
+      o_proj                 : d_attn -> d_model (no bias)
+      {q,k,v,o}_delta[i]     : per-iteration LowRankDelta (only when rank > 0)
+
+    Cache (decoding): the caller owns one plain dict per mixer (i.e. per block), starts it
+    empty (`{}`), and passes the SAME dict at every iteration and every step. The mixer
+    keys it by iteration, because the body applies this one module max_iter times and each
+    application has its own stream:
+        cache[iteration] = {"conv": [B, conv_size-1, 3*d_attn] (pre-conv q|k|v inputs),
+                            "state": [B, n_heads, head_dim, head_dim] fp32}
+    It is updated in place and also returned; entries are detached. Without a cache the
+    mixer returns (out, None) and keeps nothing.
+    """
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        d, H, Dh = cfg.d_model, cfg.n_heads, cfg.head_dim
+        da = H * Dh
+        self.n_heads, self.head_dim, self.d_attn = H, Dh, da
+        self.max_iter = cfg.max_iter
+        self.segment_len = cfg.segment_len
+        self.chunk_size = cfg.kda_chunk
+
+        self.q_proj = nn.Linear(d, da, bias=False)
+        self.k_proj = nn.Linear(d, da, bias=False)
+        self.v_proj = nn.Linear(d, da, bias=False)
+        self.qkv_conv = ShortConv(3 * da, cfg.conv_size)
+        if cfg.gate_rank > 0:
+            self.f_down = nn.Linear(d, cfg.gate_rank, bias=False)
+            self.f_up = nn.Linear(cfg.gate_rank, da, bias=False)
+        else:  # gate_rank=0: a learned but input-independent decay per key channel
+            self.f_down = self.f_up = None
+        # Mamba2-style init: rates A in [1, 16], step dt log-uniform in [1e-3, 1e-1], so the
+        # initial per-step decay exp(-A*dt) spans memories from ~1 step to ~1000 steps.
+        A = torch.empty(da).uniform_(1.0, 16.0)
+        dt = torch.exp(torch.empty(da).uniform_(math.log(1e-3), math.log(1e-1)))
+        self.A_log = nn.Parameter(torch.log(A))
+        self.dt_bias = nn.Parameter(dt + torch.log(-torch.expm1(-dt)))  # softplus^-1(dt)
+        self.b_proj = nn.Linear(d, H, bias=False)
+        self.g_down = nn.Linear(d, Dh, bias=False)
+        self.g_up = nn.Linear(Dh, da, bias=True)
+        self.o_norm = RMSNorm(Dh)
+        self.o_proj = nn.Linear(da, d, bias=False)
+
+        for m in (self.q_proj, self.k_proj, self.v_proj, self.f_down, self.f_up, self.b_proj,
+                  self.g_down, self.g_up, self.o_proj):  # fmt: skip
+            if m is not None:
+                nn.init.normal_(m.weight, std=cfg.init_std)
+        nn.init.zeros_(self.g_up.bias)
+
+        if cfg.rank > 0:
+            def deltas(d_in: int, d_out: int) -> nn.ModuleList:
+                return nn.ModuleList(
+                    LowRankDelta(d_in, d_out, cfg.rank, std=cfg.init_std)
+                    for _ in range(cfg.max_iter)
+                )
+
+            self.q_delta = deltas(d, da)
+            self.k_delta = deltas(d, da)
+            self.v_delta = deltas(d, da)
+            self.o_delta = deltas(da, d)
+        else:  # rank=0: every iteration runs the same weights (pure tying)
+            self.q_delta = self.k_delta = self.v_delta = self.o_delta = None
+
+        self._impl: str | None = None
+        self._impl_device: torch.device | None = None
+
+    # -- the arm ------------------------------------------------------------------------
+
+    def _kernel(self, x: torch.Tensor):
+        if self._impl is None or self._impl_device != x.device:
+            impl, reason = choose_kda_impl(
+                self.cfg.kda_impl, x.device, _compute_dtype(x), self.head_dim
+            )
+            self._impl, self._impl_device = impl, x.device
+            key = (self.cfg.kda_impl, str(x.device), impl)
+            if key not in _LOGGED:
+                _LOGGED.add(key)
+                log.info("KDA arm: %s", reason)
+        return _KERNELS[self._impl]
+
+    @property
+    def impl(self) -> str | None:
+        """The arm in use ("torch" / "fla"), None before the first forward."""
+        return self._impl
+
+    # -- the pieces around the recurrence (public so references and tests can reuse them) --
+
+    def _delta(self, name: str, iteration: int, x: torch.Tensor) -> torch.Tensor | None:
+        mods = getattr(self, name)
+        return None if mods is None else mods[iteration](x)
+
+    def kernel_inputs(
+        self, x: torch.Tensor, iteration: int, conv_tail: torch.Tensor | None
+    ) -> tuple[torch.Tensor, ...]:
+        """x [B, T, d_model] -> (q, k, v [B,T,H,Dh], g [B,T,H,Dh] fp32, beta [B,T,H], new tail)."""
+        B, T, _ = x.shape
+        H, Dh = self.n_heads, self.head_dim
+        proj = []
+        for name in ("q", "k", "v"):
+            y = getattr(self, f"{name}_proj")(x)
+            dy = self._delta(f"{name}_delta", iteration, x)
+            proj.append(y if dy is None else y + dy)
+        qkv, new_tail = self.qkv_conv(torch.cat(proj, dim=-1), conv_tail)
+        q, k, v = F.silu(qkv).view(B, T, 3, H, Dh).unbind(dim=2)
+        q, k = _l2norm(q), _l2norm(k)
+
+        f = self.dt_bias.float().expand(B, T, -1)
+        if self.f_down is not None:
+            f = self.f_up(self.f_down(x)).float() + f
+        g = (-torch.exp(self.A_log.float()) * F.softplus(f)).view(B, T, H, Dh)
+        beta = torch.sigmoid(self.b_proj(x))
+        return q, k, v, g, beta, new_tail
+
+    def kernel_output(self, o: torch.Tensor, x: torch.Tensor, iteration: int) -> torch.Tensor:
+        """The recurrence output o [B, T, H, Dh] and the input x -> the mixer's output."""
+        B, T = x.shape[:2]
+        gate = torch.sigmoid(self.g_up(self.g_down(x))).view(B, T, self.n_heads, self.head_dim)
+        o = (self.o_norm(o) * gate.to(o.dtype)).reshape(B, T, self.d_attn)
+        out = self.o_proj(o)
+        do = self._delta("o_delta", iteration, o)
+        return out if do is None else out + do
+
+    # -- forward -------------------------------------------------------------------------
+
+    def _segment(self, x, iteration, carry, kernel, want_state):
+        tail, S = (None, None) if carry is None else (carry["conv"], carry["state"])
+        q, k, v, g, beta, tail = self.kernel_inputs(x, iteration, tail)
+        o, S = kernel(
+            q, k, v, g, beta, initial_state=S, output_final_state=want_state,
+            chunk_size=self.chunk_size,
+        )  # fmt: skip
+        return self.kernel_output(o, x, iteration), {"conv": tail, "state": S}
+
+    def forward(
+        self, h: torch.Tensor, iteration: int = 0, cache: dict | None = None
+    ) -> tuple[torch.Tensor, dict | None]:
+        if not 0 <= iteration < self.max_iter:
+            raise ValueError(
+                f"iteration={iteration} is outside 0..{self.max_iter - 1}: this mixer was "
+                f"built for max_iter={self.max_iter}"
+            )
+        kernel = self._kernel(h)
+        T = h.shape[1]
+        if T == 0:
+            return h.new_zeros(h.shape), cache
+        carry = None if cache is None else cache.get(iteration)
+        seg = self.segment_len if 0 < self.segment_len < T else T
+        outs = []
+        for start in range(0, T, seg):
+            if carry is not None and start > 0:
+                # carry values over the border, cut the gradient there
+                carry = {name: t.detach() for name, t in carry.items()}
+            last = start + seg >= T
+            o, carry = self._segment(
+                h[:, start : start + seg], iteration, carry, kernel,
+                want_state=(cache is not None) or not last,
+            )  # fmt: skip
+            outs.append(o)
+        out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+        if cache is None:
+            return out, None
+        if T > 0:
+            cache[iteration] = {name: t.detach() for name, t in carry.items()}
+        return out, cache

@@ -1,0 +1,335 @@
+"""The MoE FFN: routed SwiGLU experts, their dispatch, the LFB controller, the shared expert.
+
+Owns `MoE`, the FFN half of a block. Per token: sigmoid affinities over `n_experts`
+(fp32), top-`moe_topk` selection by affinity + `lfb_bias`, gate weights = the selected
+(unbiased) affinities renormalised to sum 1, output = sum of gated expert SwiGLUs plus an
+always-on low-rank shared SwiGLU. Its slow, obviously-right twin is
+`references/moe_dense.py`; `tests/test_moe.py` holds them together.
+
+Parameter layout (x is a row vector, so every expert weight is used as `x @ W`):
+  router.weight [E, D]           (nn.Linear convention: logits = x @ router.weight^T)
+  w1, w3        [E, D, F]        gate and up projections of expert e: x @ w1[e]
+  w2            [E, F, D]        down projection: (silu(x @ w1[e]) * (x @ w3[e])) @ w2[e]
+  shared.w1.weight, shared.w3.weight [R, D], shared.w2.weight [D, R]   (absent when R = 0)
+[E, D, F] is what the grouped matmul consumes directly (mat_b of shape [groups, K, N]),
+so no transpose is materialised per step.
+
+Dispatch arms (`moe_impl`):
+  grouped  sort the assignments by expert, one `grouped_mm` per projection over the
+           jagged groups (`torch.nn.functional.grouped_mm`, else `torch._grouped_mm`).
+           No host sync in the dropless path.
+  batched  scatter the assignments into a zero-padded [E, P+1, D] buffer and run `bmm`;
+           works for every device and dtype (fp64 too). P = the largest expert load
+           (dropless; one host sync) or the capacity (padded).
+  triton   not built: refused at construction, naming the arms that exist.
+  auto     grouped where it runs AND is the fast choice (CPU; CUDA bf16 on sm_90+, see
+           `_grouped_slow_here`), else batched; the verdict and its reason are logged
+           once per (device, dtype, shape).
+
+Capacity (`moe_capacity > 0`): cap = ceil(capacity * tokens * k / E) assignments per
+expert. Over cap, the assignments with the LOWEST affinity to that expert are dropped
+(ranking by s or by s + bias is the same ranking inside one expert); equal affinities are
+broken by assignment order (token-major: earlier tokens keep their place). A dropped
+assignment contributes exactly zero and passes no gradient; the token's other gate
+weights are NOT renormalised again (the token simply loses that share), which keeps a
+drop a pure subtraction from the dropless output.
+
+LFB (loss-free balancing, `moe_lb_coef`): `lfb_counts` accumulates selected assignments
+per expert in training forwards (not in eval, not when the coef is 0, and not in an
+activation-checkpoint recompute inside backward); `lfb_update(reduce)` moves
+`lfb_bias += coef * sign(mean(counts) - counts)` and zeroes the counts. `reduce` is how
+a fleet steers with the fleet's counts; this module never imports torch.distributed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dormouse.config import ModelConfig
+
+log = logging.getLogger("dormouse.model")
+
+#: The grouped matmul this torch provides: the public name (present in 2.11 and 2.13) or
+#: the private op it wraps. Same (mat_a, mat_b, *, offs) contract for 2D x 3D; both
+#: differentiable (checked forward + backward on 2.13 CPU and 2.11 CUDA H200).
+_GMM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+
+_ARMS = ("grouped", "batched")
+_logged: set[tuple] = set()
+
+
+def _torch_version() -> tuple[int, int]:
+    major, minor = torch.__version__.split("+")[0].split(".")[:2]
+    return int(major), int(minor)
+
+
+def _grouped_support(device: torch.device, dtype: torch.dtype, d: int, f: int) -> str | None:
+    """None when the grouped matmul runs here; otherwise the reason it does not."""
+    if _GMM is None:
+        return f"torch {torch.__version__} has no grouped matmul (needs torch >= 2.9)"
+    if device.type == "cpu":
+        # 2.8 registered no CPU kernel; 2.9+ has a reference CPU kernel for these dtypes.
+        if _torch_version() < (2, 9):
+            return f"torch {torch.__version__} has no CPU grouped matmul (needs torch >= 2.9)"
+        if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            return f"the CPU grouped matmul takes fp32/bf16/fp16, not {dtype}"
+    elif device.type == "cuda":
+        cap = torch.cuda.get_device_capability(device)
+        if cap < (8, 0):
+            return f"the CUDA grouped matmul needs sm_80+, this card is sm_{cap[0]}{cap[1]}"
+        if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            return f"the CUDA grouped matmul takes fp32/bf16/fp16, not {dtype}"
+    else:
+        return f"no grouped matmul is known to run on device type {device.type!r}"
+    es = torch.empty((), dtype=dtype).element_size()
+    if (d * es) % 16 or (f * es) % 16:
+        # The kernels read rows with 16-byte vector loads ("strides should be multiple of
+        # 16 bytes"); measured on torch 2.13 CPU.
+        return f"d_model={d} and d_ffn={f} rows must be multiples of 16 bytes in {dtype}"
+    return None
+
+
+def _grouped_slow_here(device: torch.device, dtype: torch.dtype) -> str | None:
+    """Why `auto` should not pick a grouped matmul that does run; None when it should.
+
+    torch documents a fused grouped kernel for bf16 on sm_90+ only; other dtypes and cards
+    run its per-group fallback, which lost to the batched arm on an H200 (torch 2.11,
+    the medium MoE shape, fp32 fwd+bwd: 8.5 ms grouped vs 6.6 ms batched; bf16: 4.9 vs
+    5.2 ms). CPU has no fused kernel either way; grouped is kept there for its lack of
+    padding and host sync.
+    """
+    if device.type != "cuda":
+        return None
+    cap = torch.cuda.get_device_capability(device)
+    if dtype != torch.bfloat16 or cap < (9, 0):
+        return (
+            f"grouped runs here but only bf16 on sm_90+ has the fused kernel "
+            f"(this is {str(dtype).replace('torch.', '')} on sm_{cap[0]}{cap[1]})"
+        )
+    return None
+
+
+def _experts_grouped(xs, counts, w1, w3, w2):
+    """xs [A, D] sorted by expert, counts [E] -> [A, D]: one grouped GEMM per projection."""
+    offs = torch.cumsum(counts, 0, dtype=torch.int32)
+    h = F.silu(_GMM(xs, w1, offs=offs)) * _GMM(xs, w3, offs=offs)
+    return _GMM(h, w2, offs=offs)
+
+
+def _experts_batched(xs, slot, n_experts, width, w1, w3, w2):
+    """xs [A, D] (dropped rows already zero), slot [A] into a [E, width, D] buffer -> [A, D].
+
+    Padding rows are zero, and a zero row stays zero through a bias-free SwiGLU, so the
+    padding adds nothing and receives no gradient. Dropped assignments all share their
+    expert's last (trash) slot; their rows are zero, so which write wins is irrelevant.
+    """
+    d = xs.shape[1]
+    buf = xs.new_zeros(n_experts * width, d).index_put((slot,), xs).view(n_experts, width, d)
+    h = F.silu(torch.bmm(buf, w1)) * torch.bmm(buf, w3)
+    return torch.bmm(h, w2).view(n_experts * width, d)[slot]
+
+
+class SharedExpert(nn.Module):
+    """The always-on SwiGLU of hidden width `rank` (a low-rank FFN every token passes)."""
+
+    def __init__(self, d_model: int, rank: int):
+        super().__init__()
+        self.w1 = nn.Linear(d_model, rank, bias=False)
+        self.w3 = nn.Linear(d_model, rank, bias=False)
+        self.w2 = nn.Linear(rank, d_model, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class MoE(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        if cfg.moe_impl == "triton":
+            raise NotImplementedError(
+                "moe_impl=triton: this build of dormouse has no Triton MoE arm; use "
+                "--set moe_impl=grouped (torch grouped matmul: CUDA sm_80+, CPU torch >= 2.9), "
+                "moe_impl=batched (runs everywhere) or moe_impl=auto (picks between them)"
+            )
+        if cfg.moe_impl not in ("auto", *_ARMS):
+            raise ValueError(f"moe_impl={cfg.moe_impl!r} is not one of auto, grouped, batched")
+        if not 1 <= cfg.moe_topk <= cfg.n_experts:
+            raise ValueError(
+                f"moe_topk={cfg.moe_topk} with n_experts={cfg.n_experts}: a token picks between "
+                f"1 and n_experts experts; change --set moe_topk or --set n_experts"
+            )
+        E, D, Fh = cfg.n_experts, cfg.d_model, cfg.d_ffn
+        self.n_experts, self.d_model, self.d_ffn, self.topk = E, D, Fh, cfg.moe_topk
+        self.capacity = float(cfg.moe_capacity)
+        self.lb_coef = float(cfg.moe_lb_coef)
+        self.impl = cfg.moe_impl
+        self.offload = bool(cfg.moe_offload)
+        self.router = nn.Linear(D, E, bias=False)
+        self.w1 = nn.Parameter(torch.empty(E, D, Fh))
+        self.w3 = nn.Parameter(torch.empty(E, D, Fh))
+        self.w2 = nn.Parameter(torch.empty(E, Fh, D))
+        self.shared = SharedExpert(D, cfg.shared_rank) if cfg.shared_rank > 0 else None
+        self.register_buffer("lfb_counts", torch.zeros(E))
+        self.register_buffer("lfb_bias", torch.zeros(E))
+        self.reset_parameters(cfg.init_std, depth=cfg.n_layers * cfg.max_iter)
+
+    def reset_parameters(self, std: float, depth: int = 1) -> None:
+        # Output projections write into the residual stream once per applied block
+        # (n_layers * max_iter times); GPT-2's std / sqrt(2 * depth) keeps the stream's
+        # variance from growing with depth at init.
+        out_std = std / math.sqrt(2 * max(depth, 1))
+        with torch.no_grad():
+            for w in (self.router.weight, self.w1, self.w3):
+                w.normal_(0.0, std)
+            self.w2.normal_(0.0, out_std)
+            if self.shared is not None:
+                self.shared.w1.weight.normal_(0.0, std)
+                self.shared.w3.weight.normal_(0.0, std)
+                self.shared.w2.weight.normal_(0.0, out_std)
+
+    # ---- routing -----------------------------------------------------------------
+
+    def route(self, x: torch.Tensor):
+        """x [N, D] -> (affinity s [N, E] fp32, experts [N, k], gates [N, k] fp32).
+
+        The bias steers which experts are picked; the gates are the picked experts'
+        unbiased affinities, renormalised to sum 1.
+        """
+        with torch.autocast(device_type=x.device.type, enabled=False):
+            s = torch.sigmoid(F.linear(x.float(), self.router.weight.float()))
+        experts = torch.topk(s.detach() + self.lfb_bias.float(), self.topk, dim=-1).indices
+        picked = s.gather(1, experts)
+        return s, experts, picked / picked.sum(-1, keepdim=True)
+
+    def capacity_of(self, n_tokens: int) -> int:
+        """Assignments one expert may take from a window of n_tokens (capacity mode)."""
+        return math.ceil(self.capacity * n_tokens * self.topk / self.n_experts)
+
+    def _arm(self, device: torch.device, dtype: torch.dtype) -> str:
+        why_not = _grouped_support(device, dtype, self.d_model, self.d_ffn)
+        if self.impl == "grouped":
+            if why_not:
+                raise RuntimeError(
+                    f"moe_impl=grouped cannot run: {why_not}; use --set moe_impl=batched "
+                    f"(runs everywhere) or moe_impl=auto"
+                )
+            return "grouped"
+        if self.impl == "batched":
+            return "batched"
+        why_not = why_not or _grouped_slow_here(device, dtype)
+        arm = "batched" if why_not else "grouped"
+        key = (device.type, dtype, self.d_model, self.d_ffn, arm)
+        if key not in _logged:
+            _logged.add(key)
+            log.info(
+                "moe_impl=auto on %s/%s (d_model=%d, d_ffn=%d): %s arm%s",
+                device.type, str(dtype).replace("torch.", ""), self.d_model, self.d_ffn,
+                arm, f" ({why_not})" if why_not else "",
+            )  # fmt: skip
+        return arm
+
+    # ---- forward -----------------------------------------------------------------
+
+    def forward(self, h: torch.Tensor):
+        shape = h.shape
+        x = h.reshape(-1, self.d_model)
+        n, k, E = x.shape[0], self.topk, self.n_experts
+        s, experts, gates = self.route(x)
+        flat_e = experts.reshape(-1)
+        counts = torch.bincount(flat_e, minlength=E)
+        # An activation-checkpoint recompute runs this forward again inside backward; the
+        # controller must see each token once.
+        if self.training and self.lb_coef != 0 and torch._C._current_graph_task_id() == -1:
+            with torch.no_grad():
+                self.lfb_counts += counts.to(self.lfb_counts.dtype)
+
+        ctx = (
+            torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available())
+            if self.offload
+            else contextlib.nullcontext()
+        )
+        with ctx:
+            routed, dropped = self._routed(x, s, flat_e, gates.reshape(-1), counts)
+        out = routed.to(h.dtype)
+        if self.shared is not None:
+            out = out + self.shared(x).to(h.dtype)
+        aux = {
+            "load": (counts.float() / max(n * k, 1)).detach(),
+            "dropped": dropped,
+        }
+        return out.reshape(shape), aux
+
+    def _routed(self, x, s, flat_e, flat_g, counts):
+        n, k, E = x.shape[0], self.topk, self.n_experts
+        a = n * k
+        dev = x.device
+        if self.capacity > 0:
+            # Within one expert: highest affinity first, ties in assignment order, so
+            # "over cap" is the tail of each expert's segment.
+            aff = s.detach().gather(1, flat_e.view(n, k)).reshape(-1)
+            o1 = torch.sort(aff, descending=True, stable=True).indices
+            order = o1[torch.sort(flat_e[o1], stable=True).indices]
+        else:
+            order = torch.sort(flat_e, stable=True).indices
+        e_sorted = flat_e[order]
+        start = torch.cumsum(counts, 0) - counts
+        pos = torch.arange(a, device=dev) - start[e_sorted]
+
+        if torch.is_autocast_enabled(dev.type):
+            cdt = torch.get_autocast_dtype(dev.type)
+        else:
+            cdt = x.dtype
+        xs = x[order // k].to(cdt)
+        g_sorted = flat_g[order]
+        if self.capacity > 0:
+            cap = self.capacity_of(n)
+            keep = pos < cap
+            dropped = (~keep).sum()
+            xs = torch.where(keep[:, None], xs, torch.zeros((), dtype=cdt, device=dev))
+            g_sorted = torch.where(keep, g_sorted, torch.zeros((), device=dev))
+        else:
+            cap = 0
+            dropped = torch.zeros((), dtype=torch.long, device=dev)
+
+        w1, w3, w2 = (w.to(cdt) for w in (self.w1, self.w3, self.w2))
+        if self._arm(dev, cdt) == "grouped":
+            ys = _experts_grouped(xs, counts, w1, w3, w2)
+        else:
+            width = cap if self.capacity > 0 else int(counts.max().item()) if a else 0
+            # slot `width` of each expert is the trash slot for dropped assignments.
+            slot = e_sorted * (width + 1) + pos.clamp(max=width)
+            ys = _experts_batched(xs, slot, E, width + 1, w1, w3, w2)
+
+        # Undo the sort (a permutation: gather, not scatter) and sum each token's k
+        # contributions in a fixed order, so the forward is deterministic on any device.
+        inv = torch.empty_like(order)
+        inv[order] = torch.arange(a, device=dev)
+        contrib = ys[inv].float() * g_sorted[inv][:, None]
+        return contrib.view(n, k, -1).sum(1), dropped
+
+    # ---- LFB controller ------------------------------------------------------------
+
+    @torch.no_grad()
+    def lfb_update(self, reduce: Callable[[torch.Tensor], torch.Tensor | None] | None = None):
+        """After an optimizer step: bias += coef * sign(mean(counts) - counts); counts = 0.
+
+        `reduce` (e.g. an all-reduce-sum) turns this process's counts into the fleet's, so
+        every rank moves its bias identically. It may return the result or work in place
+        and return None (torch.distributed.all_reduce does the latter).
+        """
+        if self.lb_coef == 0:
+            return
+        counts = self.lfb_counts.clone()
+        if reduce is not None:
+            out = reduce(counts)
+            if out is not None:
+                counts = out
+        self.lfb_bias += self.lb_coef * torch.sign(counts.mean() - counts)
+        self.lfb_counts.zero_()
