@@ -54,3 +54,14 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture
 def cuda_fleet(request) -> bool:
     return bool(request.config.getoption("--cuda-fleet"))
+
+
+def pytest_sessionstart(session):
+    # Many small ops: on the 2-core CI box one intra-op thread per process is several
+    # times faster than two competing ones (xdist already runs two workers).
+    try:
+        import torch
+
+        torch.set_num_threads(1)
+    except Exception:
+        pass

@@ -282,7 +282,7 @@ def _fla_ready() -> bool:
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not _fla_ready(), reason="fla arm needs CUDA sm_70+ and fla-core")
+@pytest.mark.skipif(not _fla_ready(), reason="fla arm needs CUDA sm_80+ and fla-core")
 @pytest.mark.parametrize(
     "dtype,tol_o,tol_S", [(torch.float32, 2e-3, 1e-2), (torch.bfloat16, 1e-2, 5e-2)]
 )
@@ -305,7 +305,7 @@ def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not _fla_ready(), reason="fla arm needs CUDA sm_70+ and fla-core")
+@pytest.mark.skipif(not _fla_ready(), reason="fla arm needs CUDA sm_80+ and fla-core")
 def test_fla_arm_gradients_match_torch_arm():
     # 1e-2 relative: the Triton backward accumulates in fp32 with TF32 dots (see above)
     base = [x.cuda() for x in _inputs(2, 70, 2, 32, 32, seed=13)]
@@ -323,7 +323,7 @@ def test_fla_arm_gradients_match_torch_arm():
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not _fla_ready(), reason="fla arm needs CUDA sm_70+ and fla-core")
+@pytest.mark.skipif(not _fla_ready(), reason="fla arm needs CUDA sm_80+ and fla-core")
 def test_mixer_fla_matches_torch_and_decodes():
     cfg = _cfg(segment_len=32)
     m_t = _mixer(cfg, seed=4).cuda()
