@@ -97,6 +97,7 @@ class TrainConfig:
     # data and I/O
     data: tuple[str, ...] = ()
     data_weights: tuple[float, ...] = ()
+    shuffle: bool = True  # visit each pass's blocks in a seeded order (rank-consistent)
     val_frac: float = 0.01
     val_bytes: int = 0
     log_every: int = 10

@@ -295,7 +295,7 @@ def test_mixture_weight_refusal(tmp_path):
 def test_open_data_single_file_and_val_batches(tmp_path):
     p = _file(tmp_path, 2000)
     lines = []
-    ds = open_data(_cfg(p, batch=2, seq_len=8, val_frac=0.1), log=lines.append)
+    ds = open_data(_cfg(p, batch=2, seq_len=8, val_frac=0.1, shuffle=False), log=lines.append)
     assert "train 1800 + val 200" in lines[-1]
     st = ds.train_stream(2, 8)
     assert isinstance(st, ByteStream) and np.array_equal(st.read(0), np.frombuffer(
@@ -350,7 +350,7 @@ def test_default_corpus_deterministic_and_cached(tmp_path, monkeypatch):
 def test_default_corpus_is_used_without_data(tmp_path, monkeypatch):
     monkeypatch.setattr(D, "DEFAULT_CORPUS_CAP", _CAP)
     lines = []
-    ds = open_data(replace(TrainConfig(), batch=2, seq_len=16), log=lines.append,
+    ds = open_data(replace(TrainConfig(), batch=2, seq_len=16, shuffle=False), log=lines.append,
                    cache_dir=tmp_path)  # fmt: skip
     assert ds.is_default and "no --data given" in lines[0] and "default corpus" in lines[1]
     x, _ = ds.train_stream(2, 16).next()
@@ -377,3 +377,21 @@ def test_default_corpus_selection_rule(tmp_path, monkeypatch):
     monkeypatch.setattr(D.sysconfig, "get_paths", lambda: {"stdlib": str(empty)})
     with pytest.raises(DataError, match="no standard-library .py sources found .* --data"):
         default_corpus(tmp_path / "cache", log=_quiet)
+
+
+def test_shuffled_blocks_keep_the_fleet_layout_and_cover_each_pass(tmp_path):
+    # The shuffled order is a function of (seed, step): ranks split the same block, a pass
+    # visits every block once, and the order differs from file order.
+    view = np.arange(3 * 7 * 40, dtype=np.int64).astype(np.uint8)
+    ByteStream, fleet_stride, rank_byte_offset = D.ByteStream, D.fleet_stride, D.rank_byte_offset
+    batches, seq = [2, 1], 6
+    stride = fleet_stride(batches, seq)
+    single = ByteStream(view, 3, seq, shuffle_seed=5)
+    ranks = [ByteStream(view, b, seq, rank_byte_offset(batches, seq, r), stride, shuffle_seed=5)
+             for r, b in enumerate(batches)]  # fmt: skip
+    for step in range(2 * single.n_blocks):
+        assert np.array_equal(np.concatenate([r.read(step) for r in ranks]), single.read(step))
+    first = [single.block(s) for s in range(single.n_blocks)]
+    assert sorted(first) == list(range(single.n_blocks)) and first != sorted(first)
+    second = [single.block(s) for s in range(single.n_blocks, 2 * single.n_blocks)]
+    assert second != first  # a new order each pass

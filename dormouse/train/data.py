@@ -15,6 +15,12 @@ batch sum(b) reads at step s, and over one pass no byte is read twice: the
 blocks tile the view. Wrapping is per block, never per rank, so a block never
 straddles the end; the last `len(view) % stride` bytes of the view are never
 read (less than one step's worth).
+
+Block order. With `shuffle` (the default) the blocks of each pass over the view
+are visited in a permutation drawn from (seed, pass): a pure function of the
+step, identical on every rank and after a resume, so the layout above holds
+block by block. Without it the blocks are read in file order, which feeds the
+model one source file after another (a strongly non-i.i.d. stream).
 """
 
 from __future__ import annotations
@@ -200,8 +206,11 @@ class ByteStream:
     """
 
     def __init__(self, view, batch: int, seq_len: int, offset: int = 0,
-                 stride: int | None = None, name: str = "data"):  # fmt: skip
+                 stride: int | None = None, name: str = "data",
+                 shuffle_seed: int | None = None):  # fmt: skip
         self.view = _as_bytes(view)
+        self.shuffle_seed = shuffle_seed
+        self._perm: tuple[int, np.ndarray] | None = None
         self.batch, self.seq_len, self.name = int(batch), int(seq_len), name
         if self.batch < 1 or self.seq_len < 1:
             raise ValueError(f"batch={batch} and seq_len={seq_len} must both be >= 1")
@@ -231,8 +240,19 @@ class ByteStream:
 
     def span(self, step: int) -> tuple[int, int]:
         """[start, stop) byte offsets in the view that this rank reads at `step`."""
-        start = (step % self.n_blocks) * self.stride + self.offset
+        start = self.block(step) * self.stride + self.offset
         return start, start + self.window
+
+    def block(self, step: int) -> int:
+        """Which block of the view the fleet reads at `step`."""
+        i = step % self.n_blocks
+        if self.shuffle_seed is None:
+            return i
+        n_pass = step // self.n_blocks
+        if self._perm is None or self._perm[0] != n_pass:
+            rng = np.random.default_rng([int(self.shuffle_seed), n_pass])
+            self._perm = (n_pass, rng.permutation(self.n_blocks))
+        return int(self._perm[1][i])
 
     def read(self, step: int) -> np.ndarray:
         a, b = self.span(step)
@@ -253,7 +273,7 @@ class ByteStream:
 
     def state_dict(self) -> dict:
         return {"kind": "stream", "step": self.step, "n_bytes": int(self.view.shape[0]),
-                "stride": self.stride}  # fmt: skip
+                "stride": self.stride, "shuffle_seed": self.shuffle_seed}  # fmt: skip
 
     def load_state_dict(self, sd: dict) -> None:
         if sd.get("kind") != "stream":
@@ -272,6 +292,12 @@ class ByteStream:
                 f"{self.name!r}: the checkpoint's run read {sd['stride']} bytes per step, this "
                 f"one reads {self.stride} (global batch*(seq_len+1)); resume with the same "
                 f"global batch and seq_len"
+            )
+        if sd.get("shuffle_seed") != self.shuffle_seed:
+            raise DataError(
+                f"{self.name!r}: the checkpoint's stream visited blocks with shuffle_seed="
+                f"{sd.get('shuffle_seed')}, this run with {self.shuffle_seed}; resume with the "
+                f"same seed and shuffle setting"
             )
         self.step = int(sd["step"])
 
@@ -474,8 +500,10 @@ class Source:
 class DataSource:
     """The run's data: one or more files, each split into a train and a val view."""
 
-    def __init__(self, sources: list[Source], seed: int, is_default: bool = False):
+    def __init__(self, sources: list[Source], seed: int, is_default: bool = False,
+                 shuffle: bool = True):  # fmt: skip
         self.sources, self.seed, self.is_default = sources, int(seed), is_default
+        self.shuffle = shuffle
 
     @property
     def has_val(self) -> bool:
@@ -485,8 +513,10 @@ class DataSource:
                      stride: int | None = None) -> ByteStream | Mixture:  # fmt: skip
         """This rank's stream. Single process: (batch, seq_len). A fleet rank r:
         offset=rank_byte_offset(batches, seq_len, r), stride=fleet_stride(batches, seq_len)."""
-        streams = [ByteStream(s.train, batch, seq_len, offset, stride, name=s.name)
-                   for s in self.sources]  # fmt: skip
+        # each source gets its own block order (seed + index), all of them rank-consistent
+        streams = [ByteStream(s.train, batch, seq_len, offset, stride, name=s.name,
+                              shuffle_seed=(self.seed + i) if self.shuffle else None)
+                   for i, s in enumerate(self.sources)]  # fmt: skip
         if len(streams) == 1:
             return streams[0]
         return Mixture(streams, [s.weight for s in self.sources], self.seed)
@@ -560,4 +590,4 @@ def open_data(train_cfg, log: Callable = print, cache_dir=None) -> DataSource:
         how = "data_weights" if t.data_weights else "weights by train size"
         log("data: mixture (" + how + "): " + ", ".join(
             f"{Path(s.name).name}={s.weight / total:.3f}" for s in sources))  # fmt: skip
-    return DataSource(sources, t.seed, is_default)
+    return DataSource(sources, t.seed, is_default, shuffle=t.shuffle)
