@@ -1,0 +1,426 @@
+"""MixOptimizer: batched Muon vs the one-matrix reference, vs torch.optim.Muon, routing,
+bit-exact resume, the AdamW control arm and the 8-bit refusal."""
+
+from __future__ import annotations
+
+import copy
+import io
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+from dormouse.config import ConfigError, TrainConfig
+from dormouse.train.optim import MixOptimizer, format_routes, route_params, strip_name
+from references.muon_single import muon_single_step
+
+D = 32
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    # These matrices are tiny: on a busy 2-core box, intra-op threads only add contention
+    # (measured 60x slower for a 48x32 fp64 polar with 2 threads under load).
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+class _Store(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.table = nn.Parameter(torch.randn(4, 64, 8) * 0.02)  # [n_tables, rows, dim]
+
+
+class _Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.Parameter(torch.ones(D))  # an RMSNorm gain
+        for n in ("q_proj", "k_proj", "v_proj", "o_proj"):  # four 2D weights of one shape
+            setattr(self, n, nn.Linear(D, D, bias=False))
+        self.q_conv = nn.Conv1d(D, D, 4, groups=D, bias=False)  # weight [D, 1, 4]: not a matrix
+        self.qkv_conv = nn.Module()  # a hand-rolled short conv keeps its taps as [C, K]
+        self.qkv_conv.weight = nn.Parameter(torch.randn(3 * D, 4) * 0.1)
+        self.f_proj = nn.Linear(D, 8, bias=True)  # a 2D weight + a bias
+        self.A_log = nn.Parameter(torch.zeros(4))
+        self.dt_bias = nn.Parameter(torch.zeros(4))
+        self.delta = nn.Module()
+        self.delta.A = nn.Parameter(torch.randn(4, D) * 0.02)  # [r, d_in]
+        self.delta.B = nn.Parameter(torch.randn(48, 4) * 0.02)  # [d_out, r], tall
+        self.router = nn.Linear(D, 4, bias=False)
+        self.w1 = nn.Parameter(torch.randn(4, 48, D) * 0.02)  # [E, d_ffn, D]
+        self.w2 = nn.Parameter(torch.randn(4, D, 48) * 0.02)  # [E, D, d_ffn]
+        self.w3 = nn.Parameter(torch.randn(4, 48, D) * 0.02)
+        self.shared = nn.Module()
+        self.shared.up = nn.Linear(D, 48, bias=False)  # same matrix shape as one expert of w1
+
+
+class StandIn(nn.Module):
+    """Every parameter kind the real model has, with the real names, and no forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(256, D)
+        self.engram = nn.Module()
+        self.engram.store = _Store()
+        self.engram.k_proj = nn.Linear(4 * 8, D, bias=False)
+        self.blocks = nn.ModuleList([_Block(), _Block()])
+        self.norm_f = nn.Parameter(torch.ones(D))
+        self.head = nn.Linear(D, 256, bias=False)
+
+
+def _dormouse_model(name: str):
+    """DormouseModel(preset(name).model) on meta, or skip while the model is not importable."""
+    mod = pytest.importorskip("dormouse.model")
+    if not hasattr(mod, "DormouseModel"):
+        pytest.skip("dormouse.model has no DormouseModel yet")
+    from dormouse.config import preset
+
+    return mod.DormouseModel, preset(name).model
+
+
+def _grads(model: nn.Module, step: int, drop: tuple[str, ...] = ()) -> dict:
+    """Deterministic gradients for `step`; names in `drop` get None (a parameter without grad)."""
+    gen = torch.Generator().manual_seed(1000 + step)
+    out = {}
+    for n, p in model.named_parameters():
+        g = torch.randn(p.shape, generator=gen) * 0.01
+        out[strip_name(n)] = None if strip_name(n) in drop else g
+    return out
+
+
+def _set_grads(model: nn.Module, grads: dict) -> None:
+    for n, p in model.named_parameters():
+        g = grads[strip_name(n)]
+        p.grad = None if g is None else g.clone().to(p.dtype)
+
+
+# Steps at which one parameter (and, on step 3, a whole expert stack) has no gradient.
+_DROPS = {1: ("blocks.0.q_proj.weight",), 3: ("blocks.1.w1", "blocks.0.delta.B")}
+_KW = dict(lr=0.02, wd=0.1, ns_steps=5, momentum=0.95)  # lr large so a wrong update shows
+
+
+def _run_batched_vs_single(model: nn.Module, ns_kind: str, variant: str, sf: str) -> None:
+    ref = copy.deepcopy(model)
+    opt = MixOptimizer(model, ns_kind=ns_kind, ns_dtype="fp32", muon_variant=variant,
+                       muon_sf=sf, **_KW)  # fmt: skip
+    muon = {r.name for r in opt.routes if r.owner == "muon"}
+    assert muon, "the model has no Muon parameters: the test would prove nothing"
+    p0 = {strip_name(n): p.detach().clone() for n, p in model.named_parameters()}
+    state = {strip_name(n): (p.detach().double().clone(), torch.zeros_like(p, dtype=torch.float64))
+             for n, p in ref.named_parameters() if strip_name(n) in muon}  # fmt: skip
+    for step in range(5):
+        grads = _grads(model, step, _DROPS.get(step, ()))
+        _set_grads(model, grads)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        for name, (p, m) in state.items():
+            g = grads[name]
+            if g is None:
+                continue
+            # a 3D stack is stepped one expert matrix at a time
+            pm, mm, gm = (t.reshape(-1, *p.shape[-2:]) for t in (p, m, g.double()))
+            outs = [muon_single_step(pm[i], gm[i], mm[i], _KW["lr"], _KW["wd"],
+                                     _KW["momentum"], variant == "nesterov", _KW["ns_steps"],
+                                     ns_kind, sf) for i in range(pm.shape[0])]  # fmt: skip
+            state[name] = (torch.stack([o[0] for o in outs]).reshape(p.shape),
+                           torch.stack([o[1] for o in outs]).reshape(p.shape))  # fmt: skip
+    # fp32 batched polar vs the fp64 reference: the error is the optimizer's fp32 round-off,
+    # amplified by each polynomial's slope. Measured worst case over every parameter
+    # (lr=0.02, where updates are as large as the init): quintic 7e-7, Polar Express 1.5e-6
+    # (its first polynomial, 8.2x - 23.4x^3 + 16.5x^5, amplifies round-off ~2.5x more).
+    # quintic is held to the issue's 1e-6.
+    tol = 1e-6 if ns_kind == "quintic" else 5e-6
+    got = {strip_name(n): p.detach().double() for n, p in model.named_parameters()}
+    for name, (want, _) in state.items():
+        rel = float((got[name] - want).norm() / want.norm())
+        assert rel <= tol, f"{name}: relative error {rel:.2e} vs muon_single"
+        moved = want - p0[name].double()
+        drel = float((got[name] - p0[name].double() - moved).norm() / moved.norm())
+        # The displacement alone (measured <= 2.6e-6), so the check does not lean on the init:
+        # a wrong scale, momentum or skip rule moves it by O(1e-2) or more.
+        assert drel <= 1e-5, f"{name}: displacement relative error {drel:.2e} vs muon_single"
+
+
+# ---- (a) batched Muon == muon_single, matrix by matrix ----------------------------------
+
+
+@pytest.mark.parametrize(
+    "ns_kind,variant,sf",
+    [("quintic", "nesterov", "rms"), ("polar_express", "plain", "jordan")],
+)
+def test_batched_muon_matches_single_matrix_reference(ns_kind, variant, sf):
+    torch.manual_seed(0)
+    _run_batched_vs_single(StandIn(), ns_kind, variant, sf)
+
+
+def test_batched_muon_matches_reference_on_tiny_model():
+    cls, cfg = _dormouse_model("tiny")
+    torch.manual_seed(0)
+    _run_batched_vs_single(cls(cfg), "quintic", "nesterov", "rms")
+
+
+def test_parameter_without_grad_does_not_move_and_keeps_its_momentum():
+    torch.manual_seed(0)
+    model = StandIn()
+    opt = MixOptimizer(model, ns_dtype="fp32", **_KW)
+    _set_grads(model, _grads(model, 0))
+    opt.step()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    bufs = [st["momentum_buffer"].clone() for st in opt.muon_state]
+    _set_grads(model, _grads(model, 1, drop=("blocks.0.w1",)))
+    opt.step()
+    after = dict(model.named_parameters())
+    assert torch.equal(after["blocks.0.w1"], before["blocks.0.w1"])
+    assert not torch.equal(after["blocks.1.w1"], before["blocks.1.w1"])
+    g = next(i for i, grp in enumerate(opt._muon_groups) if "blocks.0.w1" in grp["names"])
+    k = opt._muon_groups[g]["names"].index("blocks.0.w1")
+    s, c = opt.muon_state[g]["starts"][k], opt.muon_state[g]["counts"][k]
+    assert torch.equal(opt.muon_state[g]["momentum_buffer"][s:s + c], bufs[g][s:s + c])
+
+
+def test_adamw_side_is_torch_adamw_with_the_documented_groups():
+    torch.manual_seed(0)
+    model = StandIn()
+    twin = copy.deepcopy(model)
+    opt = MixOptimizer(model, lr=0.01, wd=0.1, engram_lr_mult=5.0)
+    routes = {r.name: r for r in opt.routes}
+    p = dict(twin.named_parameters())
+    groups = [
+        {"params": [p[n] for n, r in routes.items() if r.owner == "adamw" and r.decay],
+         "lr": 0.01, "weight_decay": 0.1},
+        {"params": [p[n] for n, r in routes.items() if r.owner == "adamw" and not r.decay],
+         "lr": 0.01, "weight_decay": 0.0},
+        {"params": [p["engram.store.table"]], "lr": 0.05, "weight_decay": 0.0},
+    ]  # fmt: skip
+    ref = torch.optim.AdamW(groups, betas=(0.9, 0.95), foreach=True)
+    for step in range(3):
+        grads = _grads(model, step)
+        _set_grads(model, grads)
+        _set_grads(twin, grads)
+        opt.step()
+        ref.step()
+    got = dict(model.named_parameters())
+    for n, r in routes.items():
+        if r.owner != "muon":
+            assert torch.equal(got[n], p[n]), f"{n} ({r.owner}) differs from torch AdamW"
+
+
+def test_lr_factor_scales_every_group_from_its_base_lr():
+    opt = MixOptimizer(StandIn(), lr=0.01, engram_lr_mult=5.0)
+    opt.set_lr_factor(0.5)
+    for g in opt.param_groups:
+        want = 0.005 * (5.0 if g["kind"] == "engram" else 1.0)
+        assert g["lr"] == pytest.approx(want)
+    # the AdamW dicts the loop scales ARE the ones torch steps
+    assert all(any(g is a for a in opt.param_groups) for g in opt.adamw.param_groups)
+
+
+# ---- (b) an external check: torch.optim.Muon --------------------------------------------
+
+
+@pytest.mark.skipif(not hasattr(torch.optim, "Muon"), reason="torch.optim.Muon needs torch >= 2.9")
+@pytest.mark.parametrize("sf,adjust", [("jordan", "original"), ("rms", "match_rms_adamw")])
+def test_tracks_torch_muon_in_bf16(sf, adjust):
+    torch.manual_seed(0)
+    mine = nn.Module()
+    mine.q_proj = nn.Linear(128, 64, bias=False)  # [64, 128]: wide; rms and jordan differ
+    theirs = copy.deepcopy(mine)
+    p0 = mine.q_proj.weight.detach().clone()
+    opt = MixOptimizer(mine, lr=0.02, wd=0.1, ns_dtype="bf16", ns_kind="quintic",
+                       muon_variant="nesterov", muon_sf=sf, momentum=0.95)  # fmt: skip
+    ref = torch.optim.Muon([theirs.q_proj.weight], lr=0.02, weight_decay=0.1, momentum=0.95,
+                           nesterov=True, ns_steps=5, adjust_lr_fn=adjust)  # fmt: skip
+    gen = torch.Generator().manual_seed(7)
+    for _ in range(5):
+        g = torch.randn(64, 128, generator=gen)
+        mine.q_proj.weight.grad = g.clone()
+        theirs.q_proj.weight.grad = g.clone()
+        opt.step()
+        ref.step()
+    d_mine = mine.q_proj.weight.detach() - p0
+    d_ref = theirs.q_proj.weight.detach() - p0
+    rel = float((d_mine - d_ref).norm() / d_ref.norm())
+    # Both run 5 quintic iterations in bf16 (unit round-off 2^-8 = 3.9e-3) but round
+    # differently: torch keeps an EMA momentum ((1-mu) x ours, which the normalisation
+    # cancels only up to rounding) and normalises in bf16, we normalise in fp32. Each
+    # iteration's rounding is amplified by the polynomial's slope: measured 9.7e-3 here;
+    # 2e-2 leaves 2x room, while a wrong scale rule (jordan vs rms is x2.3 here) or dropping
+    # Nesterov changes the displacement by O(1).
+    assert rel <= 2e-2, f"displacement differs from torch.optim.Muon by {rel:.3e}"
+
+
+# ---- (c) routing: every parameter owned exactly once -----------------------------------
+
+
+def _assert_owned_once(model: nn.Module, opt_kind: str = "mix") -> list:
+    routes = route_params(model, opt_kind)
+    names = [strip_name(n) for n, _ in model.named_parameters()]
+    assert [r.name for r in routes] == names, "a parameter is unrouted or routed twice"
+    assert len(set(names)) == len(names)
+    assert all(r.owner in ("muon", "adamw", "engram") for r in routes)
+    opt = MixOptimizer(model, lr=1e-3, opt=opt_kind)
+    seen = [id(p) for g in opt.param_groups for p in g["params"]]
+    assert len(seen) == len(set(seen)), "a parameter sits in two optimizer groups"
+    assert set(seen) == {id(p) for p in model.parameters()}, "a parameter has no group"
+    return routes
+
+
+def test_routing_of_the_stand_in():
+    model = StandIn()
+    routes = {r.name: r for r in _assert_owned_once(model)}
+    expect = {
+        "embed.weight": "adamw", "head.weight": "adamw", "norm_f": "adamw",
+        "engram.store.table": "engram", "engram.k_proj.weight": "muon",
+        "blocks.0.norm": "adamw", "blocks.0.q_proj.weight": "muon",
+        "blocks.0.q_conv.weight": "adamw", "blocks.0.qkv_conv.weight": "adamw",
+        "blocks.0.f_proj.weight": "muon",
+        "blocks.0.f_proj.bias": "adamw", "blocks.0.A_log": "adamw", "blocks.0.dt_bias": "adamw",
+        "blocks.0.delta.A": "muon", "blocks.0.delta.B": "muon", "blocks.0.router.weight": "muon",
+        "blocks.0.w1": "muon", "blocks.0.w2": "muon", "blocks.1.shared.up.weight": "muon",
+    }  # fmt: skip
+    for name, owner in expect.items():
+        assert routes[name].owner == owner, f"{name}: {routes[name]}"
+    assert not routes["blocks.0.norm"].decay and not routes["engram.store.table"].decay
+    assert routes["embed.weight"].decay and routes["blocks.0.w1"].decay
+    text = format_routes(routes.values())
+    assert "engram.store.table" in text and "total" in text
+
+
+def test_routing_strips_wrapper_prefixes():
+    class Wrap(nn.Module):
+        def __init__(self, m):
+            super().__init__()
+            self.module = m
+
+    wrapped = Wrap(nn.ModuleDict({"_orig_mod": StandIn()}))  # module._orig_mod.embed.weight
+    plain = [(r.name, r.owner) for r in route_params(StandIn())]
+    assert [(r.name, r.owner) for r in route_params(wrapped)] == plain
+
+
+@pytest.mark.parametrize("preset_name", ["tiny", "small"])
+def test_routing_of_preset_models_on_meta(preset_name):
+    cls, cfg = _dormouse_model(preset_name)
+    with torch.device("meta"):
+        model = cls(cfg)
+    routes = _assert_owned_once(model)
+    assert any(r.owner == "muon" for r in routes)
+    assert any(r.owner == "engram" for r in routes) or cfg.engram_ram
+    print(format_routes(routes))
+
+
+# ---- (d) bit-exact resume ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [dict(ns_kind="quintic", muon_state_dtype="fp32"),
+     dict(ns_kind="polar_express", muon_state_dtype="bf16", ns_dtype="bf16")],
+)  # fmt: skip
+def test_resume_is_bit_exact(kw):
+    torch.manual_seed(0)
+    kw = {"lr": 0.01, "wd": 0.1, **kw}
+
+    def run(model, opt, steps):
+        for step in steps:
+            opt.set_lr_factor(0.5 + 0.1 * step)  # a schedule, so lr is restored from base_lr
+            _set_grads(model, _grads(model, step, _DROPS.get(step, ())))
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+    straight = StandIn()
+    resumed = copy.deepcopy(straight)
+    opt = MixOptimizer(straight, **kw)
+    run(straight, opt, range(3))
+    blob = io.BytesIO()
+    torch.save({"model": straight.state_dict(), "opt": opt.state_dict()}, blob)
+    run(straight, opt, range(3, 6))
+
+    blob.seek(0)
+    ck = torch.load(blob, weights_only=True)
+    resumed.load_state_dict(ck["model"])
+    opt2 = MixOptimizer(resumed, **kw)
+    opt2.load_state_dict(ck["opt"])
+    run(resumed, opt2, range(3, 6))
+    for (n, a), (_, b) in zip(straight.named_parameters(), resumed.named_parameters()):
+        assert torch.equal(a, b), f"{n} differs after resume"
+
+
+def test_load_refuses_a_state_from_another_model():
+    opt = MixOptimizer(StandIn(), lr=0.01)
+    other = nn.Module()
+    other.q_proj = nn.Linear(D, D, bias=False)
+    with pytest.raises(ConfigError, match="routing"):
+        MixOptimizer(other, lr=0.01).load_state_dict(opt.state_dict())
+
+
+# ---- (e) the AdamW control arm, 8-bit refusal, from_config -------------------------------
+
+
+def test_opt_adamw_puts_every_parameter_on_adamw():
+    model = StandIn()
+    routes = _assert_owned_once(model, "adamw")
+    assert all(r.owner in ("adamw", "engram") for r in routes)
+    opt = MixOptimizer(model, lr=0.01, opt="adamw")
+    assert not opt._muon_groups and not opt.muon_state
+    adam = {id(p) for g in opt.adamw.param_groups for p in g["params"]}
+    assert adam == {id(p) for p in model.parameters()}
+    assert isinstance(opt.adamw, torch.optim.AdamW)
+
+
+def test_optim_8bit_without_bitsandbytes_is_loud(monkeypatch):
+    monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # makes `import bitsandbytes` fail
+    with pytest.raises(ConfigError) as e:
+        MixOptimizer(StandIn(), lr=0.01, optim_8bit=True)
+    msg = str(e.value)
+    assert "pip install bitsandbytes" in msg and "optim_8bit=false" in msg
+
+
+def test_from_config_resolves_ns_dtype_auto(caplog):
+    cfg = TrainConfig(ns_dtype="auto", lr=0.01, muon_momentum=0.9)
+    with caplog.at_level("INFO", logger="dormouse.train"):
+        opt = MixOptimizer.from_config(StandIn(), cfg, "cpu")
+    assert {g["ns_dtype"] for g in opt._muon_groups} == {"fp32"}
+    assert {g["momentum"] for g in opt._muon_groups} == {0.9}
+    assert "ns_dtype=auto -> fp32" in caplog.text
+    said = []
+    opt = MixOptimizer.from_config(StandIn(), cfg, "cuda", log=said.append)
+    assert {g["ns_dtype"] for g in opt._muon_groups} == {"bf16"} and "bf16" in said[0]
+
+
+def test_unknown_knob_is_refused():
+    with pytest.raises(ConfigError, match="ns_kind"):
+        MixOptimizer(StandIn(), lr=0.01, ns_kind="cubic")
+
+
+@pytest.mark.skipif(not torch.distributed.is_available(), reason="torch built without distributed")
+def test_ddp_routes_like_plain_and_fsdp2_refuses_muon_but_steps_adamw():
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already live in this process")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        ddp = torch.nn.parallel.DistributedDataParallel(StandIn())
+        assert [(r.name, r.owner) for r in MixOptimizer(ddp, lr=0.01).routes] == [
+            (r.name, r.owner) for r in route_params(StandIn())
+        ]
+        model = StandIn()
+        fully_shard(model)
+        assert isinstance(model.head.weight, DTensor)
+        with pytest.raises(ConfigError, match="DTensor") as e:
+            MixOptimizer(model, lr=0.01)
+        assert "opt=adamw" in str(e.value) and "dist_shard=none" in str(e.value)
+        opt = MixOptimizer(model, lr=0.01, opt="adamw")
+        before = {n: p.full_tensor().clone() for n, p in model.named_parameters()}
+        for p in model.parameters():
+            p.grad = distribute_tensor(torch.full(p.shape, 0.01), p.device_mesh, p.placements)
+        opt.step()
+        for n, p in model.named_parameters():
+            assert not torch.equal(p.full_tensor(), before[n]), f"{n} did not move"
+    finally:
+        dist.destroy_process_group()
