@@ -1,0 +1,128 @@
+"""The single-process loop: exact resume, the schedule, non-finite skips, outputs, the CLI."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from dormouse.cli import main as cli_main
+from dormouse.config import apply_sets, preset
+from dormouse.model import DormouseModel
+from dormouse.train import checkpoint as ckpt
+from dormouse.train.loop import TrainingError, lr_factor, train
+from references.fingerprint import fingerprint
+
+
+def _corpus(tmp_path, n=60_000):
+    # real text, not noise: the repo's own sources, repeated to length
+    import pathlib
+
+    root = pathlib.Path(__file__).resolve().parents[1] / "dormouse"
+    text = b"".join(p.read_bytes() for p in sorted(root.rglob("*.py")))
+    path = tmp_path / "corpus.txt"
+    path.write_bytes((text * (n // len(text) + 1))[:n])
+    return path
+
+
+def _run(tmp_path, out, steps=20, *sets):
+    return apply_sets(preset("tiny"), [f"data={_corpus(tmp_path)}", f"out_dir={out}",
+                                       f"steps={steps}", "batch=2", "seq_len=32", *sets])  # fmt: skip
+
+
+def _model(run, seed=0):
+    torch.manual_seed(seed)
+    return DormouseModel(run.model)
+
+
+def test_exact_resume(tmp_path):
+    quiet = lambda _line: None  # noqa: E731
+    full_run = _run(tmp_path, tmp_path / "full", 20, "moe_lb_coef=0.01")
+    full = _model(full_run)
+    train(full, full_run, log=quiet)
+
+    half_run = _run(tmp_path, tmp_path / "half", 20, "moe_lb_coef=0.01")
+    first = _model(half_run)
+    train(first, half_run, log=quiet, stop_at=10)
+    assert ckpt.read_checkpoint(tmp_path / "half" / "ckpt.pt")["step"] == 10
+    second = _model(half_run, seed=123)  # a different init: everything must come from the file
+    rep = train(second, half_run, log=quiet, resume=True)
+    assert rep["steps"] == 20
+    assert fingerprint(second) == fingerprint(full)
+    # the LFB buffers travel too (they are state, not parameters)
+    for a, b in zip(second.buffers(), full.buffers()):
+        assert torch.equal(a, b)
+
+
+def test_log_lines_metrics_and_plot(tmp_path):
+    lines = []
+    run = _run(tmp_path, tmp_path / "o", 6, "log_every=2", "eval_every=3", "eval_batches=2")
+    train(_model(run), run, log=lines.append)
+    steps = [ln for ln in lines if ln.startswith("step=")]
+    assert len(steps) == 3 and all(k in steps[0] for k in ("loss=", "bpb=", "lr=", "tok/s=", "ms="))
+    evals = [ln for ln in lines if ln.startswith("eval ")]
+    assert len(evals) == 3  # step 0, step 3, and the end
+    rows = [json.loads(x) for x in (tmp_path / "o" / "metrics.jsonl").read_text().splitlines()]
+    assert {r["kind"] for r in rows} == {"train", "eval"}
+    loss = rows[-1]["loss"]
+    assert abs(rows[-1]["bpb"] - loss / math.log(2)) < 1e-9
+    assert (tmp_path / "o" / "loss.png").stat().st_size > 1000
+
+
+def test_schedules():
+    cfg = preset("small").train
+    assert lr_factor(0, cfg) == pytest.approx(1 / cfg.warmup)
+    assert lr_factor(cfg.warmup - 1, cfg) == pytest.approx(1.0)
+    assert lr_factor(cfg.steps - 1, cfg) == pytest.approx(cfg.min_lr_frac, abs=1e-3)
+    wsd = apply_sets(preset("small"), ["schedule=wsd", "wsd_decay_frac=0.5", "warmup=0"]).train
+    assert lr_factor(149, wsd) == 1.0 and lr_factor(225, wsd) == pytest.approx(0.55)
+
+
+def test_nonfinite_steps_are_skipped_then_the_run_stops(tmp_path, monkeypatch):
+    run = _run(tmp_path, tmp_path / "nan", 8, "max_skips=3")
+    model = _model(run)
+    real = model.forward
+
+    def poisoned(x, y=None):  # a fault: every forward from the third on is non-finite
+        logits, loss, aux = real(x, y)
+        poisoned.calls += 1
+        return logits, (loss * float("nan") if poisoned.calls >= 3 else loss), aux
+
+    poisoned.calls = 0
+    monkeypatch.setattr(model, "forward", poisoned)
+    lines = []
+    before = None
+    with pytest.raises(TrainingError, match="3 consecutive non-finite steps"):
+        train(model, run, log=lines.append)
+    assert sum("skipped: non-finite" in ln for ln in lines) == 3
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    del before
+
+
+def test_resume_without_checkpoint_is_refused(tmp_path):
+    run = _run(tmp_path, tmp_path / "none", 2)
+    with pytest.raises(TrainingError, match="no checkpoint"):
+        train(_model(run), run, log=lambda _l: None, resume=True)
+
+
+def test_cli_train_eval_sample(tmp_path, capsys):
+    data = _corpus(tmp_path)
+    out = tmp_path / "cli"
+    assert cli_main(["train", "tiny", "--data", str(data), "--steps", "4", "--out", str(out),
+                     "--device", "cpu", "--set", "batch=2", "--set", "seq_len=32"]) == 0  # fmt: skip
+    assert cli_main(["eval", str(out / "ckpt.pt"), "--batches", "2", "--device", "cpu"]) == 0
+    assert cli_main(["sample", str(out / "ckpt.pt"), "--prompt", "def ", "--bytes", "20",
+                     "--device", "cpu"]) == 0  # fmt: skip
+    text = capsys.readouterr().out
+    assert "eval checkpoint=" in text and "\ndef " in text
+
+
+def test_cli_reports_user_errors_cleanly(tmp_path, capsys):
+    assert cli_main(["train", "tiny", "--data", str(tmp_path / "missing.bin"), "--steps", "1",
+                     "--out", str(tmp_path / "x"), "--device", "cpu"]) == 2  # fmt: skip
+    err = capsys.readouterr().err
+    assert "missing.bin" in err and "Traceback" not in err
+    assert cli_main(["train", "tiny", "--set", "d_modle=3"]) == 2
+    assert "did you mean 'd_model'" in capsys.readouterr().err
