@@ -26,7 +26,7 @@ class CheckpointError(RuntimeError):
     pass
 
 
-def _plain_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+def plain_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The model's state with wrapper prefixes removed and tensors on the CPU."""
     sd = module.state_dict()
     out = {}
@@ -60,8 +60,10 @@ def save_checkpoint(
     path: str | Path,
     *,
     run: RunConfig,
-    model: torch.nn.Module,
+    model: torch.nn.Module | None = None,
+    model_state: dict | None = None,
     optimizer=None,
+    optimizer_state: dict | None = None,
     step: int,
     data_state: dict | None = None,
     extra: dict | None = None,
@@ -72,8 +74,9 @@ def save_checkpoint(
         "format": FORMAT,
         "config": run.to_json(),
         "step": int(step),
-        "model": _plain_state(model),
-        "optimizer": optimizer.state_dict() if optimizer is not None else None,
+        "model": model_state if model_state is not None else plain_state(model),
+        "optimizer": (optimizer_state if optimizer_state is not None
+                      else optimizer.state_dict() if optimizer is not None else None),
         "data": data_state,
         "rng": rng_state(),
         "extra": extra or {},

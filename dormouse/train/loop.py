@@ -208,8 +208,8 @@ def train(
         if not path.exists():
             raise TrainingError(f"--resume: no checkpoint at {path}; start without --resume")
         ck = ckpt.read_checkpoint(path)
-        ckpt.load_model_state(parallel.unwrap(net), ck, path)
-        opt.load_state_dict(ck["optimizer"])
+        parallel.load_model_state(net, ck, path)  # FSDP2 re-shards the full state
+        parallel.load_optimizer_state(opt, ck["optimizer"])
         stream.load_state_dict(ck["data"])
         ckpt.set_rng_state(ck["rng"])
         start = int(ck["step"])
@@ -251,7 +251,9 @@ def train(
 
     end = cfg.steps if stop_at is None else min(cfg.steps, stop_at)
     bar = _Progress(cfg.steps, progress and main)
-    first_eval = do_eval(start) if (cfg.eval_every and start == 0 and val) else {}
+    # `data.has_val`, not `val`: val is empty on ranks that do not evaluate, yet every rank
+    # must enter do_eval for its barrier (else the fleet's collectives fall out of step).
+    first_eval = do_eval(start) if (cfg.eval_every and start == 0 and data.has_val) else {}
     skips = consecutive = 0
     last_loss = float("nan")
     tokens_seen = 0
@@ -309,7 +311,7 @@ def train(
                                "lr": lr_now, "tok_s": tps, "ms": ms,
                                "load": aux["load"].tolist() if aux.get("load") is not None else None})  # fmt: skip
             bar.update(done, last_loss)
-            if cfg.eval_every and done % cfg.eval_every == 0 and done != end and val:
+            if cfg.eval_every and done % cfg.eval_every == 0 and done != end and data.has_val:
                 do_eval(done)
             if cfg.ckpt_every and done % cfg.ckpt_every == 0 and done != end:
                 save(done)
@@ -320,7 +322,7 @@ def train(
         save(step)
         raise
     bar.clear()
-    final = do_eval(end) if val else {}
+    final = do_eval(end) if data.has_val else {}
     save(end)
     if main and metrics_path.exists():
         _plot(metrics_path, out / "loss.png", say)

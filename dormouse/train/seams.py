@@ -85,6 +85,26 @@ class Seams:
     def unwrap(self, model: torch.nn.Module) -> torch.nn.Module:
         return model
 
+    def model_state(self, net: torch.nn.Module) -> dict:
+        """The full model state for a checkpoint (called on every rank)."""
+        from .checkpoint import plain_state
+
+        return plain_state(self.unwrap(net))
+
+    def optimizer_state(self, opt) -> dict:
+        """The full optimizer state for a checkpoint (called on every rank)."""
+        return opt.state_dict()
+
+    def load_model_state(self, net: torch.nn.Module, ck: dict, path="") -> None:
+        """Load a checkpoint's (full, single-file) model state (called on every rank)."""
+        from .checkpoint import load_model_state
+
+        load_model_state(self.unwrap(net), ck, path)
+
+    def load_optimizer_state(self, opt, state: dict) -> None:
+        """Load a checkpoint's (full, single-file) optimizer state (called on every rank)."""
+        opt.load_state_dict(state)
+
     #: passed to model.lfb_update: sums the routers' counts over the fleet
     lfb_reduce = None
 
