@@ -7,6 +7,8 @@ import sys
 
 import pytest
 
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see dormouse/__init__.py
+
 ROOT = os.path.dirname(os.path.abspath(__file__))
 if ROOT not in sys.path:  # gates/ and references/ import from the repo root
     sys.path.insert(0, ROOT)
