@@ -1,0 +1,757 @@
+"""Data parallelism on N ranks: launch rules, backend, capacity, the fleet's seams, refusals.
+
+Owns everything that makes the single-process loop (`loop.py`) a fleet member:
+
+* `check_launch` — the two launch mismatches (--dist without a fleet, a fleet without --dist).
+* `choose_backend` — nccl on CUDA, gloo on the CPU; NCCL missing on CUDA is an error, never gloo.
+* `parse_capacity` / `split_by_rates` / `measure_rate` — each rank's micro-batch
+  (`"4,2"`, `"4x512,2x512"`, `auto` = split the global batch by measured matmul rates).
+* `refuse_incompatible` — what the fleet cannot (yet) do correctly, refused with cause and escape.
+* `Parallel` — the loop's seams (`seams.Seams`) filled in with collectives: the loss scale
+  world_size * t_r / sum(t), ONE all-reduce for the non-finite decision, the token-weighted
+  fleet loss, DDP (reduce dtype `dist_reduce`, buckets from `bucket_mb_for`) or FSDP2
+  `fully_shard`, the LFB counts summed over the fleet, and full (gathered) checkpoint state
+  that one process can reload.
+* `init_parallel` (probe -> policy -> capacity -> process group) and `train_dist`, the
+  entry the CLI calls under torchrun.
+
+Everything else the fleet runs is the single-process loop; the gates in `gates/` hold the
+two together against hand-written references.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import inspect
+import logging
+import math
+import os
+import re
+import time
+from datetime import timedelta
+from typing import Callable, Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+
+from ..config import RunConfig, validate
+from .data import rank_byte_offset  # noqa: F401  (re-exported: the fleet's data layout)
+from .seams import RankShape, Seams
+
+__all__ = [
+    "DistError", "LaunchError", "RefusedError", "NCCL_SAFE_ENV", "check_launch",
+    "choose_backend", "parse_capacity", "split_by_rates", "measure_rate",
+    "refuse_incompatible", "Parallel", "init_parallel", "train_dist", "rank_byte_offset",
+]  # fmt: skip
+
+
+class DistError(RuntimeError):
+    """The fleet cannot start or cannot agree; the message names cause, fact and escape."""
+
+
+class LaunchError(DistError):
+    """--dist and the launcher disagree."""
+
+
+class RefusedError(DistError):
+    """A configuration the fleet would run incorrectly; refused rather than run."""
+
+
+#: Set (if unset) in every rank's environment before the process group starts. NVLink
+#: multicast (NVLS) and symmetric-memory multicast are off: on shared or virtualised hosts
+#: they fail at the first collective or hang, and a PCIe fleet gains nothing from them.
+NCCL_SAFE_ENV = {
+    "NCCL_NVLS_ENABLE": "0",
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+    "NVSHMEM_DISABLE_NVLS": "1",
+}
+
+_LAUNCH = "torchrun --standalone --nproc_per_node=N -m dormouse train PRESET --dist ..."
+
+
+# ---- launch ---------------------------------------------------------------------------
+
+
+def _world_from(env: Mapping[str, str]) -> int | None:
+    raw = env.get("WORLD_SIZE")
+    if raw is None or raw.strip() == "":
+        return None
+    try:
+        world = int(raw)
+    except ValueError:
+        raise LaunchError(
+            f"WORLD_SIZE={raw!r} is not an integer; launch the fleet with {_LAUNCH}"
+        ) from None
+    if world < 1:
+        raise LaunchError(f"WORLD_SIZE={world} must be >= 1; launch the fleet with {_LAUNCH}")
+    return world
+
+
+def check_launch(dist_flag: bool, env: Mapping[str, str]) -> bool:
+    """True when this process is a fleet rank. Refuses both halves of a launch mismatch."""
+    world = _world_from(env)
+    if dist_flag and (world is None or world == 1):
+        fact = "WORLD_SIZE is not set" if world is None else "WORLD_SIZE=1"
+        raise LaunchError(
+            f"--dist asks to join a fleet, but {fact}: there is no fleet to join. Launch N ranks "
+            f"with `{_LAUNCH}`, or drop --dist to train in this one process"
+        )
+    if not dist_flag and world is not None and world > 1:
+        raise LaunchError(
+            f"WORLD_SIZE={world} (this process is one of {world} launched ranks) but --dist is "
+            f"not given: {world} independent runs would train on the same bytes and overwrite "
+            f"one checkpoint. Add --dist to train as one fleet, or launch with plain python"
+        )
+    if dist_flag:
+        missing = [k for k in ("RANK", "MASTER_ADDR", "MASTER_PORT") if not env.get(k)]
+        if missing:
+            raise LaunchError(
+                f"--dist with WORLD_SIZE={world} but {', '.join(missing)} not set: the rank "
+                f"cannot find its fleet. Launch with `{_LAUNCH}` (torchrun sets them)"
+            )
+    return bool(dist_flag)
+
+
+def choose_backend(device_type: str, nccl_available: bool | None = None) -> str:
+    """nccl for CUDA ranks, gloo for CPU ranks. Never falls back from nccl to gloo."""
+    if device_type == "cpu":
+        return "gloo"
+    if device_type == "cuda":
+        if nccl_available is None:
+            nccl_available = dist.is_available() and dist.is_nccl_available()
+        if not nccl_available:
+            raise DistError(
+                f"this torch ({torch.__version__}) was built without NCCL, and a CUDA fleet "
+                f"needs it: gloo would move every gradient through host memory at a fraction of "
+                f"the link's speed, a different run under the same flags, so it is not used as a "
+                f"fallback. Install a CUDA build of torch with NCCL (the pytorch.org wheels have "
+                f"it), or run the fleet on the CPU with --device cpu"
+            )
+        return "nccl"
+    raise DistError(
+        f"device type {device_type!r} has no data-parallel backend here; use --device cuda "
+        f"(nccl) or --device cpu (gloo)"
+    )
+
+
+# ---- capacity ---------------------------------------------------------------------------
+
+_ENTRY = re.compile(r"\s*([0-9]+)\s*(?:[xX]\s*([0-9]+))?\s*", re.ASCII)
+
+
+def split_by_rates(rates: Sequence[float], global_batch: int) -> list[int]:
+    """Split `global_batch` samples over ranks in proportion to `rates`.
+
+    The total is exact and every rank gets at least one sample. Ranks start at
+    max(1, floor(share)); the surplus or deficit is then settled one sample at a time by
+    the largest distance from the ideal share (ties to the lower rank), so the split is
+    the proportional one wherever the minimum of one sample does not bind.
+    """
+    n = len(rates)
+    if n < 1:
+        raise ValueError("split_by_rates needs at least one rank's rate")
+    bad = [r for r in rates if not (isinstance(r, (int, float)) and math.isfinite(r) and r > 0)]
+    if bad:
+        raise ValueError(
+            f"capacity auto: every measured rate must be a positive finite number, got "
+            f"{list(rates)}; a rank whose matmul could not be timed cannot be given a share "
+            f"(give the profile by hand with --capacity B0,B1,...)"
+        )
+    if global_batch < n:
+        raise ValueError(
+            f"capacity auto: a global batch of {global_batch} cannot give each of {n} ranks at "
+            f"least one sample; raise --set batch (the global batch is batch * world_size)"
+        )
+    top = float(max(rates))  # normalised first: a sum of huge rates must not overflow
+    scaled = [r / top for r in rates]
+    total = sum(scaled)
+    ideal = [global_batch * r / total for r in scaled]
+    out = [max(1, int(math.floor(q))) for q in ideal]
+    while sum(out) > global_batch:
+        i = max((i for i in range(n) if out[i] > 1), key=lambda i: (out[i] - ideal[i], -i))
+        out[i] -= 1
+    while sum(out) < global_batch:
+        i = max(range(n), key=lambda i: (ideal[i] - out[i], -i))
+        out[i] += 1
+    return out
+
+
+def parse_capacity(
+    spec: str,
+    world_size: int,
+    batch: int,
+    seq_len: int,
+    max_seq_len: int,
+    rates: Sequence[float] | None = None,
+) -> list[RankShape]:
+    """The per-rank micro-batches of a fleet, from `--capacity`.
+
+    ""            every rank takes `batch` windows of `seq_len` (total batch * world_size)
+    "4,2"         one batch per rank, each at `seq_len` (total 6)
+    "4x512,2x256" batch x window length per rank (a length must be <= max_seq_len)
+    "auto"        split batch * world_size by `rates` (each rank's measured matmul rate)
+    Anything else is a ValueError naming the problem.
+    """
+    if not isinstance(spec, str):
+        raise ValueError(f"--capacity must be text, got {type(spec).__name__}")
+    if world_size < 1:
+        raise ValueError(f"world_size={world_size}: a fleet has at least one rank")
+    if batch < 1 or seq_len < 1:
+        raise ValueError(f"batch={batch} and seq_len={seq_len} must both be >= 1")
+    if seq_len > max_seq_len:
+        raise ValueError(f"seq_len={seq_len} exceeds the model's max_seq_len={max_seq_len}")
+    text = spec.strip()
+    if text == "":
+        return [RankShape(batch, seq_len) for _ in range(world_size)]
+    if text.lower() == "auto":
+        if rates is None:
+            raise ValueError(
+                "--capacity auto needs each rank's measured rate; init_parallel measures and "
+                "all-gathers them (pass rates= when calling parse_capacity directly)"
+            )
+        if len(rates) != world_size:
+            raise ValueError(f"capacity auto: {len(rates)} rates for {world_size} ranks")
+        return [RankShape(b, seq_len) for b in split_by_rates(rates, batch * world_size)]
+    parts = text.split(",")
+    if len(parts) != world_size:
+        raise ValueError(
+            f"--capacity {spec!r} names {len(parts)} rank(s) but the fleet has {world_size}; "
+            f"give one entry per rank (e.g. {','.join(['4'] * world_size)}) or 'auto'"
+        )
+    shapes = []
+    for r, part in enumerate(parts):
+        m = _ENTRY.fullmatch(part)
+        if not m:
+            raise ValueError(
+                f"--capacity {spec!r}: entry {r} ({part!r}) is not B or BxT (two positive "
+                f"integers, e.g. 4 or 4x512)"
+            )
+        b = int(m.group(1))
+        t = int(m.group(2)) if m.group(2) is not None else seq_len
+        if b < 1:
+            raise ValueError(f"--capacity {spec!r}: rank {r} has batch {b}; every rank needs >= 1")
+        if not 1 <= t <= max_seq_len:
+            raise ValueError(
+                f"--capacity {spec!r}: rank {r} asks for windows of {t} bytes; the model takes "
+                f"1..{max_seq_len} (max_seq_len)"
+            )
+        shapes.append(RankShape(b, t))
+    return shapes
+
+
+def measure_rate(device: torch.device | str, reps: int = 5) -> float:
+    """This device's matmul rate in FLOP/s, timed on a fixed square product.
+
+    CUDA: 4096^3 in the card's best half dtype (bf16 from sm_80, fp16 from sm_53, else fp32).
+    CPU: 256^3 fp32, small enough to take milliseconds. Only the RATIO between ranks matters.
+    """
+    device = torch.device(device)
+    if device.type == "cuda":
+        n = 4096
+        cap = torch.cuda.get_device_capability(device)
+        dtype = (torch.bfloat16 if cap >= (8, 0)
+                 else torch.float16 if cap >= (5, 3) else torch.float32)  # fmt: skip
+    else:
+        n, dtype = 256, torch.float32
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    a = torch.randn(n, n, generator=gen).to(device=device, dtype=dtype)
+    b = torch.randn(n, n, generator=gen).to(device=device, dtype=dtype)
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    torch.mm(a, b)  # warm-up: kernel selection and first-touch allocation
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        torch.mm(a, b)
+    sync()
+    seconds = max(time.perf_counter() - t0, 1e-9)
+    return 2.0 * n**3 * reps / seconds
+
+
+# ---- refusals ---------------------------------------------------------------------------
+
+
+def refuse_incompatible(run: RunConfig, world_size: int) -> None:
+    """Refuse what a fleet of `world_size` ranks would run incorrectly (cause and escape).
+
+    Allowed on purpose: the LFB controller (its counts are summed over the fleet by
+    `Parallel.lfb_reduce`, gated against the single process), and a data mixture (its
+    source for step s is a hash of (seed, s), `data.Mixture.source_at`, so every rank
+    picks the same source and the fleet reads one block of one source per step).
+    """
+    if world_size <= 1:
+        return
+    m, t = run.model, run.train
+    fleet = f"a fleet of {world_size} ranks"
+    if m.moe_capacity > 0:
+        raise RefusedError(
+            f"moe_capacity={m.moe_capacity} (capacity-padded MoE) on {fleet}: the cap is "
+            f"ceil(capacity * tokens * k / E) over the WINDOW, so which assignments are dropped "
+            f"depends on the window's composition, and splitting the global batch across ranks "
+            f"changes the model being trained. Use --set moe_capacity=0 (dropless: the fleet "
+            f"then equals one process at the global batch)"
+        )
+    if m.engram_ram:
+        raise RefusedError(
+            f"engram_ram=true on {fleet}: the host-RAM Engram tables are not parameters, so the "
+            f"gradient reducer never sees their rows and each rank would update its own copy "
+            f"(N different models that look synchronised; design notes' known gap 4, no row "
+            f"all-reduce exists yet). Use --set engram_ram=false: the tables stay on the device "
+            f"as parameters and are reduced like every other gradient"
+        )
+    if t.dist_shard == "fsdp" and t.opt != "adamw":
+        raise RefusedError(
+            f"dist_shard=fsdp with opt={t.opt}: FSDP2 shards parameters as DTensors, and the "
+            f"batched Muon keeps one plain stacked momentum per shape group and needs each full "
+            f"matrix for its polar (no shard-aware Muon exists; measured failure: '_foreach_add_ "
+            f"got mixed torch.Tensor and DTensor'). Use --set opt=adamw to keep FSDP2, or "
+            f"--set dist_shard=none (DDP) to keep Muon"
+        )
+    if t.dist_shard == "fsdp" and t.optim_8bit:
+        raise RefusedError(
+            "dist_shard=fsdp with optim_8bit=true: bitsandbytes' AdamW8bit steps plain CUDA "
+            "tensors, not FSDP2's DTensor shards. Use --set optim_8bit=false or dist_shard=none"
+        )
+    if t.compile:
+        raise RefusedError(
+            f"compile=true on {fleet}: torch.compile under DDP/FSDP2 has no gate here (graph "
+            f"breaks at the reducer's hooks change what runs), so its result is unverified. "
+            f"Use --set compile=false"
+        )
+
+
+# ---- the fleet's seams ------------------------------------------------------------------
+
+_DTYPE_NAMES = {None: "fp32", torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+_REDUCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class Parallel(Seams):
+    """One rank of a data-parallel fleet: the loop's seams, answered with collectives."""
+
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        device: torch.device,
+        shapes: list[RankShape],
+        *,
+        backend: str,
+        reduce: str = "fp32",
+        shard: str = "none",
+        bucket_mb: float = 0.0,
+        compute: str = "fp32",
+        log: Callable[[str], None] = print,
+    ):
+        super().__init__(shapes)
+        if len(shapes) != world_size or not 0 <= rank < world_size:
+            raise DistError(f"rank {rank} of {world_size} with {len(shapes)} shapes")
+        self.rank, self.world_size = int(rank), int(world_size)
+        self.device = torch.device(device)
+        self.backend, self.reduce, self.shard = backend, reduce, shard
+        self.bucket_mb, self.compute = float(bucket_mb), compute
+        # FSDP2 all-gathers parameters inside forward: every rank must run the eval forward.
+        self.eval_on_all_ranks = shard == "fsdp"
+        self.say = log if self.rank == 0 else (lambda _line: None)
+        self.find_unused: bool | None = None
+
+    # -- the four seams --------------------------------------------------------------
+
+    def all_finite(self, finite: bool) -> bool:
+        # ONE collective: a rank that skipped alone would leave its parameters behind.
+        flag = torch.tensor([1 if finite else 0], dtype=torch.int32, device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        return bool(flag.item())
+
+    def fleet_loss(self, loss: torch.Tensor) -> float:
+        """sum_r t_r * loss_r / sum_r t_r: the loss of the global batch, on every rank."""
+        x = loss.detach().to(device=self.device, dtype=torch.float64).reshape(1) * self.shape.tokens
+        dist.all_reduce(x, op=dist.ReduceOp.SUM)
+        return float(x.item()) / self.global_tokens
+
+    @property
+    def lfb_reduce(self):
+        def reduce_sum(counts: torch.Tensor) -> None:
+            # in place: every rank now holds the fleet's counts and moves its bias identically
+            dist.all_reduce(counts, op=dist.ReduceOp.SUM)
+
+        return reduce_sum
+
+    def barrier(self) -> None:
+        if self.backend == "nccl":
+            dist.barrier(device_ids=[self.device.index])
+        else:
+            dist.barrier()
+
+    # -- the reducer ---------------------------------------------------------------------
+
+    def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
+        if self.shard == "fsdp":
+            return self._wrap_fsdp(model)
+        return self._wrap_ddp(model)
+
+    def unwrap(self, model: torch.nn.Module) -> torch.nn.Module:
+        ddp = isinstance(model, torch.nn.parallel.DistributedDataParallel)
+        return model.module if ddp else model
+
+    def _payload_bytes(self, model: torch.nn.Module) -> int:
+        per = 4 if self.reduce == "fp32" else 2
+        return sum(p.numel() for p in model.parameters() if p.requires_grad) * per
+
+    def _wrap_ddp(self, model):
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        from .link import bucket_mb_for
+
+        unused = _params_without_grad(model, self.device)
+        self.find_unused = bool(unused)
+        payload = self._payload_bytes(model)
+        mb = self.bucket_mb if self.bucket_mb > 0 else bucket_mb_for(payload)
+        # The only buffers are the LFB controller's, kept identical by lfb_reduce; DDP's
+        # per-forward broadcast would overwrite every rank's counts with rank 0's. (torch
+        # 2.13 renames the switch; 2.11 knows only the old name.)
+        no_sync = ({"forward_sync_buffers": False}
+                   if "forward_sync_buffers" in inspect.signature(DDP.__init__).parameters
+                   else {"broadcast_buffers": False})  # fmt: skip
+        ddp = DDP(
+            model,
+            device_ids=[self.device.index] if self.device.type == "cuda" else None,
+            bucket_cap_mb=mb,
+            find_unused_parameters=self.find_unused,
+            **no_sync,
+        )
+        if self.reduce in ("bf16", "fp16"):
+            ddp.register_comm_hook(None, _compress_hook(_REDUCE_DTYPES[self.reduce]))
+        why = (f"probe: {len(unused)} parameter(s) got no gradient, e.g. {unused[0]}" if unused
+               else "probe: every parameter received a gradient")  # fmt: skip
+        self.say(f"ddp: reduce={self.reduce} bucket_cap_mb={mb:.1f} (payload "
+                 f"{payload / 2**20:.2f} MiB{'' if self.bucket_mb > 0 else ', bucket_mb_for'}) "
+                 f"find_unused_parameters={int(self.find_unused)} ({why})")  # fmt: skip
+        return ddp
+
+    def _wrap_fsdp(self, model):
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        # fully_shard does not broadcast: rank 0's initial values become everyone's here,
+        # so a model seeded differently on some rank still starts the fleet in agreement.
+        with torch.no_grad():
+            for t in list(model.parameters()) + list(model.buffers()):
+                dist.broadcast(t.data, src=0)
+        mesh = init_device_mesh(self.device.type, (self.world_size,))
+        mp = MixedPrecisionPolicy(reduce_dtype=_REDUCE_DTYPES[self.reduce])
+        for block in getattr(model, "blocks", []):
+            fully_shard(block, mesh=mesh, mp_policy=mp)
+        fully_shard(model, mesh=mesh, mp_policy=mp)
+        self.say(f"fsdp2: fully_shard per block + root, reduce={self.reduce}, "
+                 f"mesh={self.world_size}")
+        return model
+
+    # -- checkpoints: rank 0 writes one file that one process can reload ---------------------
+
+    def model_state(self, net) -> dict:
+        if self.shard != "fsdp":
+            return super().model_state(net) if self.is_main else {}
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        sd = get_model_state_dict(net, options=opts)  # a collective; full on rank 0 only
+        return dict(sd) if self.is_main else {}
+
+    def optimizer_state(self, opt) -> dict:
+        if self.shard != "fsdp":
+            return opt.state_dict() if self.is_main else {}
+        # Gather every DTensor in the optimizer's own state_dict format (the one a
+        # single-process MixOptimizer loads), walking it in the same order on every rank.
+        full = _gather_tree(opt.state_dict())
+        return full if self.is_main else {}
+
+    def load_model_state(self, net, ck: dict, path="") -> None:
+        if self.shard != "fsdp":
+            return super().load_model_state(net, ck, path)
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        from .checkpoint import CheckpointError, shape_mismatch
+
+        diff = shape_mismatch(ck["run"].model, net.cfg) if hasattr(net, "cfg") else []
+        if diff:
+            raise CheckpointError(f"checkpoint {path} has another model shape: " + "; ".join(diff))
+        set_model_state_dict(net, ck["model"], options=StateDictOptions(full_state_dict=True))
+
+    def load_optimizer_state(self, opt, state: dict) -> None:
+        super().load_optimizer_state(opt, state)
+        if self.shard == "fsdp":
+            _shard_optimizer_state(opt)
+
+    def describe(self) -> str:
+        shapes = ",".join(s.line() for s in self.shapes)
+        return (f"rank {self.rank}/{self.world_size} backend={self.backend} shapes={shapes} "
+                f"reduce={self.reduce} shard={self.shard}")  # fmt: skip
+
+    def line(self) -> str:
+        """The one line every rank prints when it joins."""
+        return (f"dist rank={self.rank}/{self.world_size} backend={self.backend} "
+                f"device={self.device} shape={self.shape.line()} dtype={self.compute} "
+                f"reduce={self.reduce} shard={self.shard}")  # fmt: skip
+
+
+def _compress_hook(dtype: torch.dtype):
+    """A DDP comm hook: all-reduce each bucket in `dtype` (the mean), then widen it back.
+
+    torch's own bf16 hook refuses anything but NCCL (and its fp16 twin is the same cast); this
+    one is the same arithmetic on any backend, so the CPU fleet runs what a card fleet runs.
+    """
+
+    def hook(state, bucket):
+        buf = bucket.buffer()
+        small = buf.to(dtype).div_(dist.get_world_size())
+        fut = dist.all_reduce(small, async_op=True).get_future()
+
+        def widen(f):
+            out = bucket.buffer()
+            out.copy_(f.value()[0])
+            return out
+
+        return fut.then(widen)
+
+    return hook
+
+
+def _params_without_grad(model: torch.nn.Module, device: torch.device) -> list[str]:
+    """Names of parameters one small forward/backward leaves without a gradient.
+
+    Run in eval mode (the LFB counts only move in training forwards) on fixed bytes, and the
+    gradients are cleared afterwards, so the probe leaves no trace in the model.
+    """
+    cfg = getattr(model, "cfg", None)
+    seq = min(8, getattr(cfg, "max_seq_len", 8))
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    x = torch.randint(0, 256, (1, seq + 1), generator=gen).to(device)
+    was = model.training
+    model.eval()
+    try:
+        with torch.enable_grad():
+            _, loss, _ = model(x[:, :-1], x[:, 1:])
+            loss.backward()
+        missing = [n for n, p in model.named_parameters() if p.requires_grad and p.grad is None]
+    finally:
+        for p in model.parameters():
+            p.grad = None
+        model.train(was)
+    return missing
+
+
+def _is_dtensor(t) -> bool:
+    return hasattr(t, "full_tensor") and hasattr(t, "placements")
+
+
+def _gather_tree(obj):
+    if _is_dtensor(obj):
+        return obj.full_tensor().detach().cpu()
+    if isinstance(obj, dict):
+        return {k: _gather_tree(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_gather_tree(v) for v in obj)
+    if torch.is_tensor(obj):
+        return obj.detach().cpu().clone()
+    return obj
+
+
+def _shard_optimizer_state(opt) -> None:
+    """After loading a full (single-file) state: re-shard each state tensor like its parameter."""
+    from torch.distributed.tensor import distribute_tensor
+
+    inner = getattr(opt, "adamw", None) or opt
+    for group in inner.param_groups:
+        for p in group["params"]:
+            st = inner.state.get(p)
+            if not st or not _is_dtensor(p):
+                continue
+            for k, v in list(st.items()):
+                if torch.is_tensor(v) and not _is_dtensor(v) and tuple(v.shape) == tuple(p.shape):
+                    local = v.to(device=p.to_local().device, dtype=p.dtype)
+                    # every rank holds the same full tensor: split locally, no communication
+                    st[k] = distribute_tensor(local, p.device_mesh, p.placements,
+                                              src_data_rank=None)
+
+
+# ---- joining the fleet --------------------------------------------------------------------
+
+
+def _fleet_device(run: RunConfig, device_type: str | None, local_rank: int) -> torch.device:
+    want = device_type or run.train.device
+    if want == "auto":
+        want = "cuda" if torch.cuda.is_available() else "cpu"
+    kind = torch.device(want).type
+    if kind == "cuda":
+        return torch.device("cuda", local_rank)
+    return torch.device(kind)
+
+
+def _agree(values: list[float], device: torch.device) -> list[float]:
+    """All-gather one float per rank."""
+    mine = torch.tensor(values, dtype=torch.float64, device=device)
+    out = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, mine)
+    return [float(v) for t in out for v in t.tolist()]
+
+
+def _fingerprint(run: RunConfig, shapes: list[RankShape]) -> float:
+    """A number every rank must share: the model, the capacity split and the schedule."""
+    t = run.train
+    key = repr((dataclasses.asdict(run.model), [s.line() for s in shapes], t.steps, t.seed,
+                t.lr, t.opt, t.dist_shard, t.dist_reduce, t.data))  # fmt: skip
+    return float(int(hashlib.sha256(key.encode()).hexdigest()[:12], 16))
+
+
+def init_parallel(
+    run: RunConfig,
+    device_type: str | None = None,
+    *,
+    log: Callable[[str], None] = print,
+    rate: float | None = None,
+    nccl_available: bool | None = None,
+    timeout_s: float | None = None,
+    parallel_cls: type[Parallel] = Parallel,
+    env: Mapping[str, str] | None = None,
+) -> Parallel:
+    """Join the fleet torchrun launched: backend, device, process group, capacity, reduce dtype.
+
+    `rate` replaces this rank's measured matmul rate for `--capacity auto` (tests inject
+    rates to make the split deterministic); `nccl_available` simulates a torch without NCCL.
+    """
+    env = os.environ if env is None else env
+    world = _world_from(env)
+    if world is None:
+        raise LaunchError(f"init_parallel: WORLD_SIZE is not set; launch with `{_LAUNCH}`")
+    rank = int(env.get("RANK", "0"))
+    local_rank = int(env.get("LOCAL_RANK", str(rank)))
+    cfg = run.train
+    want = device_type or cfg.device
+    if want == "auto":
+        want = "cuda" if torch.cuda.is_available() else "cpu"
+    backend = choose_backend(torch.device(want).type, nccl_available)  # before anything else
+    device = _fleet_device(run, want, local_rank)
+    if device.type == "cuda":
+        n = torch.cuda.device_count()
+        if local_rank >= n:
+            raise DistError(
+                f"rank {rank} (local rank {local_rank}) needs cuda:{local_rank} but this node "
+                f"sees {n} CUDA device(s); launch at most {n} ranks per node (--nproc_per_node)"
+            )
+        torch.cuda.set_device(device)
+    for k, v in NCCL_SAFE_ENV.items():
+        os.environ.setdefault(k, v)
+    if not dist.is_initialized():
+        kw = {"timeout": timedelta(seconds=timeout_s)} if timeout_s else {}
+        if backend == "nccl":
+            kw["device_id"] = device
+        dist.init_process_group(backend, rank=rank, world_size=world, **kw)
+    say = log if rank == 0 else (lambda _line: None)
+
+    from .loop import resolve_autocast
+
+    compute = _DTYPE_NAMES.get(resolve_autocast(run, device, lambda _l: None), "fp32")
+
+    spec = cfg.dist_capacity.strip()
+    rates = None
+    if spec.lower() == "auto":
+        mine = rate if rate is not None else measure_rate(device)
+        rates = _agree([mine], device)
+        say(f"capacity auto: matmul rates {', '.join(f'{r / 1e9:.2f}' for r in rates)} GFLOP/s "
+            f"{'(injected)' if rate is not None else '(measured)'}")  # fmt: skip
+    try:
+        shapes = parse_capacity(spec, world, cfg.batch, cfg.seq_len, run.model.max_seq_len,
+                                rates=rates)
+    except ValueError as e:
+        raise DistError(str(e)) from None
+    if spec:
+        say(f"capacity {spec}: " + ", ".join(f"rank{r}={s.line()}" for r, s in enumerate(shapes))
+            + f" (global {sum(s.batch for s in shapes)} windows, "
+            f"{sum(s.tokens for s in shapes)} tokens)")
+
+    fps = _agree([_fingerprint(run, shapes)], device)
+    if len(set(fps)) != 1:
+        raise DistError(
+            "the ranks were launched with different configurations (model, --capacity, steps, "
+            "seed, lr, opt, dist_shard, dist_reduce or data differ); launch every rank with the "
+            "same command line"
+        )
+
+    reduce = cfg.dist_reduce
+    if reduce == "auto":
+        code = {"fp32": 0.0, "bf16": 1.0, "fp16": 2.0}[compute]
+        codes = _agree([code], device)
+        names = [("fp32", "bf16", "fp16")[int(c)] for c in codes]
+        reduce = names[0] if len(set(names)) == 1 else "fp32"
+        say(f"dist_reduce=auto -> {reduce} (fleet compute dtypes: {','.join(names)}"
+            f"{'; they differ: the exact fp32 reduce' if len(set(names)) > 1 else ''})")  # fmt: skip
+
+    return parallel_cls(rank, world, device, shapes, backend=backend, reduce=reduce,
+                        shard=cfg.dist_shard, bucket_mb=cfg.bucket_mb, compute=compute,
+                        log=log)  # fmt: skip
+
+
+def train_dist(
+    run: RunConfig,
+    log: Callable[[str], None] = print,
+    device_type: str | None = None,
+    model: torch.nn.Module | None = None,
+    close: bool = True,
+    resume: bool = False,
+    *,
+    stop_at: int | None = None,
+    rate: float | None = None,
+    timeout_s: float | None = None,
+    parallel_cls: type[Parallel] = Parallel,
+) -> dict:
+    """Train `run` as one rank of the fleet torchrun launched; rank 0's log is the run's log.
+
+    Every rank prints one `dist rank=r/P ...` line; everything else is printed by rank 0.
+    The model is built from `run.train.seed` on every rank BEFORE wrapping (or taken from
+    `model`, which the caller must have built identically on every rank). `close=False`
+    leaves the process group up (callers that gather more state afterwards).
+    """
+    run = validate(run)
+    world = _world_from(os.environ) or 1
+    refuse_incompatible(run, world)
+    if run.train.fit_gb:
+        from .fit import apply_fit
+
+        run = apply_fit(run, log=log if os.environ.get("RANK", "0") == "0" else (lambda _l: None))
+        try:
+            refuse_incompatible(run, world)  # --fit may have engaged a mechanism a fleet refuses
+        except RefusedError as e:
+            raise RefusedError(
+                f"--fit {run.train.fit_gb} engaged a mechanism the fleet cannot run: {e}. The "
+                f"fit planner does not know about fleets yet: drop --fit and set the mechanisms "
+                f"by hand (--set moe_offload=true, muon_state_dtype=bf16, ...)"
+            ) from None
+
+    parallel = init_parallel(run, device_type, log=log, rate=rate, timeout_s=timeout_s,
+                             parallel_cls=parallel_cls)  # fmt: skip
+    quiet = logging.getLogger("dormouse")
+    level = quiet.level
+    if not parallel.is_main:  # module loggers' `auto` verdicts too: rank 0 speaks for the fleet
+        quiet.setLevel(logging.WARNING)
+    ok = False
+    try:
+        log(parallel.line())
+        if model is None:
+            from ..model import DormouseModel
+
+            torch.manual_seed(run.train.seed)
+            model = DormouseModel(run.model)
+        from .loop import train
+
+        report = train(model, run, log=log, parallel=parallel, resume=resume, stop_at=stop_at)
+        report.update(shapes=[s.line() for s in parallel.shapes], backend=parallel.backend,
+                      reduce=parallel.reduce, device=str(parallel.device))  # fmt: skip
+        ok = True
+        return report
+    finally:
+        quiet.setLevel(level)
+        if close and dist.is_initialized():
+            if ok:
+                parallel.barrier()  # without it, gloo teardown aborts intermittently
+            dist.destroy_process_group()

@@ -1,0 +1,60 @@
+"""The reference trajectory: ONE process at the fleet's GLOBAL batch.
+
+A fleet of P ranks with batches b_r reads, at step s, the union of its ranks' windows, and
+that union is exactly the block one process with batch sum(b_r) reads at step s (the data
+layout of DESIGN §3). So "the fleet trains correctly" is the claim "the fleet reproduces one
+process at the global batch", and this module runs that one process.
+
+It drives `dormouse.train.loop.train` with the one-process seams (`Seams`): the single-process
+loop IS the behaviour the fleet must reproduce, so using it here is the point, not a shortcut.
+What this reference must not share with the fleet is the distributed layer, and it does not:
+nothing here imports `dormouse.train.distributed`. The model is built from the run's seed,
+the same way every fleet rank builds it before wrapping.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Callable
+
+import torch
+
+from dormouse.config import RunConfig
+from dormouse.model import DormouseModel
+from dormouse.train.loop import train
+from dormouse.train.seams import RankShape, Seams
+
+
+def build_model(run: RunConfig) -> DormouseModel:
+    """The model every rank (and this reference) starts from: seeded by run.train.seed."""
+    torch.manual_seed(run.train.seed)
+    return DormouseModel(run.model)
+
+
+def global_run(run: RunConfig, batches: list[int]) -> RunConfig:
+    """The one-process twin of a fleet run whose ranks take `batches` windows each."""
+    t = replace(run.train, batch=int(sum(batches)), dist=False, dist_capacity="")
+    return replace(run, train=t)
+
+
+def run_single(
+    run: RunConfig,
+    *,
+    seams: Seams | None = None,
+    model: torch.nn.Module | None = None,
+    log: Callable[[str], None] | None = None,
+    resume: bool = False,
+) -> tuple[torch.nn.Module, dict]:
+    """Train `run` (already at the global batch) in this process; returns (model, report).
+
+    `seams` may be a one-process `Seams` subclass that records what passes through the
+    loop's seams (losses, fingerprints); it must not change what the loop does.
+    """
+    cfg = run.train
+    if seams is None:
+        seams = Seams([RankShape(cfg.batch, cfg.seq_len)])
+    if model is None:
+        model = build_model(run)
+    lines: list[str] = []
+    report = train(model, run, log=log or lines.append, parallel=seams, resume=resume)
+    return model, report
