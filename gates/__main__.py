@@ -13,6 +13,22 @@ import time
 from pathlib import Path
 
 
+BEGIN, END = "<!-- status:begin -->", "<!-- status:end -->"
+
+
+def embed_in_readme(status: Path, readme: Path) -> None:
+    """Put the generated table between the README's status markers (never typed by hand)."""
+    text = readme.read_text()
+    if BEGIN not in text or END not in text:
+        print(f"README has no {BEGIN} ... {END} markers; table not embedded", file=sys.stderr)
+        return
+    body = status.read_text().split("\n", 1)[1].strip()  # drop the file's own title
+    head, rest = text.split(BEGIN, 1)
+    tail = rest.split(END, 1)[1]
+    readme.write_text(f"{head}{BEGIN}\n{body}\n{END}{tail}")
+    print(f"status table embedded in {readme}")
+
+
 def main(argv: list[str] | None = None) -> int:
     from gates.harness import GATES, ROOT, load, timed, write_status
 
@@ -56,6 +72,8 @@ def main(argv: list[str] | None = None) -> int:
         out.parent.mkdir(parents=True, exist_ok=True)
         write_status(records, out)
         print(f"status table written to {out}")
+        if out.resolve() == (ROOT / "docs" / "status.md").resolve():
+            embed_in_readme(out, ROOT / "README.md")
     scratch.cleanup()
     return 1 if failed else 0
 

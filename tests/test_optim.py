@@ -193,6 +193,8 @@ def test_adamw_side_is_torch_adamw_with_the_documented_groups():
          "lr": 0.01, "weight_decay": 0.1},
         {"params": [p[n] for n, r in routes.items() if r.owner == "adamw" and not r.decay],
          "lr": 0.01, "weight_decay": 0.0},
+        # The Engram table's row-sparse Adam: every row of these random grads is non-zero,
+        # and then it must be torch Adam (weight_decay 0) bit for bit.
         {"params": [p["engram.store.table"]], "lr": 0.05, "weight_decay": 0.0},
     ]  # fmt: skip
     ref = torch.optim.AdamW(groups, betas=(0.9, 0.95), foreach=True)
@@ -366,7 +368,11 @@ def test_opt_adamw_puts_every_parameter_on_adamw():
     opt = MixOptimizer(model, lr=0.01, opt="adamw")
     assert not opt._muon_groups and not opt.muon_state
     adam = {id(p) for g in opt.adamw.param_groups for p in g["params"]}
-    assert adam == {id(p) for p in model.parameters()}
+    # The Engram table keeps its row-sparse Adam in both arms; everything else is AdamW.
+    assert [g["kind"] for g in opt.param_groups if g["kind"] == "engram"] == ["engram"]
+    table = {id(model.engram.store.table)}
+    assert adam == {id(p) for p in model.parameters()} - table
+    assert {id(p) for p in opt.param_groups[-1]["params"]} == table
     assert isinstance(opt.adamw, torch.optim.AdamW)
 
 

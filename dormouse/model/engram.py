@@ -5,7 +5,10 @@ Owns three things:
 * `engram_indices` — the hash. It maps each position's last n bytes to one row
   per table, from the input bytes alone, so a host-RAM store can fetch exactly
   these rows before the forward runs.
-* `TableStore` / `VramTables` — where the table rows live, behind one `gather`.
+* `TableStore` / `VramTables` / `HostTables` — where the table rows live (device
+  Parameter, or host RAM with `engram_ram`), behind one `gather`.
+* `row_adam_` — the row-sparse Adam both stores are updated with (the optimizer calls
+  it for a VRAM table, `HostTables.step` for host rows), so the two stores train alike.
 * `Engram` — the module: gather, project to key/value, gate by similarity with
   the hidden state, zero-initialised causal depthwise conv, residual add.
 
@@ -139,6 +142,70 @@ def engram_indices(x_bytes: torch.Tensor, cfg, prev: torch.Tensor | None = None)
     return _mix32(acc ^ salt) % cfg.engram_rows
 
 
+def row_adam_(
+    param: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    row_step: torch.Tensor,
+    rows: torch.Tensor,
+    grad: torch.Tensor,
+    lr: float,
+    betas: tuple[float, float],
+    eps: float,
+) -> None:
+    """Adam on the listed rows only, in place; every other row and its moments stay as they are.
+
+    param, exp_avg, exp_avg_sq: [R, dim]; row_step: [R] int32 (Adam steps each row has
+    taken); rows: LongTensor [U] of distinct row numbers on param's device; grad: [U, dim],
+    the summed gradient of those rows. No weight decay (a decayed table would erase the
+    n-grams a batch did not see).
+
+    Lazy semantics, as torch.optim.SparseAdam: a row's moments move only on the steps
+    that touch it. Unlike SparseAdam, the bias correction uses the ROW's own step count,
+    not the global one: a row first touched at global step 1000 gets the full first-step
+    update (m_hat = g), as it would in a fresh Adam, instead of one damped by
+    (1 - beta1) / sqrt(1 - beta2). The per-row count costs 4 B per row.
+
+    This is the one hand-written Adam in dormouse: torch has no lazy row Adam on dense
+    gradients (SparseAdam wants sparse grads and a global step; AdamW decays every row's
+    moments and moves rows the batch never touched through their momentum). Each
+    operation mirrors torch.optim.AdamW's foreach path (lerp for m, mul + addcmul for v,
+    step size and sqrt of the bias correction in float64, then one addcdiv-shaped
+    update), so a table whose every row is touched every step follows torch AdamW
+    (weight_decay=0) exactly.
+    """
+    b1, b2 = betas
+    p = param.index_select(0, rows)
+    m = exp_avg.index_select(0, rows)
+    v = exp_avg_sq.index_select(0, rows)
+    k = row_step.index_select(0, rows) + 1
+    g = grad.to(p.dtype)
+    m.lerp_(g, 1 - b1)
+    v.mul_(b2).addcmul_(g, g, value=1 - b2)
+    kd = k.to(torch.float64)
+    step_size = (lr / (1 - torch.pow(b1, kd))).to(p.dtype).unsqueeze(1)
+    bc2_sqrt = (1 - torch.pow(b2, kd)).sqrt().to(p.dtype).unsqueeze(1)
+    denom = (v.sqrt() / bc2_sqrt).add_(eps)
+    p.add_((-step_size) * m / denom)  # addcdiv's order: (value * m) / denom
+    param.index_copy_(0, rows, p)
+    exp_avg.index_copy_(0, rows, m)
+    exp_avg_sq.index_copy_(0, rows, v)
+    row_step.index_copy_(0, rows, k.to(row_step.dtype))
+
+
+def touched_rows(grad: torch.Tensor) -> torch.Tensor:
+    """Row numbers (LongTensor, ascending) of a [R, dim] gradient whose row is not all zero.
+
+    "Touched" is read from the gradient, not from the gather, in both stores: a row a batch
+    gathered but whose gradient is exactly zero (every row at step 0, when the Engram conv
+    is still zero) does not step. Under DDP the reduced gradient is the same on every rank,
+    so every rank picks the same rows.
+    """
+    # any() reduces the float gradient in place of a full-size `grad != 0` mask (1 B per
+    # table entry: 0.4 GB of transient on b1). NaN counts as non-zero, -0.0 as zero.
+    return grad.any(1).nonzero().squeeze(1)
+
+
 class TableStore(nn.Module):
     """Where the Engram rows live. The module talks to its store through `gather` only.
 
@@ -146,20 +213,13 @@ class TableStore(nn.Module):
       * attributes `n_tables`, `rows`, `dim`;
       * `gather(idx)`: idx LongTensor [..., n_tables] of rows in [0, rows) ->
         Tensor [..., n_tables, dim] on idx's device, differentiable: the gradient
-        of the gathered rows must reach whatever the store updates.
+        of the gathered rows must reach whatever the store updates;
+      * `model.state_dict()` holds the rows as `<prefix>table` [n_tables, rows, dim] fp32,
+        so a checkpoint loads into either store.
 
-    The host-RAM store (engram_ram, a later issue) must additionally provide:
-      * the tables and their Adam moments in pinned host memory, NOT as module
-        parameters (so DDP/FSDP and the dense optimizer never see them);
-      * `gather` that copies only the rows named by idx to the device (it may be
-        handed the same idx earlier through a prefetch call, since
-        `engram_indices` needs only the input bytes) and returns a leaf that
-        requires grad;
-      * an optimizer hook, e.g. `step(lr, betas, eps, wd)`, that takes the
-        gradient of the last gathered rows, sums duplicates per (table, row),
-        applies Adam to those rows only, writes them back and clears the grad;
-      * state_dict / load_state_dict carrying the rows and moments, so a
-        checkpoint is the same whichever store wrote it.
+    Two stores exist: `VramTables` (a device Parameter, stepped by the optimizer's
+    row-sparse Adam) and `HostTables` (engram_ram: host RAM, not a parameter, stepped
+    through its own `step` hook with the same `row_adam_`).
     """
 
     n_tables: int
@@ -168,6 +228,13 @@ class TableStore(nn.Module):
 
     def gather(self, idx: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
+
+    def _check_idx(self, idx: torch.Tensor) -> None:
+        if idx.shape[-1] != self.n_tables or idx.is_floating_point():
+            raise ValueError(
+                f"gather wants integer row numbers [..., {self.n_tables}] (one per table); "
+                f"got {idx.dtype} {tuple(idx.shape)}: pass engram_indices(...)"
+            )
 
 
 class VramTables(TableStore):
@@ -182,11 +249,175 @@ class VramTables(TableStore):
         self.table = nn.Parameter(torch.randn(n_tables, rows, dim) * std)
 
     def gather(self, idx: torch.Tensor) -> torch.Tensor:
+        self._check_idx(idx)
         # One embedding lookup over the flattened tables; its backward touches only
         # the gathered rows.
         offset = torch.arange(self.n_tables, device=idx.device) * self.rows
         flat = self.table.view(self.n_tables * self.rows, self.dim)
         return F.embedding(idx + offset, flat)
+
+
+class HostTables(TableStore):
+    """engram_ram: the tables and their Adam state in host RAM, outside the parameter set.
+
+    Held as plain tensor attributes, not parameters or buffers, so `model.to(device)`,
+    dtype casts, DDP/FSDP and the dense optimizer never see or move them:
+
+        table       [n_tables, rows, dim] fp32   the rows (the fp32 masters)
+        exp_avg     [n_tables, rows, dim] fp32   Adam's first moment
+        exp_avg_sq  [n_tables, rows, dim] fp32   Adam's second moment
+        row_step    [n_tables, rows]      int32  Adam steps taken by each row
+
+    One cycle is gather -> backward -> step. `gather(idx)` copies the distinct rows idx
+    names (once each, however often they repeat) to idx's device as a leaf that requires
+    grad, and returns them per index (an embedding lookup into the leaf, so autograd sums
+    the gradients of repeated rows). A cycle may gather several times (gradient
+    accumulation, several forwards before one backward): each gather adds a leaf.
+    `step(lr, betas, eps)` (MixOptimizer.step calls it) sums the leaves' gradients per
+    row, applies `row_adam_` to the rows whose gradient is non-zero, writes them back to
+    host RAM and ends the cycle. `zero_grad()` ends it too, dropping every leaf a
+    backward already reached (call it after step or before the forward, as the loop
+    does, never between a forward and its backward). Gathers under torch.no_grad
+    (evaluation, byte-by-byte decoding) record nothing.
+
+    Pinned memory: what crosses PCIe is the gathered rows (a contiguous staging buffer,
+    pinned when the rows go to a CUDA device, copied non_blocking) and, at step, their
+    gradient. The tables and moments themselves are read row by row by the CPU (an
+    index_select into the staging buffer, Adam on the host), so pinning them would only
+    lock gigabytes of RAM without speeding any transfer; they stay pageable.
+
+    Checkpoints: `state_dict()` writes `<prefix>table`, the key and shape VramTables
+    writes, and `load_state_dict` reads it from either; the moments and row steps travel
+    in the optimizer's state (`adam_state` / `load_adam_state`).
+    """
+
+    def __init__(self, n_tables: int, rows: int, dim: int, std: float):
+        super().__init__()
+        self.n_tables, self.rows, self.dim = n_tables, rows, dim
+        # The same draw as VramTables, so both stores start a seeded model alike. Built
+        # under torch.device("meta") (count_params, the planner) it allocates nothing.
+        init = torch.randn(n_tables, rows, dim) * std
+        home = "meta" if init.is_meta else "cpu"
+        self.table = init.to(home)
+        self.exp_avg = torch.zeros_like(self.table)
+        self.exp_avg_sq = torch.zeros_like(self.table)
+        self.row_step = torch.zeros(n_tables, rows, dtype=torch.int32, device=home)
+        self._leaves: list[tuple[torch.Tensor, torch.Tensor]] = []  # (host rows [U], leaf [U, dim])
+
+    def host_numel(self) -> int:
+        """Table entries kept outside the parameter set (count_params adds them)."""
+        return self.table.numel()
+
+    def gather(self, idx: torch.Tensor) -> torch.Tensor:
+        self._check_idx(idx)
+        offset = torch.arange(self.n_tables, device=idx.device) * self.rows
+        uniq, inv = torch.unique((idx + offset).reshape(-1), sorted=True, return_inverse=True)
+        rows = uniq.cpu()  # the host needs the row numbers: one small sync per gather
+        pin = idx.device.type == "cuda"
+        buf = torch.empty((rows.numel(), self.dim), dtype=self.table.dtype, pin_memory=pin)
+        torch.index_select(self.table.view(-1, self.dim), 0, rows, out=buf)
+        # From a pinned buffer the copy is asynchronous; torch's host allocator keeps the
+        # buffer alive until the copy has run.
+        leaf = buf.to(idx.device, non_blocking=pin)
+        if torch.is_grad_enabled():
+            leaf.requires_grad_(True)
+            self._leaves.append((rows, leaf))
+        return F.embedding(inv.view(idx.shape), leaf)
+
+    @torch.no_grad()
+    def consolidate(self) -> torch.Tensor | None:
+        """Fold the leaves a backward reached into ONE leaf holding the table's gradient as
+        the VRAM store would hold it: summed per row, touched rows only, ascending rows.
+
+        Returns that leaf (its .grad is [K, dim], on the compute device), or None when no
+        row has a gradient. MixOptimizer.clip_grad_norm_ reads and scales it, so a clipped
+        host gradient is the same numbers as a clipped VRAM one; step calls it too.
+        """
+        done = [(r, leaf) for r, leaf in self._leaves if leaf.grad is not None]
+        if not done:
+            return None
+        waiting = [(r, leaf) for r, leaf in self._leaves if leaf.grad is None]
+        rows = torch.cat([r for r, _ in done])
+        grad = torch.cat([leaf.grad for _, leaf in done])
+        if len(done) > 1:
+            # A row gathered by several forwards: sum its gradients in gather order, the
+            # order in which a Parameter's .grad accumulates them.
+            rows, inv = torch.unique(rows, sorted=True, return_inverse=True)
+            grad = grad.new_zeros(rows.numel(), self.dim).index_add_(0, inv.to(grad.device), grad)
+        hit = touched_rows(grad)
+        if hit.numel() < rows.numel():
+            rows, grad = rows[hit.cpu()], grad.index_select(0, hit)
+        holder = torch.empty_like(grad).requires_grad_(True)  # carries .grad; never read
+        holder.grad = grad
+        self._leaves = [(rows, holder)] + waiting
+        return holder
+
+    @torch.no_grad()
+    def step(self, lr: float, betas: tuple[float, float], eps: float) -> int:
+        """Apply row_adam_ to this cycle's touched rows; end the cycle. Returns rows stepped."""
+        holder = self.consolidate()
+        rows = self._leaves[0][0] if holder is not None else None
+        self._leaves = []
+        if holder is None or rows.numel() == 0:
+            return 0
+        grad = holder.grad.to("cpu", torch.float32)
+        row_adam_(self.table.view(-1, self.dim), self.exp_avg.view(-1, self.dim),
+                  self.exp_avg_sq.view(-1, self.dim), self.row_step.view(-1),
+                  rows, grad, lr, betas, eps)  # fmt: skip
+        return int(rows.numel())
+
+    def zero_grad(self) -> None:
+        """End the cycle: drop the leaves a backward reached (their rows are done)."""
+        self._leaves = [(r, leaf) for r, leaf in self._leaves if leaf.grad is None]
+
+    # ---- checkpoints ----
+
+    def adam_state(self) -> dict[str, torch.Tensor]:
+        """The live Adam state (the optimizer's state_dict carries it)."""
+        return {"step": self.row_step, "exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq}
+
+    def load_adam_state(self, state: dict[str, torch.Tensor]) -> None:
+        """Copy a saved Adam state in (either store wrote it: the shapes are the same)."""
+        mine = self.adam_state()
+        for k, t in mine.items():
+            src = state[k]
+            if tuple(src.shape) != tuple(t.shape):
+                raise ValueError(
+                    f"Engram Adam state {k!r}: saved shape {tuple(src.shape)}, this model's "
+                    f"tables need {tuple(t.shape)}; the checkpoint is from another engram "
+                    f"shape (engram_rows / engram_dim / engram_heads / engram_orders)"
+                )
+            t.copy_(src)
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        destination[prefix + "table"] = self.table
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict,
+                              missing_keys, unexpected_keys, error_msgs):  # fmt: skip
+        key = prefix + "table"
+        rest = {k: v for k, v in state_dict.items() if k != key}
+        super()._load_from_state_dict(rest, prefix, local_metadata, strict,
+                                      missing_keys, unexpected_keys, error_msgs)  # fmt: skip
+        if key not in state_dict:
+            missing_keys.append(key)
+            return
+        src = state_dict[key]
+        if tuple(src.shape) != tuple(self.table.shape):
+            error_msgs.append(
+                f"size mismatch for {key}: copying a param with shape {tuple(src.shape)} from "
+                f"checkpoint, the shape in current model is {tuple(self.table.shape)}."
+            )
+            return
+        with torch.no_grad():
+            if self.table.is_meta:
+                # A store built on the meta device has no RAM yet: take the rows, fresh moments.
+                self.table = src.detach().to("cpu", torch.float32, copy=True)
+                self.exp_avg = torch.zeros_like(self.table)
+                self.exp_avg_sq = torch.zeros_like(self.table)
+                self.row_step = torch.zeros(self.table.shape[:2], dtype=torch.int32)
+            else:
+                self.table.copy_(src)
 
 
 class Engram(nn.Module):
@@ -198,7 +429,8 @@ class Engram(nn.Module):
     zero: the output is h exactly, yet the conv weight's gradient (u times the
     upstream gradient) is nonzero, so learning starts there and opens the rest.
 
-    Parameters: store.table [n_tables, rows, dim]; key.weight, value.weight
+    Parameters: store.table [n_tables, rows, dim] (with engram_ram, host state of a
+    HostTables, not a parameter, under the same state_dict key); key.weight, value.weight
     [d_model, n_tables * dim]; norm_h.weight, norm_k.weight [d_model];
     conv.weight [d_model, 1, conv_size] (depthwise, Conv1d's layout).
     """
@@ -208,7 +440,8 @@ class Engram(nn.Module):
         self.cfg = cfg
         d = cfg.d_model
         nt = n_tables(cfg)
-        self.store: TableStore = VramTables(nt, cfg.engram_rows, cfg.engram_dim, cfg.init_std)
+        store = HostTables if cfg.engram_ram else VramTables
+        self.store: TableStore = store(nt, cfg.engram_rows, cfg.engram_dim, cfg.init_std)
         self.key = nn.Linear(nt * cfg.engram_dim, d, bias=False)
         self.value = nn.Linear(nt * cfg.engram_dim, d, bias=False)
         nn.init.normal_(self.key.weight, std=cfg.init_std)

@@ -21,8 +21,8 @@ is the optimizer's own routing, `route_params`, on a meta build):
                                          is dense: F.embedding's backward fills the table)
   adamw     8 B x P_adamw                exp_avg + exp_avg_sq; 2 B with optim_8bit
   muon      4 B x P_muon                 one momentum buffer; 2 B with muon_state_dtype=bf16
-  engram    8 B x P_engram               the tables' Adam moments (2 B with optim_8bit:
-                                         the Engram group steps in the same AdamW)
+  engram    8 B x P_engram + 4 B x rows  the tables' row-sparse Adam: fp32 moments (never
+                                         8-bit) and an int32 step count per row
 Per step (transients):
   casts     2 B x (P_expert x max_iter + P_2d)   only when the forward computes in half
             precision: the expert stacks are cast per block application (`w.to(bf16)` in
@@ -305,7 +305,9 @@ def estimate(run: RunConfig, batch: int | None = None, seq: int | None = None) -
     grads = 4 * p_dev
     adamw = (2 if t.optim_8bit else 8) * split.adamw
     muon = (2 if t.muon_state_dtype == "bf16" else 4) * split.muon
-    engram = 0 if m.engram_ram else (2 if t.optim_8bit else 8) * split.engram
+    # The Engram group is dormouse's own row-sparse Adam (fp32 m and v, whatever
+    # optim_8bit says) plus one int32 step count per row.
+    engram = 0 if m.engram_ram else 8 * split.engram + 4 * (split.engram // m.engram_dim)
 
     apps = m.n_layers * m.max_iter
     tokens = batch * seq

@@ -271,9 +271,8 @@ def train(
             (loss * parallel.loss_scale).backward()
             finite = bool(torch.isfinite(loss.detach()))
             if finite:
-                gnorm = torch.nn.utils.clip_grad_norm_(
-                    model.parameters(), cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
-                )
+                # the optimizer's clip: it also sees host-RAM Engram rows (not parameters)
+                gnorm = opt.clip_grad_norm_(cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
                 finite = bool(torch.isfinite(gnorm))
             if not parallel.all_finite(finite):  # ONE collective: every rank skips together
                 opt.zero_grad(set_to_none=True)

@@ -1,6 +1,6 @@
 """MixOptimizer: Muon for hidden matrices, AdamW for the rest, Engram tables in their own group.
 
-Owns three things:
+Owns four things:
 
 * `route_params(model)` - which optimizer owns each parameter, and why. It reads names and
   shapes only, so it works on a meta-device model (the `--fit` planner calls it there).
@@ -9,6 +9,9 @@ Owns three things:
   momentum is one stacked [N, R, C] tensor and whose Newton-Schulz polar runs as one batched
   call. The AdamW side is `torch.optim.AdamW` (or bitsandbytes' AdamW8bit), never hand-written.
 * `newton_schulz` - the batched polar iteration (quintic or Polar Express).
+* The Engram group: a row-sparse Adam (`dormouse.model.engram.row_adam_`, lazy, per-row bias
+  correction, no weight decay) over the VRAM tables (`*store.table` parameters) and the
+  host-RAM stores (`HostTables`, engram_ram), so both stores follow the same trajectory.
 
 The slow, obviously-right twin of the Muon arm is `references/muon_single.py`; the tests hold
 the two together matrix by matrix.
@@ -32,6 +35,7 @@ import torch
 from torch import Tensor, nn
 
 from ..config import ConfigError
+from ..model.engram import HostTables, row_adam_, touched_rows
 
 logger = logging.getLogger("dormouse.train")
 
@@ -67,7 +71,10 @@ NS_EPS = 1e-7
 
 _WRAPPER_TOKENS = ("_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module")
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-_FORMAT = "dormouse.MixOptimizer/1"
+# /2: the Engram tables left torch AdamW for the row-sparse Adam (state under "engram").
+_FORMAT = "dormouse.MixOptimizer/2"
+#: Adam's epsilon for the Engram group (torch AdamW's default, as the AdamW groups use).
+ENGRAM_EPS = 1e-8
 
 
 # ---- routing ------------------------------------------------------------------------
@@ -105,7 +112,8 @@ def _classify(name: str, shape: tuple[int, ...], kind: str) -> tuple[str, str, b
     """(owner, reason, decay) for one parameter under opt=mix; kind is its module's type."""
     leaf = name.rsplit(".", 1)[-1]
     if name.endswith("store.table"):
-        return "engram", "Engram table: own Adam group, lr x engram_lr_mult, no weight decay", False
+        return ("engram", "Engram table: row-sparse Adam (only rows with a gradient move), "
+                          "lr x engram_lr_mult, no weight decay", False)
     if len(shape) <= 1:
         return "adamw", "1-D (norm gain / bias / scalar): AdamW, no weight decay", False
     if kind == "embedding" or name == "embed.weight" or name.endswith(".embed.weight"):
@@ -135,10 +143,12 @@ def route_params(model: nn.Module, opt: str = "mix") -> list[Route]:
     AdamW for embeddings, the head, 1-D parameters (norms, gains, biases, A_log, dt_bias),
     conv taps (an nn.Conv* weight, or any parameter under a module whose name contains
     "conv") and degenerate [1, n] / [n, 1] matrices; the Engram tables (`*store.table`) in
-    their own Adam group.
+    their own row-sparse Adam group.
     opt="adamw" (the control arm): what was Muon goes to AdamW; the Engram tables keep their
-    own group (still torch AdamW, lr x engram_lr_mult, no weight decay) so the two arms differ
-    ONLY in the optimizer of the hidden matrices.
+    own group (the same row-sparse Adam, lr x engram_lr_mult, no weight decay) so the two
+    arms differ ONLY in the optimizer of the hidden matrices.
+    Host-RAM tables (engram_ram) are not parameters and get no Route; MixOptimizer finds
+    them as `HostTables` modules and steps them in the Engram group.
     Weight decay: on every Muon matrix and on every AdamW tensor of 2 or more dims; never on
     1-D parameters or Engram tables (a table row is decayed on every step whether or not a
     batch touched it, which would erase rarely seen n-grams).
@@ -238,6 +248,36 @@ def _is_dtensor(t: Tensor) -> bool:
     return isinstance(t, DTensor)
 
 
+def _local(t: Tensor) -> Tensor:
+    """A DTensor's local shard (FSDP2), or the tensor itself."""
+    return t.to_local() if _is_dtensor(t) else t
+
+
+def _like_param(state: Tensor, p: Tensor) -> Tensor:
+    """Wrap a shard-local state tensor as a DTensor placed like p (plain p: unchanged)."""
+    if not _is_dtensor(p):
+        return state
+    from torch.distributed.tensor import DTensor
+
+    shape = tuple(p.shape[: state.dim()])
+    stride = tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
+    return DTensor.from_local(state, p.device_mesh, p.placements, run_check=False,
+                              shape=shape, stride=stride)  # fmt: skip
+
+
+def _shard_like(full: Tensor, p: Tensor, local: Tensor) -> Tensor:
+    """The part of a full (single-file) state tensor that p's shard holds."""
+    if _is_dtensor(full):
+        full = full.full_tensor()
+    if not _is_dtensor(p):
+        return full
+    from torch.distributed.tensor import distribute_tensor
+
+    # Every rank holds the same full tensor: split locally, no communication.
+    return distribute_tensor(full.to(local.device), p.device_mesh, p.placements,
+                             src_data_rank=None).to_local()  # fmt: skip
+
+
 def _resolve_ns_dtype(ns_dtype: str, device_type: str, say: Callable[[str], None]) -> str:
     if ns_dtype != "auto":
         return ns_dtype
@@ -257,9 +297,19 @@ class MixOptimizer(torch.optim.Optimizer):
     """Muon (batched by matrix shape) + torch AdamW, behind one torch.optim.Optimizer surface.
 
     `param_groups` holds the Muon groups first (kind="muon", one per matrix shape/dtype/device),
-    then the AdamW groups (kind in "adamw", "adamw_nodecay", "engram"); the AdamW dicts are the
-    SAME objects the inner torch optimizer steps, so setting group["lr"] reaches it. See the
-    module docstring for the lr convention (`base_lr`, `set_lr_factor`).
+    then the AdamW groups (kind "adamw", "adamw_nodecay"), then one Engram group (kind
+    "engram"); the AdamW dicts are the SAME objects the inner torch optimizer steps, so
+    setting group["lr"] reaches it. See the module docstring for the lr convention
+    (`base_lr`, `set_lr_factor`).
+
+    The Engram group's "params" are the VRAM tables; its "names" also list the host-RAM
+    tables (`HostTables` modules, found at construction), whose rows are not parameters.
+    Both are stepped by `row_adam_`: only rows whose gradient is non-zero move (their m, v,
+    step count and the row itself), with lr = group lr (base lr x engram_lr_mult, scheduled
+    by set_lr_factor), betas = adam_betas, eps = ENGRAM_EPS, no weight decay. A VRAM table's
+    Adam state lives here (`engram_state`, on the table's device); a host table's lives in
+    its store. Either way state_dict() keeps it under the table's name, so a state saved
+    with engram_ram on loads with it off and back.
 
     Muon per matrix, with g its gradient and m its momentum:
         m <- mu*m + g;  u <- g + mu*m (nesterov) or m (plain)
@@ -344,7 +394,6 @@ class MixOptimizer(torch.optim.Optimizer):
         adam_specs = (
             ("adamw", lambda r: r.owner == "adamw" and r.decay, lr, wd),
             ("adamw_nodecay", lambda r: r.owner == "adamw" and not r.decay, lr, 0.0),
-            ("engram", lambda r: r.owner == "engram", lr * engram_lr_mult, 0.0),
         )
         adam_groups = []
         for kind, pick, glr, gwd in adam_specs:
@@ -360,13 +409,31 @@ class MixOptimizer(torch.optim.Optimizer):
             if self.adamw is not None else {}
         )  # fmt: skip
 
+        # ---- the Engram group: VRAM tables (parameters) and host stores (not) ----
+        vram = [(r, p) for r, p in named if r.owner == "engram"]
+        self._host: list[tuple[str, HostTables]] = [
+            (strip_name(n) + ".table", m) for n, m in model.named_modules()
+            if isinstance(m, HostTables)
+        ]  # fmt: skip
+        engram = []
+        if vram or self._host:
+            glr = lr * engram_lr_mult
+            engram = [{
+                "params": [p for _, p in vram],
+                "names": [r.name for r, _ in vram] + [n for n, _ in self._host],
+                "kind": "engram", "lr": glr, "base_lr": glr, "weight_decay": 0.0,
+                "betas": tuple(adam_betas), "eps": ENGRAM_EPS,
+            }]  # fmt: skip
+
         self._muon_groups = groups
-        all_groups = groups + (self.adamw.param_groups if self.adamw is not None else [])
+        all_groups = groups + (self.adamw.param_groups if self.adamw is not None else []) + engram
         if not all_groups:
             raise ConfigError("the model has no parameters to optimise")
         super().__init__(all_groups, {"lr": lr})
         self._sealed = True  # Optimizer.__init__ used add_param_group; nobody else may
+        self._engram_group = self.param_groups[-1] if engram else None
         self._build_muon_state()
+        self._build_engram_state()
 
     # ---- construction helpers ----
 
@@ -408,6 +475,21 @@ class MixOptimizer(torch.optim.Optimizer):
             self.muon_state.append({"step": 0, "momentum_buffer": buf,
                                     "counts": counts, "starts": starts})  # fmt: skip
 
+    def _build_engram_state(self) -> None:
+        """Row-sparse Adam state of each VRAM table, shaped like its local data (an FSDP2
+        shard holds its own rows' state)."""
+        self.engram_state: dict[str, dict[str, Tensor]] = {}
+        g = self._engram_group
+        if g is None:
+            return
+        for name, p in zip(g["names"], g["params"]):  # the VRAM names come first
+            local = _local(p)
+            self.engram_state[name] = {
+                "step": torch.zeros(local.shape[:-1], dtype=torch.int32, device=local.device),
+                "exp_avg": torch.zeros_like(local, memory_format=torch.contiguous_format),
+                "exp_avg_sq": torch.zeros_like(local, memory_format=torch.contiguous_format),
+            }
+
     def add_param_group(self, param_group: dict) -> None:
         if getattr(self, "_sealed", False):
             raise NotImplementedError(
@@ -447,7 +529,66 @@ class MixOptimizer(torch.optim.Optimizer):
             self._muon_step(g, st)
         if self.adamw is not None:
             self.adamw.step()
+        if self._engram_group is not None:
+            self._engram_step(self._engram_group)
         return loss
+
+    def _engram_step(self, g: dict) -> None:
+        hyper = (g["lr"], tuple(g["betas"]), g["eps"])
+        for name, p in zip(g["names"], g["params"]):
+            if p.grad is None:
+                continue
+            local, st = _local(p), self.engram_state[name]
+            dim = local.shape[-1]
+            grad = _local(p.grad).reshape(-1, dim)
+            rows = touched_rows(grad)
+            if rows.numel():
+                row_adam_(local.view(-1, dim), st["exp_avg"].view(-1, dim),
+                          st["exp_avg_sq"].view(-1, dim), st["step"].view(-1),
+                          rows, grad.index_select(0, rows), *hyper)  # fmt: skip
+        for _, store in self._host:
+            store.step(*hyper)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """torch's zero_grad over every group, and the end of the host stores' cycle."""
+        super().zero_grad(set_to_none)
+        for _, store in self._host:
+            store.zero_grad()
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float) -> Tensor:
+        """torch.nn.utils.clip_grad_norm_ (2-norm) over every gradient this optimizer steps,
+        host-table rows included; returns the total norm, as torch does.
+
+        The loop should clip through this rather than over model.parameters(): that list
+        misses the host rows, and even with them the two stores would sum the table's
+        squares differently (a dense table gradient with its zero rows against a compact
+        one), so a clip that fires would round differently and the runs drift apart. Here
+        every Engram table enters the norm as its touched rows, summed per row, in
+        ascending order: the same numbers in the same order in both stores. Everything
+        else (all other gradients, the clip coefficient, the scaling) is torch's own code.
+        An FSDP2-sharded table enters whole (its gradient is a DTensor; the norm must be
+        the fleet's), as it would in torch's clip.
+        """
+        eg = self._engram_group
+        tables = {id(p) for p in eg["params"]} if eg is not None else set()
+        owners = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
+        norm_of = [p.grad for p in owners if id(p) not in tables]
+        for p in owners:
+            if id(p) in tables:
+                if _is_dtensor(p.grad):
+                    norm_of.append(p.grad)
+                else:
+                    flat = p.grad.reshape(-1, p.shape[-1])
+                    norm_of.append(flat.index_select(0, touched_rows(flat)))
+        for _, store in self._host:
+            holder = store.consolidate()
+            if holder is not None:
+                owners.append(holder)
+                norm_of.append(holder.grad)
+        total = torch.nn.utils.get_total_norm(norm_of, 2.0)
+        torch.nn.utils.clip_grads_with_norm_(owners, max_norm, total)
+        return total
 
     def _muon_step(self, g: dict, st: dict) -> None:
         params = g["params"]
@@ -485,8 +626,6 @@ class MixOptimizer(torch.optim.Optimizer):
         torch._foreach_add_(views, list(O), alpha=-lr * muon_scale(g["muon_sf"], R, C))
         st["step"] += 1
 
-    # zero_grad comes from torch.optim.Optimizer and walks every group (Muon and AdamW).
-
     def state_dict(self) -> dict:
         """Everything a bit-exact resume needs.
 
@@ -504,7 +643,23 @@ class MixOptimizer(torch.optim.Optimizer):
             "muon": muon,
             "adamw": self.adamw.state_dict() if self.adamw is not None else None,
             "adamw_names": [g["names"] for g in self.adamw.param_groups] if self.adamw else [],
+            "engram": self._engram_state_dict(),
         }
+
+    def _engram_state_dict(self) -> dict | None:
+        g = self._engram_group
+        if g is None:
+            return None
+        state = {}
+        for name, p in zip(g["names"], g["params"]):
+            st = self.engram_state[name]
+            # An FSDP2 table's state is its shard's: hand it out as a DTensor like the
+            # parameter, so the fleet's state gathering sees the whole table.
+            state[name] = {k: _like_param(v, p) for k, v in st.items()}
+        for name, store in self._host:
+            state[name] = dict(store.adam_state())
+        hyper = {k: v for k, v in g.items() if k != "params"}
+        return {**hyper, "state": state}
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Restore a state saved by state_dict(); refuse one saved for another routing.
@@ -527,8 +682,10 @@ class MixOptimizer(torch.optim.Optimizer):
         mine = [g["names"] for g in self._muon_groups]
         theirs = [m["names"] for m in sd["muon"]]
         a_mine = [g["names"] for g in self.adamw.param_groups] if self.adamw else []
-        if mine != theirs or a_mine != sd["adamw_names"]:
-            diff = _first_difference(mine + a_mine, theirs + sd["adamw_names"])
+        e_mine = [self._engram_group["names"]] if self._engram_group is not None else []
+        e_theirs = [sd["engram"]["names"]] if sd.get("engram") is not None else []
+        if mine != theirs or a_mine != sd["adamw_names"] or e_mine != e_theirs:
+            diff = _first_difference(mine + a_mine + e_mine, theirs + sd["adamw_names"] + e_theirs)
             raise ConfigError(
                 f"optimizer state does not match this model's routing ({diff}); the checkpoint "
                 f"is from a different model shape or dormouse version"
@@ -557,7 +714,30 @@ class MixOptimizer(torch.optim.Optimizer):
             # kernel choice (fused/foreach), which is a property of the device, not the run.
             for ag in self.adamw.param_groups:
                 ag.update(self._adamw_flags)
-            self.param_groups[len(self._muon_groups):] = self.adamw.param_groups
+            n = len(self._muon_groups)
+            self.param_groups[n:n + len(self.adamw.param_groups)] = self.adamw.param_groups
+        if self._engram_group is not None:
+            self._load_engram_state(sd["engram"])
+
+    def _load_engram_state(self, saved: dict) -> None:
+        g = self._engram_group
+        for name, p in zip(g["names"], g["params"]):
+            for k, t in self.engram_state[name].items():
+                src = saved["state"][name][k]
+                if tuple(src.shape) != tuple(p.shape[: t.dim()]):
+                    raise ConfigError(
+                        f"Engram Adam state {k!r} of {name}: saved shape {tuple(src.shape)}, "
+                        f"this model needs {tuple(p.shape[: t.dim()])}"
+                    )
+                t.copy_(_shard_like(src, p, t))  # a copy: the caller's dict stays untouched
+        for name, store in self._host:
+            try:
+                store.load_adam_state(saved["state"][name])
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
+        for k, v in saved.items():
+            if k not in ("params", "names", "state"):
+                g[k] = v
 
 
 def _first_difference(a: list[list[str]], b: list[list[str]]) -> str:
