@@ -36,7 +36,7 @@ class Block(nn.Module):
     def forward(self, h, iteration: int, cache=None):
         a, cache = self.mixer(self.norm1(h), iteration=iteration, cache=cache)
         h = h + a
-        f, aux = self.moe(self.norm2(h))
+        f, aux = self.moe(self.norm2(h), key=iteration)
         return h + f, cache, aux
 
 
@@ -83,6 +83,9 @@ class DormouseModel(nn.Module):
         """x, y: int64 [B, T] bytes. Returns (logits [B,T,256], mean CE loss or None, aux)."""
         h = self.embed(x)
         h, _ = self.engram(h, x)
+        quantized = self.cfg.act_ckpt and self.cfg.act_ckpt_quant and self.training
+        for block in self.blocks:  # a fresh routing record per forward (see MoE.route)
+            block.moe.replay = {} if quantized else None
         loads, dropped = [], 0
         for it in range(self.cfg.max_iter):
             for block in self.blocks:

@@ -171,6 +171,7 @@ class MoE(nn.Module):
         self.lb_coef = float(cfg.moe_lb_coef)
         self.impl = cfg.moe_impl
         self.offload = bool(cfg.moe_offload)
+        self.replay: dict | None = None  # routing replay for quantized checkpoints (route())
         self.router = nn.Linear(D, E, bias=False)
         self.w1 = nn.Parameter(torch.empty(E, D, Fh))
         self.w3 = nn.Parameter(torch.empty(E, D, Fh))
@@ -196,15 +197,27 @@ class MoE(nn.Module):
 
     # ---- routing -----------------------------------------------------------------
 
-    def route(self, x: torch.Tensor):
+    def route(self, x: torch.Tensor, key=None):
         """x [N, D] -> (affinity s [N, E] fp32, experts [N, k], gates [N, k] fp32).
 
         The bias steers which experts are picked; the gates are the picked experts'
         unbiased affinities, renormalised to sum 1.
+
+        With `self.replay` set (a dict; the model sets it while act_ckpt_quant checkpoints
+        blocks) and a `key`, the forward records its choice and the recompute inside
+        backward reuses it: the recompute sees a bf16-rounded input, and re-choosing there
+        sent near-tie tokens' gradients to other experts (measured: 27% error on the
+        expert weights; a crash on the batched arm, whose widths then changed).
         """
         with torch.autocast(device_type=x.device.type, enabled=False):
             s = torch.sigmoid(F.linear(x.float(), self.router.weight.float()))
-        experts = torch.topk(s.detach() + self.lfb_bias.float(), self.topk, dim=-1).indices
+        replay = self.replay if key is not None else None
+        if replay is not None and torch._C._current_graph_task_id() != -1:
+            experts = replay.pop(key)  # the recompute: the forward's choice
+        else:
+            experts = torch.topk(s.detach() + self.lfb_bias.float(), self.topk, dim=-1).indices
+            if replay is not None:
+                replay[key] = experts
         picked = s.gather(1, experts)
         return s, experts, picked / picked.sum(-1, keepdim=True)
 
@@ -237,11 +250,11 @@ class MoE(nn.Module):
 
     # ---- forward -----------------------------------------------------------------
 
-    def forward(self, h: torch.Tensor):
+    def forward(self, h: torch.Tensor, key=None):
         shape = h.shape
         x = h.reshape(-1, self.d_model)
         n, k, E = x.shape[0], self.topk, self.n_experts
-        s, experts, gates = self.route(x)
+        s, experts, gates = self.route(x, key)
         flat_e = experts.reshape(-1)
         counts = torch.bincount(flat_e, minlength=E)
         # An activation-checkpoint recompute runs this forward again inside backward; the
