@@ -51,7 +51,7 @@ SPAWN_DEADLINE_S = 300
 GATES = [
     "g01_trajectory", "g02_identical", "g03_unequal", "g04_fsdp", "g05_nonfinite",
     "g06_nccl", "g07_launch", "g08_rank0", "g09_capacity", "g10_torchrun", "g11_lfb",
-    "g12_fsdp_checkpoint",
+    "g12_fsdp_checkpoint", "g13_policy", "g14_engram_ram_fleet",
 ]  # fmt: skip
 
 
@@ -184,6 +184,15 @@ def lfb_biases(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {n: b.detach().cpu().clone() for n, b in model.named_buffers() if n.endswith("lfb_bias")}
 
 
+def host_tables(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """{name.table: CPU copy} of every host-RAM Engram table (engram_ram). They are no
+    parameters, so the parameter fingerprint never sees them; empty without engram_ram."""
+    from dormouse.model.engram import HostTables
+
+    return {f"{n}.table": m.table.detach().clone() for n, m in model.named_modules()
+            if isinstance(m, HostTables)}  # fmt: skip
+
+
 class Recording:
     """Mixin over a seams class: records what passes through the seams, changes nothing.
 
@@ -197,7 +206,8 @@ class Recording:
     def _rec(self) -> dict:
         if not hasattr(self, "rec"):
             self.rec = {"fingerprints": [], "decisions": [], "losses": [], "local_losses": [],
-                        "lfb": [], "params": {}, "probe": []}  # fmt: skip
+                        "lfb": [], "params": {}, "probe": [], "host_fingerprints": [],
+                        "host": {}}  # fmt: skip
         return self.rec
 
     def wrap(self, model):
@@ -205,14 +215,17 @@ class Recording:
         return super().wrap(model)
 
     def all_finite(self, finite: bool) -> bool:
-        from references.fingerprint import fingerprint, plain_params
+        from references.fingerprint import fingerprint, fingerprint_params, plain_params
 
         rec = self._rec()
         k = len(rec["decisions"])
         rec["fingerprints"].append(fingerprint(self.model))
         rec["lfb"].append(lfb_biases(self.model))
+        host = host_tables(self.model)
+        rec["host_fingerprints"].append(fingerprint_params(host) if host else None)
         if k in self.snap_steps:
             rec["params"][k] = plain_params(self.model)
+            rec["host"][k] = host
         if getattr(self, "probe", None) is not None:
             rec["probe"].append(self.probe(k, self.model))
         ok = super().all_finite(finite)
@@ -227,12 +240,15 @@ class Recording:
         return v
 
     def finish(self) -> dict:
-        from references.fingerprint import fingerprint, plain_params
+        from references.fingerprint import fingerprint, fingerprint_params, plain_params
 
         rec = self._rec()
         rec["final_fingerprint"] = fingerprint(self.model)
         rec["final_params"] = plain_params(self.model)
         rec["final_lfb"] = lfb_biases(self.model)
+        rec["final_host"] = host_tables(self.model)
+        rec["final_host_fingerprint"] = (fingerprint_params(rec["final_host"])
+                                         if rec["final_host"] else None)  # fmt: skip
         return rec
 
 

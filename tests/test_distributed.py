@@ -264,7 +264,8 @@ def _tiny(*sets):
     "sets, cause, escape",
     [
         (["moe_capacity=1.0"], "moe_capacity=1.0", "moe_capacity=0"),
-        (["engram_ram=true"], "gap 4", "engram_ram=false"),
+        (["engram_ram=true", "dist_shard=fsdp", "opt=adamw"], "mixed torch.Tensor and DTensor",
+         "dist_shard=none"),
         (["dist_shard=fsdp"], "opt=mix", "opt=adamw"),
         (["dist_shard=fsdp", "opt=adamw", "optim_8bit=true"], "optim_8bit", "optim_8bit=false"),
         (["compile=true"], "compile=true", "compile=false"),
@@ -280,6 +281,7 @@ def test_refusals_name_cause_and_escape(sets, cause, escape):
 def test_fleet_correct_features_are_allowed():
     refuse_incompatible(_tiny("moe_lb_coef=0.01"), 2)  # LFB: counts reduced (gate g11)
     refuse_incompatible(_tiny("dist_shard=fsdp", "opt=adamw"), 2)  # FSDP2 + AdamW (gate g04)
+    refuse_incompatible(_tiny("engram_ram=true"), 2)  # host rows reduced by hand (gate g14)
     refuse_incompatible(_tiny("data=a.bin,b.bin", "data_weights=1,3"), 4)  # mixture, below
 
 

@@ -14,7 +14,7 @@ import pytest
 from gates.harness import GATES, load, timed
 
 #: Gates whose claim is about a fleet (they have an nccl, one-process-per-card variant).
-CUDA_GATES = [g for g in GATES if g not in ("g06_nccl", "g07_launch")]
+CUDA_GATES = [g for g in GATES if g not in ("g06_nccl", "g07_launch", "g13_policy")]
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -275,10 +275,12 @@ class HostTables(TableStore):
     accumulation, several forwards before one backward): each gather adds a leaf.
     `step(lr, betas, eps)` (MixOptimizer.step calls it) sums the leaves' gradients per
     row, applies `row_adam_` to the rows whose gradient is non-zero, writes them back to
-    host RAM and ends the cycle. `zero_grad()` ends it too, dropping every leaf a
-    backward already reached (call it after step or before the forward, as the loop
-    does, never between a forward and its backward). Gathers under torch.no_grad
-    (evaluation, byte-by-byte decoding) record nothing.
+    host RAM and ends the cycle. Between backward and step, `pending()` reads the cycle's
+    gradient as (rows, grad) and `replace_pending(rows, grad)` swaps in another (a fleet
+    installs the rank-averaged union of its ranks' rows there). `zero_grad()` ends the
+    cycle too, dropping every leaf a backward already reached (call it after step or
+    before the forward, as the loop does, never between a forward and its backward).
+    Gathers under torch.no_grad (evaluation, byte-by-byte decoding) record nothing.
 
     Pinned memory: what crosses PCIe is the gathered rows (a contiguous staging buffer,
     pinned when the rows go to a CUDA device, copied non_blocking) and, at step, their
@@ -351,6 +353,51 @@ class HostTables(TableStore):
         holder.grad = grad
         self._leaves = [(rows, holder)] + waiting
         return holder
+
+    @torch.no_grad()
+    def pending(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """This cycle's gradient so far, consolidated: (rows, grad).
+
+        rows: LongTensor [K] on the CPU, distinct and ascending, numbered across all tables
+        (row r of table i is i * self.rows + r); grad: [K, dim], summed per row, on the
+        compute device. No gradient yet: rows [0] and grad [0, dim] on the CPU. A fleet reads
+        this after backward, combines every rank's set and installs the result with
+        `replace_pending`, so every rank steps the same rows by the same gradient.
+        """
+        holder = self.consolidate()
+        if holder is None:
+            return (torch.empty(0, dtype=torch.int64),
+                    torch.empty(0, self.dim, dtype=self.table.dtype))  # fmt: skip
+        return self._leaves[0][0], holder.grad
+
+    @torch.no_grad()
+    def replace_pending(self, rows: torch.Tensor, grad: torch.Tensor) -> None:
+        """Make (rows, grad) this cycle's whole gradient, in place of what backward left.
+
+        rows and grad as `pending` returns them (rows distinct and ascending, grad [K, dim]
+        on any device). Leaves a backward has not reached yet stay pending. K = 0 drops the
+        gradient: the next step moves no row.
+        """
+        rows = rows.to("cpu", torch.int64)
+        if rows.dim() != 1 or tuple(grad.shape) != (rows.numel(), self.dim):
+            raise ValueError(
+                f"replace_pending wants rows [K] and grad [K, {self.dim}]; got rows "
+                f"{tuple(rows.shape)} and grad {tuple(grad.shape)}"
+            )
+        if rows.numel() and (int(rows[0]) < 0 or int(rows[-1]) >= self.n_tables * self.rows
+                             or not bool((rows[1:] > rows[:-1]).all())):  # fmt: skip
+            raise ValueError(
+                f"replace_pending wants distinct ascending rows in [0, {self.n_tables * self.rows})"
+                f"; got {rows.numel()} rows from {int(rows.min())} to {int(rows.max())}, "
+                f"unsorted or repeated: sum repeated rows first (torch.unique + index_add_)"
+            )
+        waiting = [(r, leaf) for r, leaf in self._leaves if leaf.grad is None]
+        if rows.numel() == 0:
+            self._leaves = waiting
+            return
+        holder = torch.empty_like(grad).requires_grad_(True)  # carries .grad; never read
+        holder.grad = grad.detach()
+        self._leaves = [(rows, holder)] + waiting
 
     @torch.no_grad()
     def step(self, lr: float, betas: tuple[float, float], eps: float) -> int:

@@ -10,8 +10,10 @@ Owns everything that makes the single-process loop (`loop.py`) a fleet member:
 * `Parallel` — the loop's seams (`seams.Seams`) filled in with collectives: the loss scale
   world_size * t_r / sum(t), ONE all-reduce for the non-finite decision, the token-weighted
   fleet loss, DDP (reduce dtype `dist_reduce`, buckets from `bucket_mb_for`) or FSDP2
-  `fully_shard`, the LFB counts summed over the fleet, and full (gathered) checkpoint state
-  that one process can reload.
+  `fully_shard`, the LFB counts summed over the fleet, the host-RAM Engram rows (engram_ram)
+  reduced by hand after backward, and full (gathered) checkpoint state that one process can
+  reload.
+* `merge_row_grads` — the pure arithmetic of that row reduction (union, rank-order sum, mean).
 * `init_parallel` (probe -> policy -> capacity -> process group) and `train_dist`, the
   entry the CLI calls under torchrun.
 
@@ -36,13 +38,15 @@ import torch
 import torch.distributed as dist
 
 from ..config import RunConfig, validate
+from ..model.engram import HostTables
 from .data import rank_byte_offset  # noqa: F401  (re-exported: the fleet's data layout)
 from .seams import RankShape, Seams
 
 __all__ = [
     "DistError", "LaunchError", "RefusedError", "NCCL_SAFE_ENV", "check_launch",
     "choose_backend", "parse_capacity", "split_by_rates", "measure_rate",
-    "refuse_incompatible", "Parallel", "init_parallel", "train_dist", "rank_byte_offset",
+    "refuse_incompatible", "merge_row_grads", "Parallel", "init_parallel", "train_dist",
+    "rank_byte_offset",
 ]  # fmt: skip
 
 
@@ -275,8 +279,9 @@ def refuse_incompatible(run: RunConfig, world_size: int) -> None:
     """Refuse what a fleet of `world_size` ranks would run incorrectly (cause and escape).
 
     Allowed on purpose: the LFB controller (its counts are summed over the fleet by
-    `Parallel.lfb_reduce`, gated against the single process), and a data mixture (its
-    source for step s is a hash of (seed, s), `data.Mixture.source_at`, so every rank
+    `Parallel.lfb_reduce`, gated against the single process), host-RAM Engram tables under
+    DDP (their rows are reduced by `Parallel.after_backward`, gate g14), and a data mixture
+    (its source for step s is a hash of (seed, s), `data.Mixture.source_at`, so every rank
     picks the same source and the fleet reads one block of one source per step).
     """
     if world_size <= 1:
@@ -291,13 +296,13 @@ def refuse_incompatible(run: RunConfig, world_size: int) -> None:
             f"changes the model being trained. Use --set moe_capacity=0 (dropless: the fleet "
             f"then equals one process at the global batch)"
         )
-    if m.engram_ram:
+    if m.engram_ram and t.dist_shard == "fsdp":
         raise RefusedError(
-            f"engram_ram=true on {fleet}: the host-RAM Engram tables are not parameters, so the "
-            f"gradient reducer never sees their rows and each rank would update its own copy "
-            f"(N different models that look synchronised; design notes' known gap 4, no row "
-            f"all-reduce exists yet). Use --set engram_ram=false: the tables stay on the device "
-            f"as parameters and are reduced like every other gradient"
+            f"engram_ram=true with dist_shard=fsdp on {fleet}: the host rows' gradient is a "
+            f"plain tensor while FSDP2's are DTensor shards, and the optimizer's clip cannot "
+            f"take one norm over both (measured failure: '_foreach_norm got mixed torch.Tensor "
+            f"and DTensor'); only the DDP path is gated (g14). Use --set dist_shard=none (DDP "
+            f"reduces the host rows exactly), or engram_ram=false to keep FSDP2"
         )
     if t.dist_shard == "fsdp" and t.opt != "adamw":
         raise RefusedError(
@@ -318,6 +323,54 @@ def refuse_incompatible(run: RunConfig, world_size: int) -> None:
             f"breaks at the reducer's hooks change what runs), so its result is unverified. "
             f"Use --set compile=false"
         )
+
+
+# ---- host-RAM Engram rows ---------------------------------------------------------------
+
+
+def merge_row_grads(
+    parts: Sequence[tuple[torch.Tensor, torch.Tensor]], world_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fleet's gradient of host-table rows from every rank's (rows, grad), in rank order.
+
+    parts[r] = (rows [K_r] distinct, grad [K_r, dim]): rank r's touched rows and their
+    gradient. Returns (union [K] ascending, mean [K, dim]): each union row's gradient summed
+    over the ranks that have it, rank 0 first, then divided by world_size -- the mean DDP
+    takes of a parameter's gradient, so with the loss scaled by world_size * t_r / sum(t) it
+    is the gradient one process sees at the global batch. The sum runs as one add per rank
+    (gather the union rows, add, put back; no atomics), so every rank that merges the same
+    parts gets the same bits, on any device.
+    """
+    if not parts:
+        raise ValueError("merge_row_grads needs at least one rank's (rows, grad)")
+    dim = parts[0][1].shape[-1]
+    for r, (rows, grad) in enumerate(parts):
+        if rows.dim() != 1 or grad.dim() != 2 or tuple(grad.shape) != (rows.numel(), dim):
+            raise ValueError(
+                f"merge_row_grads: rank {r} has rows {tuple(rows.shape)} and grad "
+                f"{tuple(grad.shape)}; each rank needs rows [K] and grad [K, {dim}]"
+            )
+        if rows.unique().numel() != rows.numel():
+            raise ValueError(
+                f"merge_row_grads: rank {r} lists a row twice ({rows.numel()} rows, "
+                f"{rows.unique().numel()} distinct); a rank's set must be summed per row first "
+                f"(HostTables.pending is)"
+            )
+    union, inv = torch.unique(torch.cat([rows for rows, _ in parts]), sorted=True,
+                              return_inverse=True)  # fmt: skip
+    grads = [grad for _, grad in parts]
+    out = grads[0].new_zeros(union.numel(), dim)
+    start = 0
+    for grad in grads:
+        pos = inv[start:start + grad.shape[0]].to(out.device)
+        start += grad.shape[0]
+        out.index_copy_(0, pos, out.index_select(0, pos).add_(grad.to(out.dtype)))
+    return union, out.div_(world_size)
+
+
+def host_stores(model: torch.nn.Module) -> list[HostTables]:
+    """The model's host-RAM Engram stores, in module order (the same on every rank)."""
+    return [m for m in model.modules() if isinstance(m, HostTables)]
 
 
 # ---- the fleet's seams ------------------------------------------------------------------
@@ -355,7 +408,20 @@ class Parallel(Seams):
         self.say = log if self.rank == 0 else (lambda _line: None)
         self.find_unused: bool | None = None
 
-    # -- the four seams --------------------------------------------------------------
+    # -- the seams ---------------------------------------------------------------------
+
+    def after_backward(self, model: torch.nn.Module) -> None:
+        """Every rank installs the same host-row gradient: the union of the ranks' rows, each
+        row's gradient summed over the ranks in rank order and divided by world_size.
+
+        The host tables are no parameters, so the reducer never sees their rows; without this
+        each rank would step its own rows and the fleet would hold N different tables. Rows
+        cross in fp32 whatever dist_reduce says (a row's gradient is small next to the dense
+        payload, and the fp32 mean is the exact one).
+        """
+        for store in host_stores(model):  # the same stores in the same order on every rank
+            rows, grad = store.pending()
+            store.replace_pending(*self._fleet_rows(rows, grad, store.dim))
 
     def all_finite(self, finite: bool) -> bool:
         # ONE collective: a rank that skipped alone would leave its parameters behind.
@@ -377,6 +443,47 @@ class Parallel(Seams):
 
         return reduce_sum
 
+    def _fleet_rows(self, rows: torch.Tensor, grad: torch.Tensor, dim: int):
+        """All-gather every rank's (rows, grad) and merge them (`merge_row_grads`).
+
+        all_gather wants equal sizes: the counts go first, then rows and gradients padded to
+        the largest count. Everything travels on the fleet's device (nccl needs CUDA tensors).
+        """
+        dev, world = self.device, self.world_size
+        count = torch.tensor([rows.numel()], dtype=torch.int64, device=dev)
+        counts = [torch.zeros_like(count) for _ in range(world)]
+        dist.all_gather(counts, count)
+        counts = [int(c) for c in torch.cat(counts).tolist()]
+        most = max(counts)
+        if most == 0:  # no rank has a row (step 0: the Engram conv starts at zero)
+            return rows, grad
+        k = rows.numel()
+        pad_rows = torch.full((most,), -1, dtype=torch.int64, device=dev)
+        pad_rows[:k] = rows.to(dev)
+        pad_grad = torch.zeros(most, dim, dtype=torch.float32, device=dev)
+        pad_grad[:k] = grad.to(dev, torch.float32)
+        all_rows = [torch.empty_like(pad_rows) for _ in range(world)]
+        all_grad = [torch.empty_like(pad_grad) for _ in range(world)]
+        dist.all_gather(all_rows, pad_rows)
+        dist.all_gather(all_grad, pad_grad)
+        parts = [(r[:n], g[:n]) for r, g, n in zip(all_rows, all_grad, counts)]
+        return merge_row_grads(parts, world)
+
+    def _broadcast_host(self, model: torch.nn.Module) -> None:
+        """Rank 0's host tables and their Adam state become every rank's, as DDP (and the
+        FSDP2 wrap below) does for parameters: the reducer never sees these tensors."""
+        chunk = 1 << 24  # elements per trip through the device on nccl (64 MiB of fp32)
+        for store in host_stores(model):
+            for t in (store.table, store.exp_avg, store.exp_avg_sq, store.row_step):
+                if self.device.type == "cpu":
+                    dist.broadcast(t, src=0)
+                    continue
+                flat = t.view(-1)
+                for i in range(0, flat.numel(), chunk):
+                    buf = flat[i:i + chunk].to(self.device)
+                    dist.broadcast(buf, src=0)
+                    flat[i:i + chunk].copy_(buf)
+
     def barrier(self) -> None:
         if self.backend == "nccl":
             dist.barrier(device_ids=[self.device.index])
@@ -386,6 +493,7 @@ class Parallel(Seams):
     # -- the reducer ---------------------------------------------------------------------
 
     def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
+        self._broadcast_host(model)
         if self.shard == "fsdp":
             return self._wrap_fsdp(model)
         return self._wrap_ddp(model)
@@ -537,6 +645,8 @@ def _params_without_grad(model: torch.nn.Module, device: torch.device) -> list[s
     finally:
         for p in model.parameters():
             p.grad = None
+        for store in host_stores(model):
+            store.zero_grad()  # else the probe's host-row gradient joins the first step's
         model.train(was)
     return missing
 

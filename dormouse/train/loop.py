@@ -1,4 +1,4 @@
-"""The training loop: one single-process loop with four distributed seams.
+"""The training loop: one single-process loop with its distributed seams.
 
 `train(model, run, log, parallel)` owns the step: data, forward, the scaled
 backward, the non-finite decision, clipping, the optimizer and LFB update, the
@@ -269,6 +269,8 @@ def train(
             with _autocast(device, autocast_dtype):
                 _, loss, aux = net(x, y)
             (loss * parallel.loss_scale).backward()
+            # host-RAM Engram rows are no parameters: the fleet reduces them here, before the clip
+            parallel.after_backward(net)
             finite = bool(torch.isfinite(loss.detach()))
             if finite:
                 # the optimizer's clip: it also sees host-RAM Engram rows (not parameters)

@@ -1,11 +1,13 @@
-"""The loop's four distributed seams, with their one-process defaults.
+"""The loop's distributed seams, with their one-process defaults.
 
-The training loop is single-process code that asks this object four things:
+The training loop is single-process code that asks this object five things:
 (1) which bytes this rank reads (`shape`, `offset`, `stride`), (2) how to scale
-its loss before backward (`loss_scale`), (3) whether EVERY rank's step is finite
-(`all_finite`, one collective on a fleet), and (4) whether it is the rank that
-evaluates, checkpoints and logs (`is_main`). `dormouse.train.distributed.Parallel`
-subclasses this and fills the seams in for a fleet; here they are the identity.
+its loss before backward (`loss_scale`), (3) what to reduce by hand after backward
+that the gradient reducer does not see (`after_backward`: host-RAM Engram rows),
+(4) whether EVERY rank's step is finite (`all_finite`, one collective on a fleet),
+and (5) whether it is the rank that evaluates, checkpoints and logs (`is_main`).
+`dormouse.train.distributed.Parallel` subclasses this and fills the seams in for a
+fleet; here they are the identity.
 """
 
 from __future__ import annotations
@@ -71,6 +73,10 @@ class Seams:
     def loss_scale(self) -> float:
         """world_size * t_rank / sum(t): the reducer's mean becomes the token-weighted mean."""
         return self.world_size * self.shape.tokens / self.global_tokens
+
+    def after_backward(self, model: torch.nn.Module) -> None:
+        """Called on every rank right after backward, before clipping: reduce the gradients
+        the reducer never sees (host-RAM Engram rows). One process: nothing to reduce."""
 
     def all_finite(self, finite: bool) -> bool:
         return finite
