@@ -201,7 +201,8 @@ def bench_preset(
     """Warm up, then time `steps` training steps of `run` on `device`; one table row."""
     from .model import DormouseModel, count_params
     from .train.device import probe_device
-    from .train.loop import _autocast, lr_factor, resolve_autocast
+    from .train.loop import lr_factor, resolve_autocast, train_step
+    from .train.seams import RankShape, Seams
     from .train.optim import MixOptimizer
 
     cfg = run.train
@@ -218,7 +219,6 @@ def bench_preset(
     model.to(device)
     model.train()
     opt = MixOptimizer.from_config(model, cfg, device.type, log=say)
-    clip = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
 
     # Random bytes, drawn before the clock starts so the RNG is not timed; each step still
     # moves its batch to the device, as the loop does.
@@ -226,26 +226,12 @@ def bench_preset(
     windows = [torch.randint(0, 256, (cfg.batch, cfg.seq_len + 1), generator=gen)
                for _ in range(warmup + steps)]  # fmt: skip
 
+    seams = Seams([RankShape(cfg.batch, cfg.seq_len)])
+
     def step(i: int) -> bool:
-        # The loop's step body (dormouse/train/loop.py), single process: schedule, forward
-        # under autocast, backward, the finite check, clip through the optimizer, step, LFB.
-        opt.set_lr_factor(lr_factor(i, cfg))
         w = windows[i]
-        x = w[:, :-1].to(device, non_blocking=True)
-        y = w[:, 1:].to(device, non_blocking=True)
-        with _autocast(device, dtype):
-            _, loss, _ = model(x, y)
-        loss.backward()
-        finite = bool(torch.isfinite(loss.detach()))
-        if finite:
-            finite = bool(torch.isfinite(opt.clip_grad_norm_(clip)))
-        if not finite:
-            opt.zero_grad(set_to_none=True)
-            return False
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        model.lfb_update()
-        return True
+        return train_step(model, opt, seams, w[:, :-1], w[:, 1:], cfg, lr_factor(i, cfg),
+                          device, dtype)[2]  # fmt: skip
 
     say(f"  {warmup} warm-up step(s) (untimed) ...")
     for i in range(warmup):

@@ -160,6 +160,34 @@ def _plot(metrics_path: Path, png: Path, log) -> None:
 # ---- the loop -------------------------------------------------------------------------------
 
 
+def train_step(net, opt, parallel: Seams, x, y, cfg, factor: float, device, autocast_dtype):
+    """One optimizer step on this rank's (x, y): returns (loss, aux, stepped).
+
+    The whole step lives here so the loop and `dormouse bench` time the same code:
+    schedule, forward, the scaled backward, the fleet's post-backward reductions, the
+    non-finite decision (ONE collective: every rank skips together), clip, step, LFB.
+    """
+    opt.set_lr_factor(factor)
+    x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+    with _autocast(device, autocast_dtype):
+        _, loss, aux = net(x, y)
+    (loss * parallel.loss_scale).backward()
+    # host-RAM Engram rows are no parameters: the fleet reduces them here, before the clip
+    parallel.after_backward(net)
+    finite = bool(torch.isfinite(loss.detach()))
+    if finite:
+        # the optimizer's clip: it also sees host-RAM Engram rows (not parameters)
+        gnorm = opt.clip_grad_norm_(cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
+        finite = bool(torch.isfinite(gnorm))
+    if not parallel.all_finite(finite):
+        opt.zero_grad(set_to_none=True)
+        return loss, aux, False
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    parallel.unwrap(net).lfb_update(reduce=parallel.lfb_reduce)
+    return loss, aux, True
+
+
 def ckpt_path(run: RunConfig) -> Path:
     return Path(run.train.out_dir) / f"{run.train.ckpt_name}.pt"
 
@@ -263,21 +291,9 @@ def train(
     try:
         for step in range(start, end):
             factor = lr_factor(step, cfg)
-            opt.set_lr_factor(factor)
             x, y = stream.next()
-            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-            with _autocast(device, autocast_dtype):
-                _, loss, aux = net(x, y)
-            (loss * parallel.loss_scale).backward()
-            # host-RAM Engram rows are no parameters: the fleet reduces them here, before the clip
-            parallel.after_backward(net)
-            finite = bool(torch.isfinite(loss.detach()))
-            if finite:
-                # the optimizer's clip: it also sees host-RAM Engram rows (not parameters)
-                gnorm = opt.clip_grad_norm_(cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
-                finite = bool(torch.isfinite(gnorm))
-            if not parallel.all_finite(finite):  # ONE collective: every rank skips together
-                opt.zero_grad(set_to_none=True)
+            loss, aux, ok = train_step(net, opt, parallel, x, y, cfg, factor, device, autocast_dtype)
+            if not ok:
                 skips += 1
                 consecutive += 1
                 say(f"step={step} skipped: non-finite loss or gradient (skips={skips})")
@@ -289,9 +305,6 @@ def train(
                     )
                 continue
             consecutive = 0
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            parallel.unwrap(net).lfb_update(reduce=parallel.lfb_reduce)
             tokens_seen += parallel.global_tokens
             steps_since_log += 1
             done = step + 1
