@@ -20,8 +20,9 @@ def _log(line: str) -> None:
 
 
 def _setup_logging() -> None:
-    # Module loggers ("dormouse.*") report `auto` choices; show them like the log lines.
-    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
+    # Module loggers ("dormouse.*") report `auto` choices on stderr, so `sample` prints only
+    # the text on stdout.
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
 
 
 def _run_from_args(args) -> "RunConfig":  # noqa: F821

@@ -248,6 +248,6 @@ def test_memory_bench_dry(tmp_path, capsys):
     assert small and b1
     assert "does not fit" in b1[0]
     est = float(small[0].split("|")[5])
-    small512 = replace(preset("small"), train=replace(preset("small").train, seq_len=512))
+    small512 = replace(preset("small"), train=replace(preset("small").train, batch=8, seq_len=512))
     want = plan_fit(small512, 4)[1]
     assert est == pytest.approx(want.total / GiB, abs=0.005)
