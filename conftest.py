@@ -58,12 +58,14 @@ def cuda_fleet(request) -> bool:
     return bool(request.config.getoption("--cuda-fleet"))
 
 
-def pytest_sessionstart(session):
-    # Many small ops: on the 2-core CI box one intra-op thread per process is several
-    # times faster than two competing ones (xdist already runs two workers).
-    try:
-        import torch
+@pytest.fixture(autouse=True)
+def _one_thread():
+    # Many small ops: on the 2-core CI box one intra-op thread per process is several times
+    # faster than two competing ones (xdist already runs two workers; measured up to 100x
+    # slower per tiny forward with a second, spinning thread under load).
+    import torch
 
-        torch.set_num_threads(1)
-    except Exception:
-        pass
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)

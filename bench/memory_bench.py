@@ -83,7 +83,8 @@ def measure(run, batch: int, seq: int, device) -> tuple[int, str]:
     import torch
 
     from dormouse.model import DormouseModel
-    from dormouse.train.loop import resolve_autocast
+    from dormouse.train.loop import resolve_autocast, train_step
+    from dormouse.train.seams import RankShape, Seams
     from dormouse.train.optim import MixOptimizer
 
     notes = []
@@ -106,17 +107,11 @@ def measure(run, batch: int, seq: int, device) -> tuple[int, str]:
         x = torch.randint(0, 256, (batch, seq), generator=g).to(device)
         y = torch.randint(0, 256, (batch, seq), generator=g).to(device)
 
+        seams = Seams([RankShape(batch, seq)])
+
         def step():
-            ctx = (torch.autocast(device_type="cuda", dtype=autocast) if autocast is not None
-                   else torch.autocast(device_type="cuda", enabled=False))  # fmt: skip
-            with ctx:
-                _, loss, _ = model(x, y)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            model.lfb_update()
-            del loss
+            # the trainer's own step (forward, backward, clip through the optimizer, step)
+            train_step(model, opt, seams, x, y, run.train, 1.0, device, autocast)
 
         step()  # warm-up: lazily created optimizer state, kernel autotuning
         torch.cuda.synchronize(device)

@@ -10,7 +10,6 @@ import argparse
 import logging
 import os
 import sys
-from pathlib import Path
 
 from .config import ConfigError, apply_sets, preset, preset_names, validate
 
@@ -25,7 +24,7 @@ def _setup_logging() -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
 
 
-def _run_from_args(args) -> "RunConfig":  # noqa: F821
+def _run_from_args(args):
     run = preset(args.preset)
     sets = list(args.set or [])
     if args.steps is not None:

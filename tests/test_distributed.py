@@ -31,14 +31,6 @@ from dormouse.train.distributed import (
 )
 from dormouse.train.seams import RankShape
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # Tiny matmuls on a loaded 2-core machine: a second intra-op thread only spins
-    # (measured 100x slower per forward than one thread).
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
 
 
 TORCHRUN = {"RANK": "0", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}

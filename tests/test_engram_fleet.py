@@ -25,12 +25,6 @@ from dormouse.train.distributed import Parallel, _params_without_grad, merge_row
 from dormouse.train.seams import RankShape, Seams
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def _part(rows: list[int], grads: list[list[float]]):

@@ -25,12 +25,6 @@ KW = dict(lr=0.02, wd=0.1, ns_dtype="fp32", engram_lr_mult=5.0)  # lr large: a w
 B, T = 2, 32
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def _model(ram: bool, rows: int | None = None, seed: int = 0) -> DormouseModel:

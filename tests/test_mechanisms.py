@@ -48,12 +48,6 @@ WINDOWS = 20260601
 FLIP_WINDOWS = 2024
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 @functools.cache

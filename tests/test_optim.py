@@ -18,14 +18,6 @@ from references.muon_single import muon_single_step
 D = 32
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # These matrices are tiny: on a busy 2-core box, intra-op threads only add contention
-    # (measured 60x slower for a 48x32 fp64 polar with 2 threads under load).
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 class _Store(nn.Module):
