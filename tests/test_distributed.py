@@ -11,7 +11,6 @@ from dataclasses import replace
 
 import pytest
 import torch
-import torch.distributed as dist
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -331,16 +330,6 @@ def test_the_unused_parameter_probe_leaves_no_trace():
     frozen = torch.nn.Parameter(torch.zeros(3))
     model.register_parameter("orphan", frozen)
     assert _params_without_grad(model, torch.device("cpu")) == ["orphan"]
-
-
-@pytest.fixture
-def one_rank_group():
-    assert not dist.is_initialized()
-    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("reduce", ["fp32", "bf16"])

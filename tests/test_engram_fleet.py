@@ -16,7 +16,6 @@ from dataclasses import replace
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from dormouse.config import preset
 from dormouse.model import DormouseModel
@@ -182,16 +181,6 @@ def test_one_process_seam_is_the_identity():
     Seams([RankShape(2, 16)]).after_backward(model)
     r2, g2 = model.engram.store.pending()
     assert torch.equal(rows, r2) and torch.equal(grad, g2)
-
-
-@pytest.fixture
-def one_rank_group():
-    assert not dist.is_initialized()
-    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def test_fleet_seam_on_one_rank_keeps_the_rows_and_the_wrap_keeps_the_table(one_rank_group):
