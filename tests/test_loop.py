@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import signal
 
 import pytest
 import torch
@@ -54,6 +56,52 @@ def test_exact_resume(tmp_path):
     # the LFB buffers travel too (they are state, not parameters)
     for a, b in zip(second.buffers(), full.buffers()):
         assert torch.equal(a, b)
+
+
+def _signal_at(step: int, sig, lines: list, before=None):
+    """A log callback that sends `sig` to this process when `step=<step> ` is logged."""
+
+    def log(line: str) -> None:
+        lines.append(line)
+        if before is not None and line.startswith(f"step={before[0]} "):
+            before[1]()
+        if line.startswith(f"step={step} "):
+            os.kill(os.getpid(), sig)
+
+    return log
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_stops_between_steps_and_resumes_exactly(tmp_path, sig):
+    quiet = lambda _line: None  # noqa: E731
+    full_run = _run(tmp_path, tmp_path / "full", 12, "log_every=1", "ckpt_every=0")
+    full = _model(full_run)
+    train(full, full_run, log=quiet)
+
+    before = signal.getsignal(sig)
+    run = _run(tmp_path, tmp_path / "cut", 12, "log_every=1", "ckpt_every=0")
+    lines: list[str] = []
+    with pytest.raises(KeyboardInterrupt):
+        train(_model(run), run, log=_signal_at(5, sig, lines))
+    assert signal.getsignal(sig) is before  # the loop puts the old handler back
+    stop = [ln for ln in lines if ln.startswith("stop requested")]
+    assert stop and f"({signal.Signals(sig).name}) at step 5" in stop[0], lines[-3:]
+    assert ckpt.read_checkpoint(tmp_path / "cut" / "ckpt.pt")["step"] == 5
+    second = _model(run, seed=123)
+    assert train(second, run, log=quiet, resume=True)["steps"] == 12
+    assert fingerprint(second) == fingerprint(full)
+
+
+def test_a_replaced_sigint_handler_is_put_back(tmp_path):
+    # some libraries install their own SIGINT handler on first use; the loop notices
+    run = _run(tmp_path, tmp_path / "o", 8, "log_every=1", "ckpt_every=0")
+    lines: list[str] = []
+    swap = (2, lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    with pytest.raises(KeyboardInterrupt):
+        train(_model(run), run, log=_signal_at(4, signal.SIGINT, lines, before=swap))
+    assert any(ln.startswith("note: the SIGINT handler was replaced") for ln in lines)
+    assert any(ln.startswith("stop requested (SIGINT) at step 4") for ln in lines)
+    assert ckpt.read_checkpoint(tmp_path / "o" / "ckpt.pt")["step"] == 4
 
 
 def test_log_lines_metrics_and_plot(tmp_path):

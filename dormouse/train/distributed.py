@@ -429,6 +429,13 @@ class Parallel(Seams):
         dist.all_reduce(flag, op=dist.ReduceOp.MIN)
         return bool(flag.item())
 
+    def any_rank(self, flag: bool) -> bool:
+        # a signal may reach one rank only: the stop must still happen on the same step
+        # everywhere, or the others would wait in the next collective for ever
+        x = torch.tensor([1 if flag else 0], dtype=torch.int32, device=self.device)
+        dist.all_reduce(x, op=dist.ReduceOp.MAX)
+        return bool(x.item())
+
     def fleet_loss(self, loss: torch.Tensor) -> float:
         """sum_r t_r * loss_r / sum_r t_r: the loss of the global batch, on every rank."""
         x = loss.detach().to(device=self.device, dtype=torch.float64).reshape(1) * self.shape.tokens

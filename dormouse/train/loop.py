@@ -11,7 +11,9 @@ from __future__ import annotations
 import json
 import logging
 import math
+import signal
 import sys
+import threading
 import time
 from contextlib import nullcontext
 from pathlib import Path
@@ -31,6 +33,66 @@ _log = logging.getLogger("dormouse.train")
 
 class TrainingError(RuntimeError):
     pass
+
+
+# ---- stopping on a signal -------------------------------------------------------------
+
+
+class _GracefulStop:
+    """SIGINT / SIGTERM while training: finish the step in hand, checkpoint, then stop.
+
+    A signal only raises a flag; the loop reads it between steps, where model, optimizer
+    and data position agree, so the checkpoint written then resumes exactly (a
+    KeyboardInterrupt raised mid-step could not promise that). A second Ctrl-C stops at
+    once, without a checkpoint. Schedulers send SIGTERM before they preempt a job: it is
+    honoured the same way. A disposition of SIG_IGN (a shell's background job) is left
+    alone. Some libraries put their own SIGINT handler in place on first use, so the loop
+    re-installs ours between steps and says so once. Off the main thread (where Python
+    cannot set handlers) this does nothing.
+    """
+
+    NAMES = ("SIGINT", "SIGTERM")
+
+    def __init__(self, say: Callable[[str], None]):
+        self.say = say
+        self.caught: str | None = None
+        self._handler = self._on_signal  # one bound method, so `is` finds it again
+        self._previous: dict = {}
+        self._told = False
+
+    def _on_signal(self, signum, _frame) -> None:
+        if self.caught is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt  # the second Ctrl-C: stop now
+        self.caught = signal.Signals(signum).name
+
+    def __enter__(self) -> "_GracefulStop":
+        if threading.current_thread() is not threading.main_thread():
+            return self
+        for name in self.NAMES:
+            sig = getattr(signal, name, None)
+            if sig is None:
+                continue
+            old = signal.getsignal(sig)
+            if old is signal.SIG_IGN:
+                continue
+            self._previous[sig] = old
+            signal.signal(sig, self._handler)
+        return self
+
+    def keep_installed(self) -> None:
+        for sig in self._previous:
+            now = signal.getsignal(sig)
+            if now is not self._handler:
+                if not self._told:
+                    self.say(f"note: the {signal.Signals(sig).name} handler was replaced "
+                             f"({now!r}) by something the run loaded; re-installed so a stop "
+                             f"still writes a checkpoint")  # fmt: skip
+                    self._told = True
+                signal.signal(sig, self._handler)
+
+    def __exit__(self, *exc) -> None:
+        for sig, old in self._previous.items():
+            signal.signal(sig, old if old is not None else signal.SIG_DFL)
 
 
 # ---- schedule -----------------------------------------------------------------------
@@ -288,8 +350,24 @@ def train(
     t_log = time.perf_counter()
     steps_since_log = 0
     step = start
+    # a fleet must stop on the same step on every rank: the ranks agree every 10 steps
+    stop_every = 1 if parallel.world_size == 1 else 10
+    stopper = _GracefulStop(say)
+    stopped = False
+    last_saved = start if resume else None
     try:
+        stopper.__enter__()
         for step in range(start, end):
+            # here `step` steps are complete: the one place a stop leaves a resumable state
+            stopper.keep_installed()
+            if (step - start) % stop_every == 0 and parallel.any_rank(stopper.caught is not None):
+                why = stopper.caught or "a signal on another rank"
+                bar.clear()
+                say(f"stop requested ({why}) at step {step}: writing a checkpoint so --resume "
+                    f"continues from here")  # fmt: skip
+                save(step)
+                stopped = True
+                raise KeyboardInterrupt
             factor = lr_factor(step, cfg)
             x, y = stream.next()
             loss, aux, ok = train_step(net, opt, parallel, x, y, cfg, factor, device, autocast_dtype)
@@ -329,12 +407,17 @@ def train(
                 do_eval(done)
             if cfg.ckpt_every and done % cfg.ckpt_every == 0 and done != end:
                 save(done)
+                last_saved = done
         step = end
     except KeyboardInterrupt:
-        bar.clear()
-        say(f"interrupted at step {step}: writing a checkpoint so --resume continues from here")
-        save(step)
+        if not stopped:
+            bar.clear()
+            where = f"step {last_saved}" if last_saved is not None else "none yet"
+            say(f"interrupted inside step {step}: no checkpoint written, since the state is "
+                f"mid-step (last checkpoint: {where}; one Ctrl-C, or SIGTERM, stops cleanly)")  # fmt: skip
         raise
+    finally:
+        stopper.__exit__(None, None, None)
     bar.clear()
     final = do_eval(end) if data.has_val else {}
     save(end)

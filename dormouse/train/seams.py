@@ -81,6 +81,10 @@ class Seams:
     def all_finite(self, finite: bool) -> bool:
         return finite
 
+    def any_rank(self, flag: bool) -> bool:
+        """True when `flag` holds on any rank (a stop request: every rank must stop together)."""
+        return flag
+
     def fleet_loss(self, loss: torch.Tensor) -> float:
         """The token-weighted mean of every rank's mean loss."""
         return float(loss)
