@@ -15,7 +15,11 @@ from .config import ConfigError, apply_sets, preset, preset_names, validate
 
 
 def _log(line: str) -> None:
-    print(line, flush=True)
+    # One write per line: print() writes the text and the newline separately when stdout is
+    # unbuffered (PYTHONUNBUFFERED=1), and a fleet's ranks share one pipe, so two ranks'
+    # lines could interleave mid-line. A single write under PIPE_BUF bytes stays whole.
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
 
 
 def _setup_logging() -> None:
@@ -77,6 +81,22 @@ def cmd_train(args) -> int:
     return 0
 
 
+def _arms_for_this_machine(run, source: str):
+    """A checkpoint records the kernel arms it was trained with (say kda_impl=fla on a GPU);
+    every arm computes the same function (tests/test_kda.py, tests/test_moe.py), so eval and
+    sample choose afresh for the device they run on instead of refusing a CPU."""
+    from dataclasses import replace
+
+    pinned = {k: getattr(run.model, k) for k in ("kda_impl", "moe_impl")}
+    pinned = {k: v for k, v in pinned.items() if v != "auto"}
+    if not pinned:
+        return run
+    said = " ".join(f"{k}={v}" for k, v in pinned.items())
+    _log(f"{source}: trained with {said}; the arms compute the same function, so this run "
+         f"picks them for its own device ({' '.join(f'{k}=auto' for k in pinned)})")
+    return replace(run, model=replace(run.model, **{k: "auto" for k in pinned}))
+
+
 def cmd_eval(args) -> int:
     from .train.checkpoint import load_model_state, read_checkpoint
     from .train.data import open_data
@@ -84,7 +104,7 @@ def cmd_eval(args) -> int:
     from .model import DormouseModel
 
     ck = read_checkpoint(args.checkpoint)
-    run = ck["run"]
+    run = _arms_for_this_machine(ck["run"], args.checkpoint)
     if args.data:
         run = apply_sets(run, ["data=" + ",".join(args.data)])
     device = resolve_device(args.device or "auto", _log)
@@ -108,7 +128,7 @@ def cmd_sample(args) -> int:
     from .train.loop import resolve_device
 
     ck = read_checkpoint(args.checkpoint)
-    model = DormouseModel(ck["run"].model)
+    model = DormouseModel(_arms_for_this_machine(ck["run"], args.checkpoint).model)
     load_model_state(model, ck, args.checkpoint)
     device = resolve_device(args.device or "auto", lambda _l: None)
     model.to(device).eval()

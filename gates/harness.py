@@ -51,7 +51,7 @@ SPAWN_DEADLINE_S = 300
 GATES = [
     "g01_trajectory", "g02_identical", "g03_unequal", "g04_fsdp", "g05_nonfinite",
     "g06_nccl", "g07_launch", "g08_rank0", "g09_capacity", "g10_torchrun", "g11_lfb",
-    "g12_fsdp_checkpoint", "g13_policy", "g14_engram_ram_fleet",
+    "g12_fsdp_checkpoint", "g13_policy", "g14_engram_ram_fleet", "g15_signal_stop",
 ]  # fmt: skip
 
 
@@ -158,6 +158,8 @@ class FleetSpec:
     nan_step: int = -1  # ...at this 0-based training forward
     per_rank_out: bool = False  # each rank gets its own out_dir (to see who writes what)
     resume_steps: int = 0  # after the run, resume its checkpoint on the fleet up to this step
+    signal_rank: int = -1  # this rank sends itself SIGTERM...
+    signal_step: int = -1  # ...during this 0-based training forward (the run must stop cleanly)
     cuda: bool = False
 
     def key(self) -> str:
@@ -307,6 +309,24 @@ def _inject_nan(model: torch.nn.Module, at: int) -> None:
     model.forward = forward
 
 
+def _signal_during(model: torch.nn.Module, at: int) -> None:
+    """Send this process SIGTERM inside the `at`-th training forward: a scheduler's
+    preemption notice reaching one rank only, in the middle of a step."""
+    import signal
+
+    orig = model.forward
+    calls = [0]
+
+    def forward(x, y=None):
+        if model.training:
+            if calls[0] == at:
+                os.kill(os.getpid(), signal.SIGTERM)
+            calls[0] += 1
+        return orig(x, y)
+
+    model.forward = forward
+
+
 def _rank_main(rank: int, spec: FleetSpec, out: str, port: int) -> None:
     from dormouse.train.distributed import NCCL_SAFE_ENV
 
@@ -340,12 +360,21 @@ def _rank_body(rank: int, spec: FleetSpec, out: Path) -> dict:
     model = build_model(run)
     if rank == spec.nan_rank:
         _inject_nan(model, spec.nan_step)
+    if rank == spec.signal_rank:
+        _signal_during(model, spec.signal_step)
     lines: list[str] = []
     t0 = time.perf_counter()
-    report = train_dist(run, log=lines.append, device_type="cuda" if spec.cuda else "cpu",
-                        model=model, close=False, timeout_s=COLLECTIVE_TIMEOUT_S,
-                        rate=spec.rates[rank] if spec.rates else None,
-                        parallel_cls=FleetRecorder)  # fmt: skip
+    stopped = False
+    try:
+        report = train_dist(run, log=lines.append, device_type="cuda" if spec.cuda else "cpu",
+                            model=model, close=False, timeout_s=COLLECTIVE_TIMEOUT_S,
+                            rate=spec.rates[rank] if spec.rates else None,
+                            parallel_cls=FleetRecorder)  # fmt: skip
+    except KeyboardInterrupt:  # a stop on a signal: the loop wrote its checkpoint first
+        if spec.signal_rank < 0:
+            raise
+        stopped = True
+        report = {"checkpoint": str(Path(run.train.out_dir) / f"{run.train.ckpt_name}.pt")}
     p = FleetRecorder.current
     rec = p.finish()
     shapes = [s.line() for s in p.shapes]
@@ -366,6 +395,7 @@ def _rank_body(rank: int, spec: FleetSpec, out: Path) -> dict:
     dist.barrier()  # before teardown: without it gloo aborts intermittently
     dist.destroy_process_group()
     return {"rank": rank, "rec": rec, "report": report, "lines": lines, "shapes": shapes,
+            "stopped": stopped,
             "run_dir": str(run_dir), "elapsed": elapsed, "resumed": resumed}  # fmt: skip
 
 
@@ -613,6 +643,11 @@ UNEQUAL_RUN = FleetSpec("unequal", steps=3, capacity="4,2", nan_rank=1, nan_step
 FSDP_RUN = FleetSpec("fsdp", steps=20, sets=("dist_shard=fsdp", "opt=adamw"), resume_steps=25)
 #: LFB on (coef 0.01), capacity auto with injected rates 3:1 (global batch 4 -> 3,1). Gates 9, 11.
 LFB_RUN = FleetSpec("lfb", steps=8, capacity="auto", rates=(3.0, 1.0), sets=("moe_lb_coef=0.01",))
+
+
+#: rank 1 gets SIGTERM during step 3 of 20; the fleet agrees every 10 steps, so both ranks stop
+#: after step 10 with one checkpoint, which the fleet then resumes to step 20. Gate 15.
+SIGNAL_RUN = FleetSpec("signal", steps=20, signal_rank=1, signal_step=3, resume_steps=20)
 
 
 def on(spec: FleetSpec, cuda: bool) -> FleetSpec:

@@ -104,6 +104,22 @@ def test_a_replaced_sigint_handler_is_put_back(tmp_path):
     assert ckpt.read_checkpoint(tmp_path / "o" / "ckpt.pt")["step"] == 4
 
 
+def test_a_second_ctrl_c_stops_at_once_without_a_checkpoint(tmp_path):
+    run = _run(tmp_path, tmp_path / "o", 8, "log_every=1", "ckpt_every=0")
+    lines: list[str] = []
+
+    def log(line: str) -> None:
+        lines.append(line)
+        if line.startswith("step=3 "):
+            os.kill(os.getpid(), signal.SIGINT)  # the first asks for a clean stop...
+            os.kill(os.getpid(), signal.SIGINT)  # ...the second means now
+
+    with pytest.raises(KeyboardInterrupt):
+        train(_model(run), run, log=log)
+    assert any(ln.startswith("interrupted during step 3: no checkpoint written") for ln in lines)
+    assert not (tmp_path / "o" / "ckpt.pt").exists()
+
+
 def test_log_lines_metrics_and_plot(tmp_path):
     lines = []
     run = _run(tmp_path, tmp_path / "o", 6, "log_every=2", "eval_every=3", "eval_batches=2")
@@ -165,6 +181,26 @@ def test_cli_train_eval_sample(tmp_path, capsys):
                      "--device", "cpu"]) == 0  # fmt: skip
     text = capsys.readouterr().out
     assert "eval checkpoint=" in text and "\ndef " in text
+
+
+def test_a_gpu_trained_checkpoint_evaluates_and_samples_on_the_cpu(tmp_path, capsys):
+    # a checkpoint from an H200 records kda_impl=fla; eval/sample on a CPU must still run
+    data = _corpus(tmp_path)
+    out = tmp_path / "gpu"
+    assert cli_main(["train", "tiny", "--data", str(data), "--steps", "2", "--out", str(out),
+                     "--device", "cpu", "--set", "batch=2", "--set", "seq_len=32"]) == 0  # fmt: skip
+    path = out / "ckpt.pt"
+    raw = torch.load(path, weights_only=True)
+    cfg = json.loads(raw["config"])
+    cfg["model"]["kda_impl"] = "fla"
+    raw["config"] = json.dumps(cfg)
+    torch.save(raw, path)
+    capsys.readouterr()
+    assert cli_main(["eval", str(path), "--batches", "1", "--device", "cpu"]) == 0
+    assert cli_main(["sample", str(path), "--prompt", "def ", "--bytes", "8", "--device", "cpu"]) == 0
+    said = capsys.readouterr()
+    said = said.out + said.err
+    assert "trained with kda_impl=fla" in said and "(kda_impl=auto)" in said
 
 
 def test_cli_reports_user_errors_cleanly(tmp_path, capsys):

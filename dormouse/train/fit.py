@@ -67,9 +67,11 @@ body of this port keeps about n_layers x max_iter times more, which is why mediu
 mechanism on a 4 GB card here (see `plan medium --fit 4`).
 ACT_SCALE multiplies every activation term: it is the calibration hook. The H200 bench
 prints the K its measured peaks imply; set ACT_SCALE (or the parts) from that table.
-Measured on an H200 (torch 2.11, bf16 autocast, torch KDA arm since fla-core was not
-installed there): implied K = 332 (small), 326 (medium), 357 (b1) against the 330-334 the
-parts give for those presets, so ACT_SCALE stays 1.0. The fla arm's K is not yet measured.
+Measured on an H200 (torch 2.11, bf16 autocast; docs/memory.md): torch KDA arm, implied
+K = 325 (small), 326 (medium), 356 (b1) against the 330-334 the parts give for those
+presets; fla arm (fla-core 0.6.0), implied K = 134 for small against the modelled 139. So
+ACT_SCALE stays 1.0. (fla on medium and b1 was not measured: each new head count autotunes
+the kernels afresh, which outran the session's device time.)
 
 Mechanisms, cheapest first (each with what it removes from the device):
   moe_offload         the routed expert pass's saved activations and its per-application

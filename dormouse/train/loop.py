@@ -413,7 +413,7 @@ def train(
         if not stopped:
             bar.clear()
             where = f"step {last_saved}" if last_saved is not None else "none yet"
-            say(f"interrupted inside step {step}: no checkpoint written, since the state is "
+            say(f"interrupted during step {step + 1}: no checkpoint written, since the state is "
                 f"mid-step (last checkpoint: {where}; one Ctrl-C, or SIGTERM, stops cleanly)")  # fmt: skip
         raise
     finally:
