@@ -288,13 +288,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _inject_nan(model: torch.nn.Module, at: int) -> None:
-    """Make the `at`-th training forward return a NaN loss whose GRADIENT is finite.
-
-    loss + NaN (a constant) has d/d(loss) = 1, so backward and the reducer are untouched and
-    only this rank's local finiteness check disagrees with the others': exactly the case the
-    one-collective decision exists for.
-    """
+def _at_training_forward(model: torch.nn.Module, at: int, change: Callable) -> None:
+    """Pass the loss of the `at`-th (0-based) training forward through `change(loss)`."""
     orig = model.forward
     calls = [0]
 
@@ -302,11 +297,21 @@ def _inject_nan(model: torch.nn.Module, at: int) -> None:
         logits, loss, aux = orig(x, y)
         if model.training and loss is not None:
             if calls[0] == at:
-                loss = loss + float("nan")
+                loss = change(loss)
             calls[0] += 1
         return logits, loss, aux
 
     model.forward = forward
+
+
+def _inject_nan(model: torch.nn.Module, at: int) -> None:
+    """Make the `at`-th training forward return a NaN loss whose GRADIENT is finite.
+
+    loss + NaN (a constant) has d/d(loss) = 1, so backward and the reducer are untouched and
+    only this rank's local finiteness check disagrees with the others': exactly the case the
+    one-collective decision exists for.
+    """
+    _at_training_forward(model, at, lambda loss: loss + float("nan"))
 
 
 def _signal_during(model: torch.nn.Module, at: int) -> None:
@@ -314,17 +319,11 @@ def _signal_during(model: torch.nn.Module, at: int) -> None:
     preemption notice reaching one rank only, in the middle of a step."""
     import signal
 
-    orig = model.forward
-    calls = [0]
+    def term(loss):
+        os.kill(os.getpid(), signal.SIGTERM)
+        return loss
 
-    def forward(x, y=None):
-        if model.training:
-            if calls[0] == at:
-                os.kill(os.getpid(), signal.SIGTERM)
-            calls[0] += 1
-        return orig(x, y)
-
-    model.forward = forward
+    _at_training_forward(model, at, term)
 
 
 def _rank_main(rank: int, spec: FleetSpec, out: str, port: int) -> None:

@@ -423,18 +423,19 @@ class Parallel(Seams):
             rows, grad = store.pending()
             store.replace_pending(*self._fleet_rows(rows, grad, store.dim))
 
+    def _agree(self, flag: bool, op) -> bool:
+        x = torch.tensor([1 if flag else 0], dtype=torch.int32, device=self.device)
+        dist.all_reduce(x, op=op)
+        return bool(x.item())
+
     def all_finite(self, finite: bool) -> bool:
         # ONE collective: a rank that skipped alone would leave its parameters behind.
-        flag = torch.tensor([1 if finite else 0], dtype=torch.int32, device=self.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-        return bool(flag.item())
+        return self._agree(finite, dist.ReduceOp.MIN)
 
     def any_rank(self, flag: bool) -> bool:
         # a signal may reach one rank only: the stop must still happen on the same step
         # everywhere, or the others would wait in the next collective for ever
-        x = torch.tensor([1 if flag else 0], dtype=torch.int32, device=self.device)
-        dist.all_reduce(x, op=dist.ReduceOp.MAX)
-        return bool(x.item())
+        return self._agree(flag, dist.ReduceOp.MAX)
 
     def fleet_loss(self, loss: torch.Tensor) -> float:
         """sum_r t_r * loss_r / sum_r t_r: the loss of the global batch, on every rank."""

@@ -65,9 +65,9 @@ class _GracefulStop:
             raise KeyboardInterrupt  # the second Ctrl-C: stop now
         self.caught = signal.Signals(signum).name
 
-    def __enter__(self) -> "_GracefulStop":
+    def install(self) -> None:
         if threading.current_thread() is not threading.main_thread():
-            return self
+            return
         for name in self.NAMES:
             sig = getattr(signal, name, None)
             if sig is None:
@@ -77,7 +77,6 @@ class _GracefulStop:
                 continue
             self._previous[sig] = old
             signal.signal(sig, self._handler)
-        return self
 
     def keep_installed(self) -> None:
         for sig in self._previous:
@@ -90,7 +89,7 @@ class _GracefulStop:
                     self._told = True
                 signal.signal(sig, self._handler)
 
-    def __exit__(self, *exc) -> None:
+    def restore(self) -> None:
         for sig, old in self._previous.items():
             signal.signal(sig, old if old is not None else signal.SIG_DFL)
 
@@ -355,8 +354,8 @@ def train(
     stopper = _GracefulStop(say)
     stopped = False
     last_saved = start if resume else None
+    stopper.install()
     try:
-        stopper.__enter__()
         for step in range(start, end):
             # here `step` steps are complete: the one place a stop leaves a resumable state
             stopper.keep_installed()
@@ -417,7 +416,7 @@ def train(
                 f"mid-step (last checkpoint: {where}; one Ctrl-C, or SIGTERM, stops cleanly)")  # fmt: skip
         raise
     finally:
-        stopper.__exit__(None, None, None)
+        stopper.restore()
     bar.clear()
     final = do_eval(end) if data.has_val else {}
     save(end)
