@@ -1,8 +1,10 @@
 """MoE FFN (dormouse/model/moe.py) against its per-token twin references/moe_dense.py.
 
 (a) dropless dispatch, every arm that runs here, forward and gradients; (b) the capacity
-rule on hand-built routings where the dropped assignments are known in advance; (c) the
-LFB controller; (d) moe_offload is exact. CUDA variants run only where a GPU is visible.
+rule on hand-built routings where the dropped assignments are known in advance, on random
+routings against the per-row reference references/moe_capacity.py, split across batches
+and continued through a decoding cache; (c) the LFB controller; (d) moe_offload
+is exact. CUDA variants run only where a GPU is visible.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from torch.utils.checkpoint import checkpoint
 from dormouse.config import ModelConfig
 from dormouse.model import moe as moe_mod
 from dormouse.model.moe import MoE
+from references.moe_capacity import moe_capacity
 from references.moe_dense import moe_dense
 
 D, FF, E, K, R = 16, 32, 4, 2, 8
@@ -227,13 +230,13 @@ LOGITS = [
     [2.0, -3.0, 1.0, -3.0],  # t2 picks {0, 2}
     [-3.0, -3.0, 2.0, 1.5],  # t3 picks {2, 3}
 ]
-# Per expert, by affinity: e0: t0(3) > t2(2) > t1(1); e1: t1(2.5) > t0(2);
-#                          e2: t3(2) > t2(1);          e3: t3(1.5).
+# Arrivals per expert, in position order: e0: t0, t1, t2; e1: t0, t1; e2: t2, t3; e3: t3.
 CASES = {
-    # cap = ceil(0.5 * 4 * 2 / 4) = 1: each expert keeps only its best assignment.
-    0.5: (1, {(2, 0), (1, 0), (0, 1), (2, 2)}),
-    # cap = ceil(1.0 * 4 * 2 / 4) = 2: only expert 0 is over, it loses t1 (affinity 1).
-    1.0: (2, {(1, 0)}),
+    # cap = ceil(0.5 * 4 * 2 / 4) = 1: each expert keeps only its first arrival. (The old
+    # lowest-affinity rule dropped t0 from e1 instead, because LATER t1 scored higher.)
+    0.5: (1, {(1, 0), (2, 0), (1, 1), (3, 2)}),
+    # cap = ceil(1.0 * 4 * 2 / 4) = 2: only expert 0 is over, its last arrival t2 goes.
+    1.0: (2, {(2, 0)}),
     # cap = ceil(2.0 * 2) = 4: nobody is over.
     2.0: (4, set()),
 }
@@ -249,10 +252,10 @@ def constructed(capacity: float, arm: str) -> tuple[MoE, torch.Tensor]:
 
 @pytest.mark.parametrize("arm", ARMS)
 @pytest.mark.parametrize("capacity", sorted(CASES))
-def test_capacity_drops_exactly_the_lowest_affinity(arm, capacity):
+def test_capacity_drops_exactly_the_late_arrivals(arm, capacity):
     skip_unless_arm(arm, d=8)
     cap, drop = CASES[capacity]
-    m, x = constructed(capacity, arm)
+    m, x = constructed(capacity, arm)  # a 2-D input is one row of 4 tokens
     assert m.capacity_of(4) == cap
     out, aux, _ = compare_with_reference(m, x, drop=drop)
     assert int(aux["dropped"]) == len(drop)
@@ -276,6 +279,88 @@ def test_capacity_ties_keep_the_earlier_token(arm):
     assert m.capacity_of(2) == 1
     out, aux, _ = compare_with_reference(m, x, drop={(1, 0)})
     assert int(aux["dropped"]) == 1
+
+
+def capacity_ref(m: MoE, x, w):
+    shared = None
+    if m.shared is not None:
+        shared = (w["shared.w1.weight"], w["shared.w3.weight"], w["shared.w2.weight"])
+    return moe_capacity(
+        x, w["router.weight"], w["w1"], w["w3"], w["w2"], m.capacity, shared=shared,
+        bias=m.lfb_bias.double(), topk=m.topk,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("arm", ARMS)
+@pytest.mark.parametrize("capacity", [0.5, 1.0])
+def test_capacity_arms_match_the_per_row_reference(arm, capacity):
+    """Random routings over 3 rows: forward, drops and every gradient vs the per-row loop."""
+    skip_unless_arm(arm)
+    m = make(seed=13, moe_impl=arm, moe_capacity=capacity)
+    with torch.no_grad():
+        m.lfb_bias.copy_(torch.tensor([0.0, 0.1, -0.05, 0.02]))  # steer some picks
+    x = torch.randn(3, 8, D, generator=torch.Generator().manual_seed(14))
+    assert routing_margin(m, x) > 1e-4  # fp32 and fp64 pick the same experts
+    x32 = x.clone().requires_grad_()
+    out, aux = m(x32)
+    probe = torch.randn(out.shape, generator=torch.Generator().manual_seed(15))
+    (out * probe).sum().backward()
+
+    w = leaves(m)
+    x64 = x.double().clone().requires_grad_()
+    ref, drops = capacity_ref(m, x64, w)
+    (ref * probe.double()).sum().backward()
+    n_drop = sum(len(d) for d in drops)
+    assert n_drop > 0  # the comparison exercises the rule, not only dropless routing
+    assert int(aux["dropped"]) == n_drop
+    torch.testing.assert_close(out.double(), ref.detach(), atol=ATOL, rtol=RTOL)
+    torch.testing.assert_close(x32.grad.double(), x64.grad, atol=ATOL, rtol=RTOL)
+    for n, p in m.named_parameters():
+        torch.testing.assert_close(p.grad.double(), w[n].grad, atol=ATOL, rtol=RTOL, msg=n)
+
+
+@pytest.mark.parametrize("arm", ARMS)
+def test_capacity_rows_are_independent(arm):
+    """Rows [0:2] and [2:4] as two batches: the same outputs and drops as one batch of 4
+    (bitwise: each row's keep decisions and slots depend on that row alone)."""
+    skip_unless_arm(arm)
+    m = make(seed=16, moe_impl=arm, moe_capacity=0.5)
+    x = torch.randn(4, 8, D, generator=torch.Generator().manual_seed(17))
+    with torch.no_grad():
+        whole, aux = m(x)
+        a, aux_a = m(x[:2])
+        b, aux_b = m(x[2:])
+    assert int(aux["dropped"]) > 0
+    assert int(aux_a["dropped"]) + int(aux_b["dropped"]) == int(aux["dropped"])
+    # The arms' GEMMs see other shapes when split, so round-off may differ: fp32 ATOL.
+    torch.testing.assert_close(torch.cat([a, b]), whole, atol=ATOL, rtol=RTOL)
+    place, width = m.capacity_places(m.route(x.reshape(-1, D))[1].view(4, 8, K))
+    split = [m.capacity_places(m.route(x[i : i + 2].reshape(-1, D))[1].view(2, 8, K))
+             for i in (0, 2)]  # fmt: skip
+    # the same kept/dropped decision for every assignment, in both rows of both halves
+    assert torch.equal(place == width, torch.cat([p == w for p, w in split]))
+
+
+@pytest.mark.parametrize("arm", ARMS)
+def test_capacity_decode_cache_equals_the_row(arm):
+    """Feeding a row in chunks (a prefill, then token by token) with a cache drops what
+    the forward over the whole row drops; past row_len the counts restart (a chunk that
+    crosses the border is cut there), as two training windows would."""
+    skip_unless_arm(arm)
+    m = make(seed=18, moe_impl=arm, moe_capacity=0.5).eval()
+    x = torch.randn(2, 20, D, generator=torch.Generator().manual_seed(19))
+    with torch.no_grad():
+        whole, aux = m(x[:, :10])
+        cache = {"row_len": 10}
+        parts = [m(x[:, :3], cache=cache)[0]] + [m(x[:, t : t + 1], cache=cache)[0]
+                                                  for t in range(3, 10)]  # fmt: skip
+        assert cache["pos"] == 10 and int(cache["seen"].sum()) == 2 * 10 * K
+        two = torch.cat([m(x[:, :10])[0], m(x[:, 10:])[0]], 1)
+        cache = {"row_len": 10}
+        crossing = torch.cat([m(x[:, :7], cache=cache)[0], m(x[:, 7:], cache=cache)[0]], 1)
+    assert int(aux["dropped"]) > 0
+    torch.testing.assert_close(torch.cat(parts, 1), whole, atol=ATOL, rtol=RTOL)
+    torch.testing.assert_close(crossing, two, atol=ATOL, rtol=RTOL)
 
 
 # ---- (c) LFB ----------------------------------------------------------------------------

@@ -33,10 +33,10 @@ class Block(nn.Module):
         self.norm2 = RMSNorm(cfg.d_model)
         self.moe = MoE(cfg)
 
-    def forward(self, h, iteration: int, cache=None):
+    def forward(self, h, iteration: int, cache=None, moe_cache=None):
         a, cache = self.mixer(self.norm1(h), iteration=iteration, cache=cache)
         h = h + a
-        f, aux = self.moe(self.norm2(h), key=iteration)
+        f, aux = self.moe(self.norm2(h), key=iteration, cache=moe_cache)
         return h + f, cache, aux
 
 
@@ -105,22 +105,34 @@ class DormouseModel(nn.Module):
             block.moe.lfb_update(reduce=reduce)
 
     # ---- recurrent decoding --------------------------------------------------------
-    def init_cache(self) -> dict:
-        return {"engram": {}, "mix": {}}
+    def init_cache(self, row_len: int | None = None) -> dict:
+        """An empty decoding cache. `row_len` (default max_seq_len) is the row length the
+        capacity MoE's cap is computed for: `step` then drops exactly what `forward` over a
+        row of row_len bytes drops (the cap restarts every row_len bytes after that)."""
+        row_len = self.cfg.max_seq_len if row_len is None else int(row_len)
+        if row_len < 1:
+            raise ValueError(f"init_cache(row_len={row_len}): a row holds at least one byte")
+        return {"engram": {}, "mix": {}, "moe": {}, "row_len": row_len}
 
     @torch.no_grad()
     def step(self, x: torch.Tensor, cache: dict) -> torch.Tensor:
         """Feed bytes x [B, t] (t >= 1) after what the cache has seen; return last logits.
 
         Constant cost per byte: the mixers carry their recurrent state, Engram its
-        last bytes and conv tail, so nothing is recomputed over the prefix.
+        last bytes and conv tail, each MoE (capacity mode) its per-row per-expert counts,
+        so nothing is recomputed over the prefix.
         """
         h = self.embed(x)
         h, cache["engram"] = self.engram(h, x, cache=cache["engram"])
+        moe = cache.setdefault("moe", {})
+        row_len = cache.setdefault("row_len", self.cfg.max_seq_len)
         for it in range(self.cfg.max_iter):
             for li, block in enumerate(self.blocks):
                 key = f"{li}.{it}"
-                h, cache["mix"][key], _ = block(h, it, cache=cache["mix"].get(key, {}))
+                h, cache["mix"][key], _ = block(
+                    h, it, cache=cache["mix"].get(key, {}),
+                    moe_cache=moe.setdefault(key, {"row_len": row_len}),
+                )  # fmt: skip
         return self.head(self.norm_f(h))[:, -1]
 
 

@@ -17,22 +17,31 @@ so no transpose is materialised per step.
 Dispatch arms (`moe_impl`):
   grouped  sort the assignments by expert, one `grouped_mm` per projection over the
            jagged groups (`torch.nn.functional.grouped_mm`, else `torch._grouped_mm`).
-           No host sync in the dropless path.
+           No host sync.
   batched  scatter the assignments into a zero-padded [E, P+1, D] buffer and run `bmm`;
            works for every device and dtype (fp64 too). P = the largest expert load
-           (dropless; one host sync) or the capacity (padded).
+           (dropless; one host sync) or rows * cap (capacity: each row owns cap slots).
   triton   not built: refused at construction, naming the arms that exist.
   auto     grouped where it runs AND is the fast choice (CPU; CUDA bf16 on sm_90+, see
            `_grouped_slow_here`), else batched; the verdict and its reason are logged
            once per (device, dtype, shape).
 
-Capacity (`moe_capacity > 0`): cap = ceil(capacity * tokens * k / E) assignments per
-expert. Over cap, the assignments with the LOWEST affinity to that expert are dropped
-(ranking by s or by s + bias is the same ranking inside one expert); equal affinities are
-broken by assignment order (token-major: earlier tokens keep their place). A dropped
+Capacity (`moe_capacity > 0`): a ROW (h[b] of an input [B, T, D]; a 2-D input [N, D] is one
+row) may send cap = ceil(capacity * T * k / E) assignments to each expert. They are kept
+first come, first served in position order (a token's k assignments go to distinct
+experts, so there are no ties); the rest are dropped. A drop therefore depends only on the
+row's own prefix: the forward is causal, and rows are independent, so a batch split across
+ranks drops exactly what the whole batch drops. (A window-wide lowest-affinity rule let
+later bytes and other rows decide earlier drops: 3.7e-3..1.1e-2 of logit change before the
+perturbed byte on `tiny`.) The reference is `references/moe_capacity.py`. A dropped
 assignment contributes exactly zero and passes no gradient; the token's other gate
 weights are NOT renormalised again (the token simply loses that share), which keeps a
 drop a pure subtraction from the dropless output.
+
+Decoding (`forward(h, cache=...)`, capacity mode): the cache carries each row's assignments
+per expert so far and the position, so byte-by-byte steps drop exactly what the forward
+over a row of `cache["row_len"]` bytes drops; after row_len bytes the counts restart, as a
+new window's would in training.
 
 LFB (loss-free balancing, `moe_lb_coef`): `lfb_counts` accumulates selected assignments
 per expert in training forwards (not in eval, not when the coef is 0, and not in an
@@ -221,9 +230,67 @@ class MoE(nn.Module):
         picked = s.gather(1, experts)
         return s, experts, picked / picked.sum(-1, keepdim=True)
 
-    def capacity_of(self, n_tokens: int) -> int:
-        """Assignments one expert may take from a window of n_tokens (capacity mode)."""
-        return math.ceil(self.capacity * n_tokens * self.topk / self.n_experts)
+    def capacity_of(self, row_len: int) -> int:
+        """Assignments one expert may take from one row of row_len tokens (capacity mode)."""
+        return math.ceil(self.capacity * row_len * self.topk / self.n_experts)
+
+    def _first_come(self, experts: torch.Tensor, cap: int, prior: torch.Tensor | None):
+        """experts [B, T, k] -> (place [B*T*k], seen [B, E]): the capacity rule for B rows.
+
+        place = row * cap + (the assignment's arrival rank in its (row, expert), counting
+        `prior` earlier ones) where that rank is < cap, else B * cap (dropped). Arrival order
+        is the flat order: position-major, then the k picks. seen = prior + this chunk's
+        assignments per (row, expert).
+        """
+        B, T, k = experts.shape
+        E, dev = self.n_experts, experts.device
+        grp = (torch.arange(B, device=dev).view(B, 1, 1) * E + experts).reshape(-1)
+        # A stable sort by (row, expert) keeps each group in arrival order: rank = offset in it.
+        order = torch.sort(grp, stable=True).indices
+        sizes = torch.bincount(grp, minlength=B * E)
+        start = torch.cumsum(sizes, 0) - sizes
+        rank = torch.empty_like(order)
+        rank[order] = torch.arange(order.numel(), device=dev) - start[grp[order]]
+        seen = sizes.view(B, E)
+        if prior is not None:
+            rank = rank + prior.reshape(-1)[grp]
+            seen = seen + prior
+        row = grp // E
+        place = torch.where(rank < cap, row * cap + rank, torch.full_like(rank, B * cap))
+        return place, seen
+
+    def capacity_places(self, experts: torch.Tensor, cache: dict | None = None):
+        """experts [B, T, k] -> (place [B*T*k], width): each assignment's slot among its
+        expert's `width` slots, or `width` itself where the capacity rule drops it.
+
+        Without a cache the rows are whole: cap = capacity_of(T), width = B * cap. With a
+        decoding cache (a dict this MoE application owns, holding "row_len") the chunk
+        continues the rows the cache has seen: cap = capacity_of(row_len), the counts carry
+        over and restart every row_len bytes; a chunk crossing that border is cut there and
+        each piece gets its own B * cap slots, so the pieces never share a slot.
+        """
+        B, T, _ = experts.shape
+        if cache is None:
+            cap = self.capacity_of(T)
+            place = self._first_come(experts, cap, None)[0]
+            return place, B * cap
+        row_len = int(cache["row_len"])
+        cap = self.capacity_of(row_len)
+        pos, seen = cache.get("pos", 0), cache.get("seen")
+        pieces, j = [], 0
+        while j < T:
+            if pos % row_len == 0:
+                seen = None  # a new row of the cap begins
+            n = min(T - j, row_len - pos % row_len)
+            place, seen = self._first_come(experts[:, j : j + n], cap, seen)
+            pieces.append(place.view(B, n, -1))
+            j, pos = j + n, pos + n
+        cache["pos"], cache["seen"] = pos, seen
+        width = len(pieces) * B * cap
+        for i, place in enumerate(pieces):
+            pieces[i] = torch.where(place < B * cap, place + i * B * cap, width)
+        place = torch.cat(pieces, 1).reshape(-1) if pieces else experts.new_empty(0)
+        return place, width
 
     def _arm(self, device: torch.device, dtype: torch.dtype) -> str:
         why_not = _grouped_support(device, dtype, self.d_model, self.d_ffn)
@@ -250,8 +317,10 @@ class MoE(nn.Module):
 
     # ---- forward -----------------------------------------------------------------
 
-    def forward(self, h: torch.Tensor, key=None):
+    def forward(self, h: torch.Tensor, key=None, cache: dict | None = None):
+        """h [B, T, D] (B rows) or [N, D] (one row) -> (out, aux). `cache`: see capacity_places."""
         shape = h.shape
+        rows, row_len = (shape[0], shape[1]) if h.dim() == 3 else (1, shape[0])
         x = h.reshape(-1, self.d_model)
         n, k, E = x.shape[0], self.topk, self.n_experts
         s, experts, gates = self.route(x, key)
@@ -263,37 +332,36 @@ class MoE(nn.Module):
             with torch.no_grad():
                 self.lfb_counts += counts.to(self.lfb_counts.dtype)
 
+        place = width = None
+        if self.capacity > 0:
+            place, width = self.capacity_places(experts.view(rows, row_len, k), cache)
         ctx = (
             torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available())
             if self.offload
             else contextlib.nullcontext()
         )
         with ctx:
-            routed, dropped = self._routed(x, s, flat_e, gates.reshape(-1), counts)
+            routed = self._routed(x, flat_e, gates.reshape(-1), counts, place, width)
         out = routed.to(h.dtype)
         if self.shared is not None:
             out = out + self.shared(x).to(h.dtype)
+        if place is None:
+            dropped = torch.zeros((), dtype=torch.long, device=x.device)
+        else:
+            dropped = (place == width).sum()
         aux = {
             "load": (counts.float() / max(n * k, 1)).detach(),
             "dropped": dropped,
         }
         return out.reshape(shape), aux
 
-    def _routed(self, x, s, flat_e, flat_g, counts):
+    def _routed(self, x, flat_e, flat_g, counts, place, width):
+        """The routed experts' sum per token; `place`/`width` from the capacity rule or None."""
         n, k, E = x.shape[0], self.topk, self.n_experts
         a = n * k
         dev = x.device
-        if self.capacity > 0:
-            # Within one expert: highest affinity first, ties in assignment order, so
-            # "over cap" is the tail of each expert's segment.
-            aff = s.detach().gather(1, flat_e.view(n, k)).reshape(-1)
-            o1 = torch.sort(aff, descending=True, stable=True).indices
-            order = o1[torch.sort(flat_e[o1], stable=True).indices]
-        else:
-            order = torch.sort(flat_e, stable=True).indices
+        order = torch.sort(flat_e, stable=True).indices
         e_sorted = flat_e[order]
-        start = torch.cumsum(counts, 0) - counts
-        pos = torch.arange(a, device=dev) - start[e_sorted]
 
         if torch.is_autocast_enabled(dev.type):
             cdt = torch.get_autocast_dtype(dev.type)
@@ -301,23 +369,23 @@ class MoE(nn.Module):
             cdt = x.dtype
         xs = x[order // k].to(cdt)
         g_sorted = flat_g[order]
-        if self.capacity > 0:
-            cap = self.capacity_of(n)
-            keep = pos < cap
-            dropped = (~keep).sum()
+        if place is not None:
+            place = place[order]
+            keep = place < width
             xs = torch.where(keep[:, None], xs, torch.zeros((), dtype=cdt, device=dev))
             g_sorted = torch.where(keep, g_sorted, torch.zeros((), device=dev))
-        else:
-            cap = 0
-            dropped = torch.zeros((), dtype=torch.long, device=dev)
 
         w1, w3, w2 = (w.to(cdt) for w in (self.w1, self.w3, self.w2))
         if self._arm(dev, cdt) == "grouped":
             ys = _experts_grouped(xs, counts, w1, w3, w2)
         else:
-            width = cap if self.capacity > 0 else int(counts.max().item()) if a else 0
-            # slot `width` of each expert is the trash slot for dropped assignments.
-            slot = e_sorted * (width + 1) + pos.clamp(max=width)
+            if place is None:
+                width = int(counts.max().item()) if a else 0
+                start = torch.cumsum(counts, 0) - counts
+                place = torch.arange(a, device=dev) - start[e_sorted]
+            # Each row owns `cap` slots of each expert (capacity) and slot `width` is the
+            # trash slot for dropped assignments, so no slot depends on another row.
+            slot = e_sorted * (width + 1) + place
             ys = _experts_batched(xs, slot, E, width + 1, w1, w3, w2)
 
         # Undo the sort (a permutation: gather, not scatter) and sum each token's k
@@ -325,7 +393,7 @@ class MoE(nn.Module):
         inv = torch.empty_like(order)
         inv[order] = torch.arange(a, device=dev)
         contrib = ys[inv].float() * g_sorted[inv][:, None]
-        return contrib.view(n, k, -1).sum(1), dropped
+        return contrib.view(n, k, self.d_model).sum(1)
 
     # ---- LFB controller ------------------------------------------------------------
 

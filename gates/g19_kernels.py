@@ -1,0 +1,247 @@
+"""Gate 19: every kernel arm equals its slow, obviously-right twin in `references/`.
+
+No fleet. CPU: the chunked torch KDA arm vs `references/kda_naive.py` (fp32 forward on
+shapes that cross and pad chunks, fp64 gradients); the MoE dispatch arms (grouped where it
+runs, batched) vs `references/moe_dense.py` (dropless) and vs `references/moe_capacity.py`
+(capacity 0.5 and 1.0: forward, drops, every gradient). cuda=True: the same MoE arms on the
+GPU (TF32 off, the fp64 reference on the CPU), the torch KDA arm on the GPU, and the fla arm
+vs kda_naive in fp32. The tolerances are the ones tests/test_kda.py and tests/test_moe.py
+measured, quoted with their reasons.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from gates.harness import Record, environment, fmt, threads
+
+CUDA = False
+SINGLE_CUDA = True
+
+# tests/test_kda.py: fp32 round-off of the chunked reassociation, measured ~2e-7; a wrong
+# mask, decay or ordering shows at 1e-2 or more.
+KDA_FP32_TOL = 1e-5
+# tests/test_kda.py: fp64 on both sides, only the algorithm differs.
+KDA_FP64_GRAD_TOL = 1e-9
+# tests/test_kda.py, measured on an H200: fla's fp32 dots run in TF32; o 2.6e-4, S 1.5e-3
+# (o ~0.3, S ~3); the bounds leave ~8x headroom, a wrong scale or decay order is off by >0.1.
+FLA_FP32_TOL_O, FLA_FP32_TOL_S = 2e-3, 1e-2
+# tests/test_moe.py: fp32 module vs fp64 reference, dot products of length <= 32 over O(1)
+# values: round-off ~1e-6; a routing or gating mistake moves outputs by O(0.1).
+MOE_ATOL, MOE_RTOL = 2e-5, 1e-4
+# tests/test_moe.py's MoE shape (the tolerance above was measured for it).
+D, FF, E, K, R = 16, 32, 4, 2, 8
+
+CLAIM = "every kernel arm equals its hand-written reference"
+TOLERANCE = (f"KDA torch arm fp32 <= {fmt(KDA_FP32_TOL)} (round-off, measured ~2e-7), fp64 "
+             f"gradients <= {fmt(KDA_FP64_GRAD_TOL)}; fla fp32 o <= {fmt(FLA_FP32_TOL_O)}, "
+             f"S <= {fmt(FLA_FP32_TOL_S)} (TF32 dots, measured 2.6e-4 / 1.5e-3 on an H200); MoE "
+             f"fp32 vs fp64 |d| <= {fmt(MOE_ATOL)} + {fmt(MOE_RTOL)}|ref| (round-off ~1e-6), "
+             f"drops equal exactly")  # fmt: skip
+
+
+# ---- KDA -----------------------------------------------------------------------------------
+
+
+def kda_inputs(B, T, H, Kd, V, dtype=torch.float32, seed=0):
+    """Inputs shaped like the mixer's: unit-norm q, k; g = -exp(A) * softplus(.) (as test_kda)."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def randn(*s):
+        return torch.randn(*s, generator=gen, dtype=torch.float64)
+
+    q = F.normalize(randn(B, T, H, Kd), dim=-1)
+    k = F.normalize(randn(B, T, H, Kd), dim=-1)
+    v = randn(B, T, H, V)
+    A_log = torch.rand(H, Kd, generator=gen, dtype=torch.float64) * math.log(16.0)
+    g = -A_log.exp() * F.softplus(randn(B, T, H, Kd) - 3.0)
+    beta = torch.rand(B, T, H, generator=gen, dtype=torch.float64)
+    S0 = randn(B, H, Kd, V)
+    return [x.to(dtype) for x in (q, k, v, g, beta, S0)]
+
+
+def kda_forward_err(fn, device, shape, seed, **kw) -> tuple[float, float]:
+    from references.kda_naive import kda_naive
+
+    q, k, v, g, beta, S0 = (x.to(device) for x in kda_inputs(*shape, seed=seed))
+    o_ref, S_ref = kda_naive(q, k, v, g, beta, initial_state=S0, output_final_state=True)
+    o, S = fn(q, k, v, g, beta, initial_state=S0, output_final_state=True, **kw)
+    return (o.float() - o_ref).abs().max().item(), (S - S_ref).abs().max().item()
+
+
+def kda_grad_err() -> float:
+    from dormouse.model.kda import kda_torch
+    from references.kda_naive import kda_naive
+
+    base = kda_inputs(1, 11, 2, 4, 3, dtype=torch.float64, seed=11)
+    gen = torch.Generator().manual_seed(12)
+    w = torch.randn(1, 11, 2, 3, dtype=torch.float64, generator=gen)
+    wS = torch.randn(1, 2, 4, 3, dtype=torch.float64, generator=gen)
+
+    def grads(fn, **kw):
+        xs = [x.clone().requires_grad_(True) for x in base]
+        o, S = fn(*xs[:5], initial_state=xs[5], output_final_state=True, **kw)
+        ((o * w).sum() + (S * wS).sum()).backward()
+        return [x.grad for x in xs]
+
+    # chunk 4 over 11 steps: state passing and a padded tail; a missing gradient (an input
+    # the arm ignores) is an infinite error, not a crash
+    return max(math.inf if a is None else (a - b).abs().max().item() for a, b in
+               zip(grads(kda_torch, chunk_size=4), grads(kda_naive)))  # fmt: skip
+
+
+# ---- MoE -----------------------------------------------------------------------------------
+
+
+def make_moe(arm: str, capacity: float, seed: int):
+    from dormouse.config import ModelConfig
+    from dormouse.model.moe import MoE
+
+    torch.manual_seed(seed)
+    cfg = ModelConfig(d_model=D, d_ffn=FF, n_experts=E, moe_topk=K, shared_rank=R, init_std=0.3,
+                      n_heads=1, head_dim=D, moe_impl=arm, moe_capacity=capacity)  # fmt: skip
+    m = MoE(cfg)
+    with torch.no_grad():  # the bias steers some picks, so its path is held too
+        m.lfb_bias.copy_(torch.tensor([0.0, 0.1, -0.05, 0.02]))
+    return m
+
+
+def routing_margin(m, x) -> float:
+    """Smallest gap between a token's k-th and (k+1)-th score: fp32 and fp64 must pick alike."""
+    with torch.no_grad():
+        s = torch.sigmoid(x.reshape(-1, D).double() @ m.router.weight.double().cpu().t())
+        top = torch.topk(s + m.lfb_bias.double().cpu(), K + 1, dim=-1).values
+    return float((top[:, K - 1] - top[:, K]).min())
+
+
+def moe_errors(arm: str, capacity: float, device: str, seed: int = 13) -> dict:
+    """The arm on `device` vs the fp64 reference on the CPU: forward, x and weight grads."""
+    from references.moe_capacity import moe_capacity
+    from references.moe_dense import moe_dense
+
+    m = make_moe(arm, capacity, seed).to(device)
+    x = torch.randn(3, 8, D, generator=torch.Generator().manual_seed(seed + 1))
+    margin = routing_margin(m, x)
+    x32 = x.to(device).clone().requires_grad_()
+    out, aux = m(x32)
+    probe = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed + 2))
+    (out * probe.to(device)).sum().backward()
+
+    w = {n: p.detach().double().cpu().clone().requires_grad_() for n, p in m.named_parameters()}
+    shared = (w["shared.w1.weight"], w["shared.w3.weight"], w["shared.w2.weight"])
+    x64 = x.double().clone().requires_grad_()
+    bias = m.lfb_bias.double().cpu()
+    if capacity > 0:
+        ref, drops = moe_capacity(x64, w["router.weight"], w["w1"], w["w3"], w["w2"], capacity,
+                                  shared=shared, bias=bias, topk=K)  # fmt: skip
+        ref_drops = sum(len(d) for d in drops)
+    else:
+        ref = moe_dense(x64, w["router.weight"], w["w1"], w["w3"], w["w2"], shared=shared,
+                        bias=bias, topk=K)  # fmt: skip
+        ref_drops = 0
+    (ref * probe.double()).sum().backward()
+
+    def excess(a, b) -> float:  # how far past |d| <= atol + rtol |b| (<= 0 passes)
+        a, b = a.detach().double().cpu(), b.detach()
+        return ((a - b).abs() - MOE_ATOL - MOE_RTOL * b.abs()).max().item()
+
+    def err(a, b) -> float:
+        return (a.detach().double().cpu() - b.detach()).abs().max().item()
+
+    pairs = [(out, ref), (x32.grad, x64.grad)]
+    pairs += [(p.grad, w[n].grad) for n, p in m.named_parameters()]
+    return {
+        "fwd": err(out, ref),
+        "grad": max(err(a, b) for a, b in pairs[1:]),
+        "excess": max(excess(a, b) for a, b in pairs),
+        "drops": int(aux["dropped"]),
+        "ref_drops": ref_drops,
+        "margin": margin,
+    }
+
+
+def _moe_arms(device: str) -> list[str]:
+    from dormouse.model.moe import _grouped_support
+
+    why = _grouped_support(torch.device(device), torch.float32, D, FF)
+    return [a for a in ("grouped", "batched") if a != "grouped" or not why]
+
+
+# ---- the gate ------------------------------------------------------------------------------
+
+
+def run(cuda: bool = False) -> Record:
+    # One CPU thread, as `timed` gives every gate: these are tiny matmuls, and two threads on
+    # a busy two-core machine measured 13 s for g18 against 0.6 s with one.
+    with threads(1):
+        return _run(cuda)
+
+
+def _run(cuda: bool) -> Record:
+    from dormouse.model.kda import choose_kda_impl, kda_fla, kda_torch
+
+    device = "cuda" if cuda else "cpu"
+    bad, parts = [], []
+    tf32 = torch.backends.cuda.matmul.allow_tf32 if cuda else None
+    if cuda:
+        # fp32 products on the GPU, so the CPU's measured fp32 tolerances hold for the torch arms
+        torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        # KDA torch arm: T crosses chunk borders (37 = 2x16 + 5, padded) and chunk 1 (29)
+        errs = [kda_forward_err(kda_torch, device, (2, T, 3, 16, 8), T, chunk_size=c)
+                for T, c in ((37, 16), (64, 16), (29, 1))]  # fmt: skip
+        eo, eS = max(e[0] for e in errs), max(e[1] for e in errs)
+        if max(eo, eS) > KDA_FP32_TOL:
+            bad.append(f"kda torch ({device}) o {fmt(eo)} S {fmt(eS)} > {fmt(KDA_FP32_TOL)}")
+        parts.append(f"kda torch/{device} fp32 o {fmt(eo)} S {fmt(eS)}")
+        if not cuda:
+            eg = kda_grad_err()
+            if eg > KDA_FP64_GRAD_TOL:
+                bad.append(f"kda torch fp64 gradients {fmt(eg)} > {fmt(KDA_FP64_GRAD_TOL)}")
+            parts.append(f"fp64 grads {fmt(eg)}")
+        else:
+            impl, reason = choose_kda_impl("auto", "cuda")
+            if impl == "fla":
+                # test_kda's fla case: 2 x 100 steps, 2 heads of 64, fp32 inputs
+                eo, eS = kda_forward_err(kda_fla, device, (2, 100, 2, 64, 64), 7)
+                if eo > FLA_FP32_TOL_O or eS > FLA_FP32_TOL_S:
+                    bad.append(f"kda fla fp32 o {fmt(eo)} S {fmt(eS)} over {fmt(FLA_FP32_TOL_O)}"
+                               f" / {fmt(FLA_FP32_TOL_S)}")  # fmt: skip
+                parts.append(f"kda fla/cuda fp32 o {fmt(eo)} S {fmt(eS)}")
+            else:
+                parts.append(f"kda fla: not run ({reason})")
+
+        for arm in _moe_arms(device):
+            for capacity in (0.0, 0.5, 1.0):
+                r = moe_errors(arm, capacity, device)
+                name = f"moe {arm}/{device} " + (f"cap{capacity}" if capacity else "dropless")
+                if r["margin"] <= 1e-4:  # fp32 and fp64 would pick different experts
+                    bad.append(f"{name}: routing margin {fmt(r['margin'])}: the fixture flips")
+                if r["excess"] > 0:
+                    bad.append(f"{name}: fwd {fmt(r['fwd'])} grad {fmt(r['grad'])} past the bound")
+                if r["drops"] != r["ref_drops"]:
+                    bad.append(f"{name}: {r['drops']} drops, the reference {r['ref_drops']}")
+                if capacity and not r["ref_drops"]:
+                    bad.append(f"{name}: the reference dropped nothing (the case proves nothing)")
+                text = f"{name} fwd {fmt(r['fwd'])} grad {fmt(r['grad'])}"
+                parts.append(text + (f" drops {r['drops']}/{r['ref_drops']}" if capacity else ""))
+    finally:
+        if cuda:
+            torch.backends.cuda.matmul.allow_tf32 = tf32
+    instrument = ("KDA: kda_torch vs references/kda_naive.py, fp32, (B,T,H,K,V)="
+                  "(2,{37,64,29},3,16,8) with chunks 16/16/1 and a carried state, fp64 "
+                  "gradients at T=11 chunk 4"
+                  + ("; kda_fla vs kda_naive fp32 at (2,100,2,64,64)" if cuda else "")
+                  + f"; MoE (D={D}, F={FF}, E={E}, k={K}, shared {R}) each dispatch arm vs "
+                  "references/moe_dense.py (dropless) and references/moe_capacity.py (capacity "
+                  "0.5, 1.0), 3 rows x 8 tokens, forward + x and weight gradients vs fp64"
+                  + (" (GPU arms, TF32 off, reference on the CPU)" if cuda else ""))  # fmt: skip
+    measured = "; ".join(parts)
+    if bad:
+        measured += f"; {len(bad)} FAILURE(S): " + " | ".join(bad[:6])
+    env = environment("none", torch.cuda.get_device_name(0) if cuda else "cpu")
+    return Record("g19_kernels", CLAIM, instrument, measured, TOLERANCE, not bad, env,
+                  details={"failures": bad})  # fmt: skip
