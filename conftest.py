@@ -26,6 +26,7 @@ def pytest_addoption(parser):
 def pytest_configure(config):
     config.addinivalue_line("markers", "gate: a fleet run compared against a reference")
     config.addinivalue_line("markers", "cuda: needs --cuda-fleet and >= 2 CUDA devices")
+    config.addinivalue_line("markers", "mutation: a planted bug its gate must catch")
 
 
 def _cuda_count() -> int:
@@ -69,6 +70,22 @@ def _one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(old)
+
+
+@pytest.fixture(scope="session")
+def gate_cache(tmp_path_factory):
+    """One cache directory for the gates' fleet runs, shared by every xdist worker of the
+    session (through a file lock), so gates that read the same run spawn it once."""
+    base = tmp_path_factory.getbasetemp()
+    # Under xdist each worker has its own basetemp; their parent is shared by the session.
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    old = os.environ.get("DORMOUSE_GATE_CACHE")
+    os.environ["DORMOUSE_GATE_CACHE"] = str(shared / "dormouse-gates")
+    yield
+    if old is None:
+        os.environ.pop("DORMOUSE_GATE_CACHE", None)
+    else:
+        os.environ["DORMOUSE_GATE_CACHE"] = old
 
 
 @pytest.fixture

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import sys
 
-from .config import ConfigError, apply_sets, preset, preset_names, validate
+from .config import ConfigError, apply_sets, check_device, preset, preset_names, validate
+from .errors import is_user_error
 
 
 def _log(line: str) -> None:
@@ -51,26 +53,135 @@ def _run_from_args(args):
     return validate(run)
 
 
-def cmd_train(args) -> int:
+def _elastic_restart(env) -> int:
+    """torchrun's restart counter: > 0 when this process replaces a failed attempt."""
+    try:
+        return int(env.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    except ValueError:
+        return 0
+
+
+def _quiet(_line: str) -> None:
+    pass
+
+
+def _build_model(run, meta: bool = False):
+    """The model of `run`; an arm this build does not have is a refusal, not a traceback."""
     import torch
 
     from .model import DormouseModel
+
+    try:
+        if meta:
+            with torch.device("meta"):
+                return DormouseModel(run.model)
+        torch.manual_seed(run.train.seed)
+        return DormouseModel(run.model)
+    except NotImplementedError as e:  # moe_impl=triton: the model's own refusal text
+        raise ConfigError(str(e)) from None
+
+
+def _check_arms(run, device, autocast_dtype) -> None:
+    """Refuse a pinned kernel arm that cannot run on this device before any step runs, with
+    the model's own choice functions (inside the model the refusal would be a traceback)."""
+    import torch
+
+    from .model.kda import choose_kda_impl
+    from .model.moe import _grouped_support
+
+    m = run.model
+    dtype = autocast_dtype or torch.float32
+    try:
+        choose_kda_impl(m.kda_impl, device, dtype, m.head_dim)
+    except RuntimeError as e:
+        raise ConfigError(str(e)) from None
+    if m.moe_impl == "grouped":
+        why = _grouped_support(device, dtype, m.d_model, m.d_ffn)
+        if why:
+            raise ConfigError(f"moe_impl=grouped cannot run: {why}; use --set moe_impl=batched "
+                              f"(runs everywhere) or moe_impl=auto")  # fmt: skip
+
+
+def _dry_run(run, device, autocast_dtype, plan: str) -> int:
+    """Everything a run checks before its first step, without training or writing a file."""
+    from .train import checkpoint as ckpt
+    from .train.data import open_data
+    from .train.loop import ckpt_path
+    from .train.optim import MixOptimizer
+
+    model = _build_model(run, meta=True)
+    n = sum(p.numel() for p in model.parameters())
+    MixOptimizer.from_config(model, run.train, device.type, log=_quiet)
+    t = run.train
+    data = open_data(t, log=_log)
+    data.train_stream(t.batch, t.seq_len)
+    if t.eval_every and data.has_val:
+        data.val_batches(1, t.batch, t.seq_len)
+    if plan == "resume":
+        ck = ckpt.read_checkpoint(ckpt_path(run), mmap=True)
+        diff = ckpt.shape_mismatch(ck["run"].model, run.model)
+        if diff:
+            raise ckpt.CheckpointError(f"{ckpt_path(run)} has another model shape: "
+                                       + "; ".join(diff))  # fmt: skip
+    dtype = "fp32" if autocast_dtype is None else str(autocast_dtype).replace("torch.", "")
+    _log(f"dry run: ok ({run.source}, {n / 1e6:.2f}M parameters, device={device}, "
+         f"dtype={dtype}, steps={t.steps}; would {_PLAN_WORDS[plan]} in {t.out_dir}); nothing "
+         f"trained or written")  # fmt: skip
+    return 0
+
+
+_PLAN_WORDS = {"fresh": "start afresh", "resume": "resume", "complete": "do nothing (complete)"}
+
+
+def cmd_train(args) -> int:
+    from .train import checkpoint as ckpt
     from .train.distributed import check_launch, train_dist
 
     run = _run_from_args(args)
     dist_mode = check_launch(run.train.dist, os.environ)
+    mode = args.resume or "never"
+    restart = _elastic_restart(os.environ)
+    rank0 = os.environ.get("RANK", "0") in ("", "0")
     if dist_mode:
-        report = train_dist(run, log=_log, resume=args.resume)
+        plan = ckpt.plan_run_folder(run, mode, args.overwrite, _log if rank0 else _quiet, restart)
+        if args.dry_run:
+            _log(f"dry run: fleet launch accepted; would {_PLAN_WORDS[plan]} in "
+                 f"{run.train.out_dir} (the fleet's own checks run when its ranks meet); nothing "
+                 f"trained or written")  # fmt: skip
+            return 0
+        if plan == "complete":
+            return 0
+        if rank0:
+            _say_cleaned(ckpt.clean_stale_temps(run.train.out_dir), run.train.out_dir)
+        report = train_dist(run, log=_log, resume=plan == "resume")
     else:
         if run.train.fit_gb:
             from .train.fit import apply_fit
 
             run = apply_fit(run, log=_log)
-        torch.manual_seed(run.train.seed)
-        model = DormouseModel(run.model)
-        from .train.loop import train
+        from .train.loop import resolve_autocast, resolve_device, train
 
-        report = train(model, run, log=_log, resume=args.resume, progress=True)
+        device = resolve_device(run.train.device, _quiet)
+        autocast_dtype = resolve_autocast(run, device, _quiet)
+        _check_arms(run, device, autocast_dtype)
+        plan = ckpt.plan_run_folder(run, mode, args.overwrite, _log, restart)
+        if args.dry_run:
+            return _dry_run(run, device, autocast_dtype, plan)
+        if plan == "complete":
+            return 0
+        _say_cleaned(ckpt.clean_stale_temps(run.train.out_dir), run.train.out_dir)
+        model = _build_model(run)
+        report = train(model, run, log=_log, resume=plan == "resume", progress=True)
+    final = (report.get("val") or {}).get("bpb", 0.0)
+    if not math.isfinite(final):
+        from .train.loop import TrainingError
+
+        raise TrainingError(
+            f"the run ended at step {report['steps']} with validation bpb={final} "
+            f"({report.get('skips', 0)} step(s) skipped as non-finite): the model diverged, so "
+            f"{report['checkpoint']} holds no usable model; lower --set lr (now {run.train.lr}) "
+            f"and train again with --overwrite"
+        )
     if report.get("rank", 0) == 0:
         val = report.get("val") or {}
         start = report.get("val_start") or {}
@@ -79,6 +190,12 @@ def cmd_train(args) -> int:
             _log(f"done: steps={report['steps']} val_bpb={before}{val['bpb']:.4f} "
                  f"checkpoint={report['checkpoint']}")  # fmt: skip
     return 0
+
+
+def _say_cleaned(removed: list[str], out: str) -> None:
+    if removed:
+        _log(f"{out}: removed {len(removed)} temp file(s) left by a checkpoint write that never "
+             f"finished (a killed run): {', '.join(removed)}")  # fmt: skip
 
 
 def _arms_for_this_machine(run, source: str):
@@ -103,6 +220,11 @@ def cmd_eval(args) -> int:
     from .train.loop import evaluate, resolve_autocast, resolve_device
     from .model import DormouseModel
 
+    if args.batches is not None and args.batches < 1:
+        raise ConfigError(f"--batches {args.batches}: evaluate at least one batch (omit it for "
+                          f"the run's eval_batches)")  # fmt: skip
+    if args.device:
+        check_device(args.device)
     ck = read_checkpoint(args.checkpoint)
     run = _arms_for_this_machine(ck["run"], args.checkpoint)
     if args.data:
@@ -123,19 +245,26 @@ def cmd_sample(args) -> int:
     import torch
 
     from .model import DormouseModel
-    from .model.sample import generate
+    from .model.sample import check_sample_args, generate
     from .train.checkpoint import load_model_state, read_checkpoint
     from .train.loop import resolve_device
 
+    check_sample_args(args.bytes, args.temperature, args.top_k)
+    if args.device:
+        check_device(args.device)
+    # argv that is not UTF-8 reaches Python as surrogate escapes: they map back to the very
+    # bytes typed, which is what a byte-level model wants
+    prompt = args.prompt.encode("utf-8", "surrogateescape")
     ck = read_checkpoint(args.checkpoint)
     model = DormouseModel(_arms_for_this_machine(ck["run"], args.checkpoint).model)
     load_model_state(model, ck, args.checkpoint)
     device = resolve_device(args.device or "auto", lambda _l: None)
     model.to(device).eval()
     gen = torch.Generator(device="cpu").manual_seed(args.seed)
-    out = generate(model, args.prompt.encode("utf-8"), args.bytes, temperature=args.temperature,
-                   top_k=args.top_k, generator=gen)  # fmt: skip
-    sys.stdout.write(args.prompt + out.decode("utf-8", errors="replace") + "\n")
+    # the capacity MoE caps each training window of seq_len bytes: decode with the same rows
+    out = generate(model, prompt, args.bytes, temperature=args.temperature, top_k=args.top_k,
+                   generator=gen, row_len=ck["run"].train.seq_len)  # fmt: skip
+    sys.stdout.write((prompt + out).decode("utf-8", errors="replace") + "\n")
     return 0
 
 
@@ -190,7 +319,15 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--steps", type=int, help="optimizer steps")
     t.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config field")
     t.add_argument("--out", help="run folder (checkpoint, metrics.jsonl, loss.png)")
-    t.add_argument("--resume", action="store_true", help="continue from the run folder's checkpoint")
+    t.add_argument("--resume", nargs="?", const="must", choices=("never", "auto", "must"),
+                   help="never (the default): refuse a folder that holds a run; auto: continue "
+                   "its checkpoint if there is one, else start; must (plain --resume): continue "
+                   "it, refuse if there is none. Implied auto on an elastic restart")
+    t.add_argument("--overwrite", action="store_true",
+                   help="start afresh in a folder that holds a run (its checkpoint is replaced)")
+    t.add_argument("--dry-run", action="store_true",
+                   help="check everything (config, device, arms, model, data, run folder), "
+                   "train nothing, write nothing")
     t.add_argument("--device", help="auto | cpu | cuda | cuda:N")
     t.add_argument("--dist", action="store_true", help="join the fleet (launch with torchrun)")
     t.add_argument("--capacity", help='per-rank micro-batches: "4,2", "4x512,2x512" or auto')
@@ -246,16 +383,12 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.fn(args)
-    except ConfigError as e:
-        print(f"dormouse: config error: {e}", file=sys.stderr)
-        return 2
     except KeyboardInterrupt:
         print("dormouse: interrupted", file=sys.stderr)
         return 130
-    except Exception as e:  # user-facing errors from the known families get one clean line
-        from .errors import is_user_error
-
-        if is_user_error(e):
-            print(f"dormouse: {e}", file=sys.stderr)
-            return 2
-        raise
+    except Exception as e:  # a UserError is one line (cause, fact, escape); anything else a bug
+        if not is_user_error(e):
+            raise
+        what = "config error: " if isinstance(e, ConfigError) else ""
+        print(f"dormouse: {what}{e}", file=sys.stderr)
+        return 2

@@ -10,12 +10,16 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import math
+import re
 import typing
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
+from .errors import UserError
 
-class ConfigError(ValueError):
+
+class ConfigError(UserError, ValueError):
     """A configuration the system cannot honour; the message names cause and escape."""
 
 
@@ -134,6 +138,15 @@ class RunConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> RunConfig:
+        if not isinstance(d, dict) or not isinstance(d.get("source"), str):
+            raise ConfigError(
+                f"a run config must be a JSON object with a 'source' string, got "
+                f"{type(d).__name__}{'' if not isinstance(d, dict) else ' without one'}"
+            )
+        for part in ("model", "train"):
+            if not isinstance(d.get(part, {}), dict):
+                raise ConfigError(f"the run config's {part!r} must be a JSON object, got "
+                                  f"{type(d[part]).__name__}")  # fmt: skip
         return cls(
             source=str(d["source"]),
             model=_build(ModelConfig, d.get("model", {})),
@@ -142,7 +155,11 @@ class RunConfig:
 
     @classmethod
     def from_json(cls, text: str) -> RunConfig:
-        return cls.from_dict(json.loads(text))
+        try:
+            d = json.loads(text)
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"the run config is not valid JSON ({e})") from None
+        return cls.from_dict(d)
 
 
 def _build(cls, d: dict[str, Any]):
@@ -154,14 +171,26 @@ def _build(cls, d: dict[str, Any]):
             f"this file was written by another version of dormouse"
         )
     hints = typing.get_type_hints(cls)
-    kw = {k: _coerce_json(hints[k], v) for k, v in d.items()}
+    kw = {k: _coerce_json(hints[k], v, k) for k, v in d.items()}
     return cls(**kw)
 
 
-def _coerce_json(tp, v):
-    if typing.get_origin(tp) is tuple and isinstance(v, list):
-        return tuple(v)
-    return v
+def _coerce_json(tp, v, key: str = "?"):
+    """A JSON value as the field's declared type; ConfigError when it is another kind."""
+    if typing.get_origin(tp) is tuple:
+        if not isinstance(v, (list, tuple)):
+            raise ConfigError(f"field {key}: expected a list, got {type(v).__name__} {v!r}")
+        (inner, *_rest) = typing.get_args(tp)
+        return tuple(_coerce_json(inner, x, key) for x in v)
+    ok = {
+        bool: lambda x: isinstance(x, bool),
+        int: lambda x: isinstance(x, int) and not isinstance(x, bool),
+        float: lambda x: isinstance(x, (int, float)) and not isinstance(x, bool),
+        str: lambda x: isinstance(x, str),
+    }.get(tp)
+    if ok is not None and not ok(v):
+        raise ConfigError(f"field {key}: expected {_tname(tp)}, got {type(v).__name__} {v!r}")
+    return float(v) if tp is float else v
 
 
 # ---- presets ---------------------------------------------------------------
@@ -323,14 +352,65 @@ _POSITIVE = (
 _NON_NEGATIVE = (
     "rank gate_rank segment_len shared_rank moe_capacity moe_lb_coef steps warmup wd "
     "grad_clip log_every eval_every ckpt_every val_bytes bucket_mb fit_gb lr min_lr_frac "
-    "engram_lr_mult"
+    "engram_lr_mult init_std"
 ).split()
+
+
+#: Devices a run may name: what `torch.device` accepts and dormouse runs on.
+_DEVICE = re.compile(r"(auto|cpu|cuda(:[0-9]+)?)\Z")
+#: Every model integer stays below this (16.7M): far beyond any preset (b1's largest is
+#: engram_rows=393216), and small enough that no tensor's element count overflows int64.
+_SHAPE_MAX = 2**24
+#: The largest weight a run may ask for, in elements (4 TiB in fp32): no card holds it.
+_TENSOR_MAX = 2**40
+
+
+def check_device(name: str, flag: str = "--device") -> str:
+    """Refuse a device string torch would choke on (`foo`, `cuda:abc`) before torch sees it."""
+    if not isinstance(name, str) or not _DEVICE.match(name):
+        raise ConfigError(
+            f"{flag} {name!r} is not a device dormouse runs on; use auto, cpu, cuda or cuda:N "
+            f"(N = a card index, 0 for the first)"
+        )
+    return name
+
+
+def check_file_name(name: str, key: str = "ckpt_name") -> str:
+    """A plain file name: no folder part, so a run writes only inside its --out."""
+    if (not name or name in (".", "..") or "/" in name or "\\" in name or "\0" in name
+            or len(name.encode("utf-8", "surrogateescape")) > 200):  # fmt: skip
+        raise ConfigError(
+            f"{key}={name!r} is not a plain file name (no '/', not '.' or '..', not empty, at "
+            f"most 200 bytes): the checkpoint must stay inside --out. Pick the folder with "
+            f"--out DIR and a bare name like --set {key}=ckpt"
+        )
+    return name
+
+
+def _check_path(text: str, what: str) -> None:
+    if not text or "\0" in text:
+        raise ConfigError(f"{what}={text!r} is not a usable path (empty, or holds a NUL byte)")
 
 
 def validate(run: RunConfig) -> RunConfig:
     """Refuse impossible combinations; return the run unchanged when it is sound."""
     m, t = run.model, run.train
     vals = {**dataclasses.asdict(m), **dataclasses.asdict(t)}
+    for k, v in vals.items():
+        # nan passes every `< 0` test and inf every `> 0` one: refuse them by name first
+        for x in v if isinstance(v, (tuple, list)) else (v,):
+            if isinstance(x, float) and not math.isfinite(x):
+                raise ConfigError(f"{k}={v} is not a finite number; give a finite value with "
+                                  f"--set {k}=X")  # fmt: skip
+    for f in fields(ModelConfig):
+        v = vals[f.name]
+        if isinstance(v, int) and not isinstance(v, bool) and v >= _SHAPE_MAX:
+            raise ConfigError(f"{f.name}={v} is beyond any model dormouse builds (limit "
+                              f"{_SHAPE_MAX - 1}); lower --set {f.name}")  # fmt: skip
+    for f in fields(TrainConfig):
+        v = vals[f.name]
+        if isinstance(v, int) and not isinstance(v, bool) and abs(v) >= 2**62:
+            raise ConfigError(f"{f.name}={v} is out of range (|value| < 2**62)")
     for k, options in _CHOICES.items():
         if vals[k] not in options:
             raise ConfigError(f"{k}={vals[k]!r} is not one of {options}")
@@ -371,6 +451,42 @@ def validate(run: RunConfig) -> RunConfig:
         raise ConfigError(f"warmup={t.warmup} is longer than the run (steps={t.steps})")
     if len(t.adam_betas) != 2 or not all(0 <= b < 1 for b in t.adam_betas):
         raise ConfigError(f"adam_betas={t.adam_betas} must be two numbers in [0, 1)")
+    biggest = max(m.n_experts * m.d_model * m.d_ffn, m.engram_rows * m.engram_dim,
+                  m.d_model * m.d_attn, m.d_model * m.vocab)  # fmt: skip
+    if biggest > _TENSOR_MAX:
+        raise ConfigError(
+            f"one weight of this model would hold {biggest:.3g} elements (n_experts*d_model*"
+            f"d_ffn = {m.n_experts}*{m.d_model}*{m.d_ffn}, engram_rows*engram_dim = "
+            f"{m.engram_rows}*{m.engram_dim}): more than {_TENSOR_MAX:.3g}, beyond any card; "
+            f"lower the sizes"
+        )
+    if not 0 <= t.muon_momentum < 1:
+        raise ConfigError(f"muon_momentum={t.muon_momentum} must be in [0, 1) (0.95 is usual); "
+                          f"at 1 or above the momentum never forgets and grows without bound")
+    if not 0 <= t.wsd_decay_frac <= 1:
+        raise ConfigError(f"wsd_decay_frac={t.wsd_decay_frac} must be in [0, 1]")
+    if not 0 <= t.val_frac < 1:
+        raise ConfigError(f"val_frac={t.val_frac} must be in [0, 1); e.g. --set val_frac=0.01")
+    if t.seed < 0:
+        raise ConfigError(f"seed={t.seed} must not be negative (torch and numpy seeds are "
+                          f"unsigned); pick a seed in [0, 2**62)")  # fmt: skip
+    check_device(t.device, "device")
+    check_file_name(t.ckpt_name)
+    _check_path(t.out_dir, "out_dir")
+    for d in t.data:
+        _check_path(d, "data")
+    if t.compile and not t.dist:
+        raise ConfigError(
+            "compile=true: compile is not implemented yet, so this run would train uncompiled "
+            "while its config says compiled; use --set compile=false"
+        )
+    if t.dist_capacity.strip() and not t.dist:
+        raise ConfigError(
+            f"--capacity / dist_capacity={t.dist_capacity!r} splits a fleet's batch, and this "
+            f"run is one process (no --dist), so it would be ignored; drop --capacity, or "
+            f"launch a fleet: torchrun --nproc_per_node=N -m dormouse train ... --dist "
+            f"--capacity {t.dist_capacity}"
+        )
     if t.data_weights and len(t.data_weights) != len(t.data):
         raise ConfigError(
             f"{len(t.data_weights)} data_weights for {len(t.data)} corpora; give one weight "

@@ -2,7 +2,12 @@
 
     python -m gates                     all gates on the CPU (gloo, 2 ranks)
     python -m gates --cuda-fleet        the fleet gates on nccl, one process per card
+    python -m gates --cuda              the one-card gates on CUDA (causality with the fla arm,
+                                        the kernel arms vs their references)
     python -m gates g03_unequal g05_nonfinite     a subset (the table is not written)
+    python -m gates --mutations         plant every bug of gates/mutations.py, run the gates
+                                        that must catch it, write docs/mutations.md
+    python -m gates --mutations NAME..  only these mutations (the table is not written)
 """
 
 from __future__ import annotations
@@ -30,26 +35,43 @@ def embed_in_readme(status: Path, readme: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from gates.harness import GATES, ROOT, load, timed, write_status
+    import os
+
+    # Deterministic cuBLAS for the CUDA gates (harness.exact_fp32); read once, when cuBLAS
+    # starts, so before anything touches a GPU.
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    from gates.harness import (
+        GATES, ROOT, load, load_cuda_records, save_cuda_records, timed, write_status,
+    )
 
     p = argparse.ArgumentParser(prog="python -m gates", description=__doc__.splitlines()[0])
     p.add_argument("only", nargs="*", help=f"gate names (default: all): {', '.join(GATES)}")
     p.add_argument("--cuda-fleet", action="store_true",
                    help="run the fleet gates on nccl with one process per CUDA device (needs >= 2)")
+    p.add_argument("--cuda", action="store_true",
+                   help="run the gates that need one CUDA card (SINGLE_CUDA) on the GPU")
+    p.add_argument("--mutations", action="store_true",
+                   help="run the mutation list (positional names are then mutation names)")
     p.add_argument("--out", default=str(ROOT / "docs" / "status.md"),
                    help="where the status table goes (written only when every gate ran)")
     args = p.parse_args(argv)
+    if args.mutations:
+        return run_mutations(args.only, ROOT / "docs" / "mutations.md")
     unknown = [g for g in args.only if g not in GATES]
     if unknown:
         p.error(f"unknown gate(s) {unknown}; choose from {GATES}")
-    if args.cuda_fleet:
+    if args.cuda_fleet or args.cuda:
         import torch
 
         n = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if n < 2:
-            print(f"--cuda-fleet needs >= 2 CUDA devices; this machine sees {n}", file=sys.stderr)
+        need = 2 if args.cuda_fleet else 1
+        if n < need:
+            flag = "--cuda-fleet" if args.cuda_fleet else "--cuda"
+            print(f"{flag} needs >= {need} CUDA device(s); this machine sees {n}", file=sys.stderr)
             return 2
     names = args.only or GATES
+    if args.cuda and not args.cuda_fleet:
+        names = [g for g in names if getattr(load(g), "SINGLE_CUDA", False)]
     import os
     import tempfile
 
@@ -60,22 +82,59 @@ def main(argv: list[str] | None = None) -> int:
     records = []
     for name in names:
         mod = load(name)
-        cuda = args.cuda_fleet and getattr(mod, "CUDA", True)
+        cuda = ((args.cuda_fleet and getattr(mod, "CUDA", True))
+                or ((args.cuda or args.cuda_fleet) and getattr(mod, "SINGLE_CUDA", False)))
         rec = timed(name, lambda: mod.run(cuda=cuda))
+        rec.details["ran_on_cuda"] = bool(cuda)
         records.append(rec)
         print(rec.summary(), flush=True)
     failed = [r.gate for r in records if not r.passed]
     print(f"\n{len(records) - len(failed)}/{len(records)} gates passed in "
           f"{time.perf_counter() - t0:.0f} s" + (f"; FAILED: {', '.join(failed)}" if failed else ""))
-    if not args.only:
+    gpu = args.cuda_fleet or args.cuda
+    if gpu:  # GPU rows are kept for the CPU run's table (python -m gates merges them)
+        save_cuda_records([r for r in records if r.details.get("ran_on_cuda")])
+        print("GPU records saved to docs/status-cuda.json")
+    elif not args.only:
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
-        write_status(records, out)
+        write_status(records, out, load_cuda_records())
         print(f"status table written to {out}")
         if out.resolve() == (ROOT / "docs" / "status.md").resolve():
             embed_in_readme(out, ROOT / "README.md")
     scratch.cleanup()
     return 1 if failed else 0
+
+
+def run_mutations(only: list[str], out: Path) -> int:
+    import os
+    import tempfile
+
+    from gates.mutations import BY_NAME, MUTATIONS, run_one, write_table
+
+    unknown = [n for n in only if n not in BY_NAME]
+    if unknown:
+        print(f"unknown mutation(s) {unknown}; choose from {list(BY_NAME)}", file=sys.stderr)
+        return 2
+    scratch = tempfile.TemporaryDirectory(prefix="dormouse-mutations-")
+    os.environ["DORMOUSE_GATE_CACHE"] = scratch.name
+    t0 = time.perf_counter()
+    rows = []
+    for m in [BY_NAME[n] for n in only] or MUTATIONS:
+        for gate in m.gates:
+            row = run_one(m, gate)
+            rows.append(row)
+            print(f"[{row['outcome']}] {m.name} -> {gate} ({row['seconds']:.1f} s): "
+                  f"{row['measured'][:300]}", flush=True)
+    bad = [r for r in rows if r["outcome"] != "caught"]
+    print(f"\n{len(rows) - len(bad)}/{len(rows)} caught in {time.perf_counter() - t0:.0f} s"
+          + (f"; NOT caught: {', '.join(r['mutation'] + '->' + r['gate'] for r in bad)}"
+             if bad else ""))  # fmt: skip
+    if not only:
+        write_table(rows, out)
+        print(f"mutation table written to {out}")
+    scratch.cleanup()
+    return 1 if bad else 0
 
 
 if __name__ == "__main__":

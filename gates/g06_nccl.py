@@ -6,6 +6,9 @@ import torch.distributed as dist
 
 from gates.harness import FleetSpec, Record, environment, fixture_run, work_dir
 
+#: Not a fleet claim: `python -m gates --cuda-fleet` runs it as it is.
+CUDA = False
+
 CLAIM = "NCCL missing on a CUDA fleet: loud refusal, never gloo"
 INSTRUMENT = ("choose_backend('cuda', nccl_available=False) and init_parallel on a simulated "
               "2-rank CUDA fleet without NCCL; controls: cuda+NCCL -> nccl, cpu -> gloo")  # fmt: skip

@@ -8,6 +8,9 @@ import sys
 
 from gates.harness import ROOT, Record, corpus_path, environment, work_dir
 
+#: Not a fleet claim: `python -m gates --cuda-fleet` runs it as it is.
+CUDA = False
+
 CLAIM = "launch mismatches refused (both halves)"
 INSTRUMENT = ("check_launch on (--dist, WORLD_SIZE unset/1) and (no --dist, WORLD_SIZE=2), then "
               "`python -m dormouse train tiny` in both situations: exit code and stderr")  # fmt: skip

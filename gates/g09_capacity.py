@@ -4,12 +4,18 @@ from __future__ import annotations
 
 import math
 
-from gates.harness import LFB_RUN, Record, fleet, fleet_env, on
+from fractions import Fraction
+
+from gates.harness import LFB_RUNS, Record, fleet, fleet_env, on, worlds
 
 CLAIM = "capacity: auto splits by rates (total exact, min 1); parse_capacity is total or refuses"
-INSTRUMENT = ("a 2-rank fleet with --capacity auto and injected rates 3:1 (the all-gather and "
-              "the split inside init_parallel); measure_rate on this device; split_by_rates on "
-              "a table; hypothesis: >= 500 arbitrary and structured --capacity strings")  # fmt: skip
+INSTRUMENT = ("fleets with --capacity auto and injected rates 3:1 (world 2) and 3:1:2 (world 3): "
+              "every rank's (batch, seq_len) vs the split written by hand; measure_rate on this "
+              "device; split_by_rates on a table; hypothesis: >= 500 arbitrary and structured "
+              "--capacity strings and rate vectors, each result checked per rank against a "
+              "hand-written parse (B or BxT) or the quota rule of a proportional split")  # fmt: skip
+#: What each fleet must have chosen, per rank, written by hand.
+FLEET_WANT = {2: ["3x64", "1x64"], 3: ["3x64", "1x64", "2x64"]}
 
 #: (rates, global batch) -> the split a correct proportional rule must give.
 TABLE = [
@@ -18,7 +24,56 @@ TABLE = [
     ((1000.0, 1.0), 4, [3, 1]),  # proportional says 0 for the slow rank; minimum 1 binds
     ((1.0, 2.0, 3.0), 12, [2, 4, 6]),
     ((3.0, 3.0, 3.0), 10, [4, 3, 3]),  # the remainder goes to the lowest rank
+    ((1.0, 1.0, 1.0, 1.0), 11, [3, 3, 3, 2]),  # a remainder of 3 is spread, one each
+    ((5.0, 3.0, 1.0, 1.0), 17, [8, 5, 2, 2]),  # ideal 8.5, 5.1, 1.7, 1.7: the two .7s round up
 ]
+
+_SPACE = " \t\n\r\f\v"
+
+
+def expected_shapes(spec: str, world: int, batch: int, seq: int, max_seq: int = 64):
+    """The per-rank (batch, seq_len) an explicit --capacity must give, or None when it must be
+    refused. Written from the documented grammar, not from parse_capacity: entries split on
+    ',', each 'B' or 'BxT' (x or X) of ASCII digits with optional ASCII whitespace, one entry
+    per rank, B >= 1, 1 <= T <= max_seq."""
+    text = spec.strip()
+    if text == "":
+        return [(batch, seq)] * world
+    parts = text.split(",")
+    if len(parts) != world:
+        return None
+    out = []
+    for part in parts:
+        body = part.strip(_SPACE)
+        b_text, _, t_text = body.replace("X", "x").partition("x")
+        b_text, t_text = b_text.strip(_SPACE), t_text.strip(_SPACE)
+        digits = set("0123456789")
+        if not b_text or not set(b_text) <= digits or ("x" in body and (not t_text or not set(t_text) <= digits)):
+            return None
+        b, t = int(b_text), int(t_text) if "x" in body else seq
+        if b < 1 or not 1 <= t <= max_seq:
+            return None
+        out.append((b, t))
+    return out
+
+
+def quota_violation(rates, total: int, split: list[int]) -> str | None:
+    """None when `split` is a proportional split of `total` by `rates`: exact total, every
+    rank >= 1, and each rank within one window of its exact share (Fractions, no float): at
+    floor or ceil of its share, or 1 where the share is below 1 (others may then give way)."""
+    if sum(split) != total or min(split) < 1 or len(split) != len(rates):
+        return f"total/minimum: {split} for {total}"
+    exact = [Fraction(r) for r in rates]
+    ideal = [total * r / sum(exact) for r in exact]
+    bumped = any(q < 1 for q in ideal)
+    for i, (q, n) in enumerate(zip(ideal, split)):
+        lo, hi = q.numerator // q.denominator, -(-q.numerator // q.denominator)
+        if q < 1:
+            if n != 1:
+                return f"rank {i}: share {float(q):.3f} < 1 but got {n}"
+        elif not (lo - (len(split) if bumped else 0) <= n <= hi):
+            return f"rank {i}: share {float(q):.3f} but got {n}"
+    return None
 
 
 def fuzz(examples: int = 300) -> dict:
@@ -30,7 +85,7 @@ def fuzz(examples: int = 300) -> dict:
 
     stats = {"examples": 0, "shapes": 0, "refused": 0, "violations": []}
 
-    def check(spec: str, world: int, batch: int, seq: int, rates=None, expect_total=None):
+    def check(spec: str, world: int, batch: int, seq: int, rates=None):
         stats["examples"] += 1
         try:
             shapes = parse_capacity(spec, world, batch, seq, 64, rates=rates)
@@ -38,47 +93,58 @@ def fuzz(examples: int = 300) -> dict:
             stats["refused"] += 1
             if not str(e).strip():
                 stats["violations"].append(("empty message", spec, world))
+            if rates is None and spec.strip().lower() != "auto" and \
+                    expected_shapes(spec, world, batch, seq) is not None:
+                stats["violations"].append(("refused a valid spec", spec, world, str(e)))
             return
         except Exception as e:  # noqa: BLE001 - any other exception is a violation
             stats["violations"].append((f"{type(e).__name__}: {e}", spec, world))
             return
         stats["shapes"] += 1
-        total = sum(s.batch for s in shapes)
-        if expect_total is None:
-            low = spec.strip().lower()
-            expect_total = (batch * world if low in ("", "auto")
-                            else sum(int(p.strip().lower().split("x")[0]) for p in spec.split(",")))  # fmt: skip
-        if (len(shapes) != world or total != expect_total or min(s.batch for s in shapes) < 1
-                or any(not 1 <= s.seq_len <= 64 for s in shapes)):  # fmt: skip
-            stats["violations"].append(("bad shapes", spec, world, [s.line() for s in shapes]))
+        got = [(s.batch, s.seq_len) for s in shapes]
+        if rates is not None:
+            why = quota_violation(rates, batch * world, [b for b, _ in got])
+            if why or any(t != seq for _, t in got):
+                stats["violations"].append(("not proportional", why, list(rates), got))
+            return
+        want = expected_shapes(spec, world, batch, seq)
+        if got != want:
+            stats["violations"].append(("shapes differ from the grammar", spec, world, got, want))
 
     cfg = settings(max_examples=examples, deadline=None, database=None, derandomize=True,
                    suppress_health_check=list(HealthCheck))  # fmt: skip
-    worlds = st.integers(min_value=1, max_value=8)
+    n_ranks = st.integers(min_value=1, max_value=8)
 
     @cfg
     @given(st.text(alphabet=st.characters(codec="utf-8"), max_size=40) | st.text("0123456789x, auto", max_size=20),
-           worlds, st.integers(1, 16), st.integers(1, 64))  # fmt: skip
+           n_ranks, st.integers(1, 16), st.integers(1, 64))  # fmt: skip
     def arbitrary(spec, world, batch, seq):
         check(spec, world, batch, seq)
 
     entry = st.tuples(st.integers(0, 40), st.one_of(st.none(), st.integers(0, 80)))
 
     @cfg
-    @given(st.lists(entry, min_size=1, max_size=8), worlds, st.sampled_from([",", " , "]))
+    @given(st.lists(entry, min_size=1, max_size=8), n_ranks, st.sampled_from([",", " , "]))
     def structured(entries, world, sep):
         spec = sep.join(f"{b}" if t is None else f"{b}x{t}" for b, t in entries)
-        check(spec, world, 2, 32, expect_total=sum(b for b, _ in entries))
+        check(spec, world, 2, 32)
 
     @cfg
     @given(st.lists(st.floats(allow_nan=True, allow_infinity=True), min_size=1, max_size=8),
            st.integers(1, 64))  # fmt: skip
     def auto(rates, batch):
-        check("auto", len(rates), batch, 16, rates=rates, expect_total=batch * len(rates))
+        check("auto", len(rates), batch, 16, rates=rates)
+
+    @cfg
+    @given(st.lists(st.floats(min_value=0.01, max_value=1e6), min_size=1, max_size=8),
+           st.integers(1, 64))  # fmt: skip
+    def auto_valid(rates, batch):
+        check("auto", len(rates), batch, 16, rates=rates)
 
     arbitrary()
     structured()
     auto()
+    auto_valid()
     return stats
 
 
@@ -87,14 +153,18 @@ def run(cuda: bool = False) -> Record:
 
     from dormouse.train.distributed import measure_rate, split_by_rates
 
-    spec = on(LFB_RUN, cuda)
-    ranks = fleet(spec)
     notes, ok = [], True
-    shapes = [r["shapes"] for r in ranks]
-    want = [f"{b}x64" for b in split_by_rates(list(spec.rates), spec.batch * spec.world)]
-    fleet_ok = all(s == want for s in shapes) and want == ["3x64", "1x64"]
-    ok &= fleet_ok
-    notes.append(f"fleet auto (rates 3:1, global {spec.batch * spec.world}) -> {shapes[0]} on every rank: {fleet_ok}")
+    ws = worlds(cuda, 2, 3)
+    for w in ws:
+        spec = on(LFB_RUNS[w], cuda)
+        ranks = fleet(spec)
+        shapes = [r["shapes"] for r in ranks]
+        fleet_ok = all(s == FLEET_WANT[w] for s in shapes)
+        ok &= fleet_ok
+        rates = ":".join(f"{r:g}" for r in spec.rates)
+        notes.append(f"world {w} auto (rates {rates}, global {spec.batch * w}) -> "
+                     f"{','.join(shapes[0])} on every rank, hand-written "
+                     f"{','.join(FLEET_WANT[w])}: {fleet_ok}")
     rate = measure_rate(torch.device("cuda", 0) if cuda else torch.device("cpu"))
     ok &= math.isfinite(rate) and rate > 0
     notes.append(f"measure_rate {rate / 1e9:.1f} GFLOP/s")
@@ -107,6 +177,8 @@ def run(cuda: bool = False) -> Record:
                  f"refused with a message, {len(stats['violations'])} violations")
     return Record(
         "g09_capacity", CLAIM, INSTRUMENT, "; ".join(notes),
-        "split exact on every input; 0 violations in >= 500 examples (both outcomes seen)",
-        ok, fleet_env(cuda), details={"violations": stats["violations"][:10], "table_bad": table_bad},
+        "every rank's (batch, seq_len) as written by hand / by the grammar; auto splits within "
+        "one window of the exact share; 0 violations in >= 500 examples (both outcomes seen)",
+        ok, fleet_env(cuda, ws),
+        details={"violations": stats["violations"][:10], "table_bad": table_bad},
     )

@@ -11,12 +11,17 @@ from pathlib import Path
 
 import torch
 
-from gates.harness import ROOT, Record, corpus_path, fleet_env, fmt, max_abs_diff, threads, work_dir
+from gates.harness import (
+    Record, child_env, corpus_path, fleet_env, fmt, max_abs_diff, threads, work_dir,
+)
 
 CLAIM = "end to end: torchrun 2 ranks, 20 steps, exit 0; rank 0's loss= is the fleet's token-weighted mean"
 INSTRUMENT = ("`torchrun --standalone --nproc_per_node=2 -m dormouse train tiny --dist --device "
-              "cpu --data F --steps 20`: exit code, log lines, metrics.jsonl losses vs one "
-              "process at the global batch (8 windows); rank 0's own-window loss as the foil")  # fmt: skip
+              "cpu --data F --steps 20 --capacity 5,3`: exit code, log lines, metrics.jsonl "
+              "losses vs one process at the global batch (8 windows); two foils: rank 0's "
+              "own-window loss, and the unweighted mean of the two ranks' losses")  # fmt: skip
+#: Unequal micro-batches, so the token-weighted mean differs from the unweighted one.
+BATCHES = [5, 3]
 
 #: Same numerics as gate 1 (fp32 round-off of a different summation order over 20 Muon
 #: steps), measured 4.8e-7 here (1 ulp); gate 1's tolerance. Rank 0's own-window loss is
@@ -39,22 +44,28 @@ def reference(data: Path, device: str) -> dict:
 
     out = work_dir("torchrun-ref")
     fleet_run = validate(apply_sets(preset("tiny"), [f"data={data}", f"out_dir={out}",
-                                                     "steps=20", f"device={device}"]))  # fmt: skip
-    per_rank = fleet_run.train.batch
-    run = global_run(fleet_run, [per_rank, per_rank])
-    # The foil only: rank 0's own window at each step, read through the data module (which
-    # owns the block order); the claim itself is checked against the one-process run.
-    rank0 = open_data(fleet_run.train, log=lambda _l: None).train_stream(
-        per_rank, run.train.seq_len, offset=0, stride=2 * per_rank * (run.train.seq_len + 1))
+                                                     "steps=20", f"device={device}",
+                                                     "ns_dtype=fp32", "kda_impl=torch"]))  # fmt: skip
+    run = global_run(fleet_run, BATCHES)
+    # The foils only: each rank's own window at each step, read through the data module
+    # (which owns the block order); the claim itself is checked against the one-process run.
+    T = run.train.seq_len
+    stride = sum(BATCHES) * (T + 1)
+    opened = open_data(fleet_run.train, log=lambda _l: None)
+    streams = [opened.train_stream(b, T, offset=sum(BATCHES[:r]) * (T + 1), stride=stride)
+               for r, b in enumerate(BATCHES)]  # fmt: skip
 
-    def rank0_loss(step: int, model) -> float:
-        x, y = rank0.peek(step)
+    def rank_losses(step: int, model) -> list[float]:
         was = model.training
         model.eval()
+        out = []
         with torch.no_grad():
-            _, loss, _ = model(x.to(model.head.weight.device), y.to(model.head.weight.device))
+            for stream in streams:
+                x, y = stream.peek(step)
+                _, loss, _ = model(x.to(model.head.weight.device), y.to(model.head.weight.device))
+                out.append(float(loss))
         model.train(was)
-        return float(loss)
+        return out
 
     if device == "cuda":
         from gates.harness import exact_fp32
@@ -62,7 +73,7 @@ def reference(data: Path, device: str) -> dict:
         exact_fp32()
     _, Single = _recorder_classes()
     seams = Single([RankShape(run.train.batch, run.train.seq_len)])
-    seams.probe = rank0_loss
+    seams.probe = rank_losses
     with threads(1):
         run_single(run, seams=seams)
     return seams.finish()
@@ -72,14 +83,17 @@ def run(cuda: bool = False) -> Record:
     device = "cuda" if cuda else "cpu"
     data = corpus_path()
     cwd = work_dir("torchrun")
-    env = dict(os.environ)
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    env = child_env(dict(os.environ))
     env.update(OMP_NUM_THREADS="1", NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1",
-               NVSHMEM_DISABLE_NVLS="1", NVIDIA_TF32_OVERRIDE="0")  # fmt: skip
+               NVSHMEM_DISABLE_NVLS="1", NVIDIA_TF32_OVERRIDE="0",
+               CUBLAS_WORKSPACE_CONFIG=":4096:8")  # fmt: skip
     for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
     cmd = _torchrun() + ["--standalone", "--nproc_per_node=2", "-m", "dormouse", "train", "tiny",
-                         "--dist", "--device", device, "--data", str(data), "--steps", "20"]  # fmt: skip
+                         "--dist", "--device", device, "--data", str(data), "--steps", "20",
+                         "--capacity", ",".join(map(str, BATCHES)),
+                         # the fixture's deterministic pins (harness.fixture_run says why)
+                         "--set", "ns_dtype=fp32", "--set", "kda_impl=torch"]  # fmt: skip
     p = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
     lines = p.stdout.splitlines()
     announce = [line for line in lines if line.startswith("dist rank=")]
@@ -93,15 +107,18 @@ def run(cuda: bool = False) -> Record:
                   if r.get("kind") == "train"]  # fmt: skip
     ref = reference(data, device)
     dloss = max_abs_diff(logged, ref["losses"])
-    foil = max_abs_diff(ref["probe"], ref["losses"])  # what logging rank 0's own loss would show
+    # what logging rank 0's own loss, or the plain mean of the ranks' losses, would show
+    foil = max_abs_diff([p[0] for p in ref["probe"]], ref["losses"])
+    plain = max_abs_diff([sum(p) / len(p) for p in ref["probe"]], ref["losses"])
     passed = (p.returncode == 0 and len(announce) == 2 and len(step_lines) == 20 and not twice
-              and len(logged) == 20 and dloss <= TOL_LOSS and foil > 10 * TOL_LOSS)  # fmt: skip
+              and len(logged) == 20 and dloss <= TOL_LOSS and foil > 10 * TOL_LOSS
+              and plain > 10 * TOL_LOSS)  # fmt: skip
     tail = "" if p.returncode == 0 else f"; stderr: {p.stderr.strip()[-400:]}"
     return Record(
         "g10_torchrun", CLAIM, INSTRUMENT,
         f"exit {p.returncode}; {len(announce)} dist lines, {len(step_lines)} step lines (rank 0 "
         f"only), {len(twice)} lines printed twice; max |logged - global-batch loss| {fmt(dloss)} over {len(logged)} steps; rank 0's "
-        f"own-window loss would be off by up to {fmt(foil)}{tail}",
-        f"exit 0; |dloss| <= {fmt(TOL_LOSS)} (fp32 round-off); the foil must exceed 10x that",
+        f"own-window loss would be off by up to {fmt(foil)}, the unweighted mean by {fmt(plain)}{tail}",
+        f"exit 0; |dloss| <= {fmt(TOL_LOSS)} (fp32 round-off); each foil must exceed 10x that",
         passed, fleet_env(cuda),
     )

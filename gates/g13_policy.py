@@ -20,8 +20,9 @@ CUDA = False
 CLAIM = "the device policy decides dtype and kernels per card"
 INSTRUMENT = ("policy_for + resolve_dtype('auto') on 8 synthetic DeviceRecords (sm_120, 89, 86, "
               "80, 75, 70, 61, 52; grouped_mm for torch <2.8, 2.8, >=2.9 and the running torch) "
-              "vs references/policy_table.py; one real probe() vs the table's rule; explicit "
-              "bf16 and fp16 on the sm_75 record")  # fmt: skip
+              "vs references/policy_table.py; the KDA and MoE arms the model itself picks on each "
+              "simulated card; one real probe() vs the table's rule; explicit bf16 and fp16 on "
+              "the sm_75 record")  # fmt: skip
 TOLERANCE = ("exact: every cell equals the hand-written row; each refusal is a DtypeError naming "
              "the card, sm_75, sm_80 and the escape (fp16: the missing fp16 forward)")  # fmt: skip
 
@@ -82,6 +83,40 @@ def _reference_consistent() -> list[str]:
                 out.append(f"reference inconsistent: {row.example} {f} row {getattr(row, f)!r} "
                            f"vs rule {getattr(want, f)!r}")  # fmt: skip
     return out
+
+
+def _model_arms() -> tuple[list[str], int]:
+    """The arms the MODEL picks (the KDA mixer's and the MoE's own choice functions, the code
+    a forward runs) on each synthetic CUDA card, vs the table: fla_kda, and grouped_mm for the
+    running torch. The card is simulated by answering torch.cuda's capability and name
+    queries with the row's, and fla's import as a success, so only the sm can decide."""
+    from dormouse.model import kda, moe
+
+    bad, n = [], 0
+    era = era_of(torch.__version__)
+    real = (torch.cuda.get_device_capability, torch.cuda.get_device_name, kda._fla_import_error)
+    try:
+        for row in ROWS + EXTRA_ROWS:
+            if row.sm is None:
+                continue
+            torch.cuda.get_device_capability = lambda _d=None, sm=row.sm: sm
+            torch.cuda.get_device_name = lambda _d=None, name=row.example: name
+            kda._fla_import_error = lambda: None
+            dev = torch.device("cuda", 0)
+            dtype = _DTYPE[row.auto]
+            where = f"sm_{row.sm[0]}{row.sm[1]}"
+            arm, _ = kda.choose_kda_impl("auto", dev, dtype, head_dim=16)
+            n += 1
+            if (arm == "fla") != row.fla_kda:
+                bad.append(f"{where} model KDA arm {arm!r}, table fla_kda={row.fla_kda}")
+            grouped = moe._grouped_support(dev, dtype, 64, 128) is None
+            n += 1
+            if grouped != row.grouped_mm[era]:
+                bad.append(f"{where} model MoE grouped arm runs={grouped}, table "
+                           f"grouped_mm={row.grouped_mm[era]}")  # fmt: skip
+    finally:
+        torch.cuda.get_device_capability, torch.cuda.get_device_name, kda._fla_import_error = real
+    return bad, n
 
 
 def _real_probe() -> tuple[list[str], str, str]:
@@ -159,9 +194,13 @@ def run(cuda: bool = False) -> Record:
     bad += probe_bad
     refusal_bad, loud, controls_ok = _refusals()
     bad += refusal_bad
+    arm_bad, arms = _model_arms()
+    bad += arm_bad
     extra = ", ".join(f"sm_{r.sm[0]}{r.sm[1]}" for r in EXTRA_ROWS)
     measured = (f"{rows_equal}/{len(ROWS)} rows equal ({cells_equal}/{cells} cells); extra rows "
-                f"{extra} {'equal' if not extra_bad else 'DIFFER'}; real probe: {probe_text}; "
+                f"{extra} {'equal' if not extra_bad else 'DIFFER'}; the model's own arm choice "
+                f"on the simulated cards: {arms - len(arm_bad)}/{arms} = table; real probe: "
+                f"{probe_text}; "
                 f"{loud}/2 refusals loud; controls (bf16 on sm_80, fp32 on sm_52) "
                 f"{'accepted' if controls_ok else 'REFUSED'}")  # fmt: skip
     if bad:

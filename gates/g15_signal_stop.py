@@ -4,13 +4,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from gates.harness import SIGNAL_RUN, Record, fleet, fleet_env, fmt, max_abs_diff, on, single
+from gates.harness import SIGNAL_RUNS, Record, fleet, fleet_env, fmt, max_abs_diff, on, single, worlds
 
 CLAIM = ("a SIGTERM reaching one rank mid-step stops every rank after the same step with one "
          "checkpoint; the fleet resumes it onto the uninterrupted trajectory")  # fmt: skip
-INSTRUMENT = ("tiny, 2x2 windows, 20 steps; rank 1 signals itself inside step 4's forward: steps "
-              "each rank took, the checkpoint's step, rank 0's stop line; then the fleet resumes "
-              "to 20: max |dloss| over all 20 steps vs one process at the global batch")  # fmt: skip
+INSTRUMENT = ("tiny, 2 windows per rank, 20 steps, world 2 and 3; the last rank signals itself "
+              "inside step 4's forward: steps each rank took, the checkpoint's step, rank 0's "
+              "stop line; then the fleet resumes to 20: max |dloss| over all 20 steps vs one "
+              "process at the global batch")  # fmt: skip
 
 #: The ranks agree on a stop every 10 steps (one small all-reduce), so a signal during step 4
 #: must stop both after step 10, not 4 (only rank 1 saw it) and not 20 (the stop was lost).
@@ -21,10 +22,9 @@ STOP_AT = 10
 TOL_LOSS = 5e-6
 
 
-def run(cuda: bool = False) -> Record:
+def _one(spec) -> tuple[bool, str]:
     from dormouse.train.checkpoint import read_checkpoint
 
-    spec = on(SIGNAL_RUN, cuda)
     ranks = fleet(spec)
     ref = single(spec)["rec"]
     first = Path(ranks[0]["out"]) / "first.pt"
@@ -36,15 +36,20 @@ def run(cuda: bool = False) -> Record:
     losses = ranks[0]["rec"]["losses"] + ranks[0]["resumed"]["rec"]["losses"]
     dloss = max_abs_diff(losses, ref["losses"]) if len(losses) == len(ref["losses"]) else float("inf")
     same_end = len({r["resumed"]["rec"]["final_fingerprint"] for r in ranks}) == 1
-    passed = (all(stopped) and took == [STOP_AT] * spec.world and saved_step == STOP_AT
-              and said_ok and dloss <= TOL_LOSS and same_end)  # fmt: skip
+    ok = (all(stopped) and took == [STOP_AT] * spec.world and saved_step == STOP_AT
+          and said_ok and dloss <= TOL_LOSS and same_end)  # fmt: skip
+    return ok, (f"world {spec.world} (signal on rank {spec.signal_rank}): stopped {stopped}, steps "
+                f"taken per rank {took}, checkpoint step {saved_step}, rank 0 said "
+                f"{said[0] if said else 'nothing'!r}; {len(losses)} steps with the resume, max "
+                f"|dloss| vs one process {fmt(dloss)}; ranks identical at the end: {same_end}")
+
+
+def run(cuda: bool = False) -> Record:
+    ws = worlds(cuda, 2, 3)
+    results = [_one(on(SIGNAL_RUNS[w], cuda)) for w in ws]
     return Record(
-        "g15_signal_stop", CLAIM, INSTRUMENT,
-        f"stopped {stopped}, steps taken per rank {took}, checkpoint step {saved_step}, rank 0 "
-        f"said {said[0] if said else 'nothing'!r}; {len(losses)} steps with the resume, max "
-        f"|dloss| vs one process {fmt(dloss)}; ranks identical at the end: {same_end}",
+        "g15_signal_stop", CLAIM, INSTRUMENT, "; ".join(t for _, t in results),
         f"every rank stops after step {STOP_AT}; |dloss| <= {fmt(TOL_LOSS)} (gate 1's fp32 "
         f"round-off)",
-        passed, fleet_env(cuda),
-        details={"losses": losses, "ref_losses": ref["losses"]},
+        all(ok for ok, _ in results), fleet_env(cuda, ws),
     )

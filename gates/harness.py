@@ -26,6 +26,7 @@ import contextlib
 import dataclasses
 import fcntl
 import hashlib
+import math
 import os
 import pickle
 import platform
@@ -43,8 +44,12 @@ ROOT = Path(__file__).resolve().parent.parent
 #: Collective timeout inside a gate's fleet: a rank stuck in a collective longer than this
 #: fails the gate instead of hanging it (generous: two ranks share two loaded cores).
 COLLECTIVE_TIMEOUT_S = 120
+#: The same under a planted bug (gates/mutations.py), where ranks that disagree are expected:
+#: the gate's verdict comes from what they recorded, not from waiting out a hang.
+MUTANT_TIMEOUT_S = 20
 #: Wall-clock limit of one fleet spawn, after which its ranks are killed (a hang).
 SPAWN_DEADLINE_S = 300
+MUTANT_DEADLINE_S = 90
 
 
 #: Every gate module, in the order of the status table.
@@ -52,6 +57,7 @@ GATES = [
     "g01_trajectory", "g02_identical", "g03_unequal", "g04_fsdp", "g05_nonfinite",
     "g06_nccl", "g07_launch", "g08_rank0", "g09_capacity", "g10_torchrun", "g11_lfb",
     "g12_fsdp_checkpoint", "g13_policy", "g14_engram_ram_fleet", "g15_signal_stop",
+    "g16_clip", "g17_bf16_reduce", "g18_causal", "g19_kernels",
 ]  # fmt: skip
 
 
@@ -84,16 +90,17 @@ class Record:
                 f"    tolerance: {self.tolerance}\n    ({self.seconds:.1f} s, {self.env})")  # fmt: skip
 
 
-def environment(backend: str, device: str) -> dict:
-    return {"torch": torch.__version__, "backend": backend, "device": device,
+def environment(backend: str, device: str, world: str = "-") -> dict:
+    return {"torch": torch.__version__, "backend": backend, "device": device, "world": world,
             "python": platform.python_version()}  # fmt: skip
 
 
-def fleet_env(cuda: bool) -> dict:
+def fleet_env(cuda: bool, world: tuple[int, ...] | int = 2) -> dict:
+    ws = ",".join(map(str, world)) if isinstance(world, tuple) else str(world)
     if cuda:
         name = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cuda"
-        return environment("nccl", f"{torch.cuda.device_count()}x {name}")
-    return environment("gloo", "cpu")
+        return environment("nccl", f"{torch.cuda.device_count()}x {name}", ws)
+    return environment("gloo", "cpu", ws)
 
 
 def timed(gate: str, fn: Callable[[], Record]) -> Record:
@@ -154,13 +161,14 @@ class FleetSpec:
     capacity: str = ""
     sets: tuple[str, ...] = ()
     rates: tuple[float, ...] = ()  # injected per-rank rates for capacity=auto
-    nan_rank: int = -1  # inject a non-finite LOSS (finite gradients) on this rank...
+    nan_ranks: tuple[int, ...] = ()  # inject a non-finite LOSS (finite gradients) on these ranks...
     nan_step: int = -1  # ...at this 0-based training forward
     per_rank_out: bool = False  # each rank gets its own out_dir (to see who writes what)
     resume_steps: int = 0  # after the run, resume its checkpoint on the fleet up to this step
     signal_rank: int = -1  # this rank sends itself SIGTERM...
     signal_step: int = -1  # ...during this 0-based training forward (the run must stop cleanly)
     cuda: bool = False
+    mutation: str = ""  # a name from gates/mutations.py, applied inside every rank
 
     def key(self) -> str:
         return hashlib.sha256(repr(dataclasses.astuple(self)).encode()).hexdigest()[:16]
@@ -173,6 +181,14 @@ def fixture_run(spec: FleetSpec, out_dir: Path, *, dist: bool):
         f"data={corpus_path()}", f"out_dir={out_dir}", f"steps={spec.steps}",
         f"batch={spec.batch}", "seq_len=64", "log_every=1", "eval_every=0", "ckpt_every=0",
         "warmup=0", "dist_reduce=fp32", "moe_capacity=0", "seed=7",
+        # No clip: the fixture's pre-clip norms are 1.4-4.0, so grad_clip=1 would rescale
+        # every step to norm 1 and hide any uniform gradient-scale error (the clip has its
+        # own gate, g16, which turns it back on).
+        "grad_clip=0",
+        # Deterministic arithmetic on a CUDA fleet as on the CPU: the polar in fp32 (auto is
+        # bf16 on CUDA) and the torch KDA arm (fla's Triton dots run TF32 whatever torch's
+        # flags say); the fla arm has its own gates (g18, g19). The CPU resolves both so anyway.
+        "ns_dtype=fp32", "kda_impl=torch",
         f"device={'cuda' if spec.cuda else 'cpu'}", f"dist={'true' if dist else 'false'}",
         f"dist_capacity={spec.capacity if dist else ''}", *spec.sets,
     ]  # fmt: skip
@@ -195,12 +211,71 @@ def host_tables(model: torch.nn.Module) -> dict[str, torch.Tensor]:
             if isinstance(m, HostTables)}  # fmt: skip
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    t = t.detach()
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+#: Keys of the optimizer state that the schedule sets every step (not the step's doing).
+_SCHEDULE_KEYS = ("lr",)
+
+
+def _hash_tree(h, obj) -> None:
+    """Feed every tensor (local shard of a DTensor) and scalar of a nested state into h."""
+    if torch.is_tensor(obj):
+        t = _local(obj).to("cpu").contiguous()
+        h.update(f"{t.dtype}{tuple(t.shape)}".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    elif isinstance(obj, dict):
+        for k in sorted(obj, key=repr):
+            if k in _SCHEDULE_KEYS:
+                continue
+            h.update(repr(k).encode())
+            _hash_tree(h, obj[k])
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            _hash_tree(h, v)
+    else:
+        h.update(repr(obj).encode())
+
+
+def _digest(*objs) -> str:
+    h = hashlib.sha256()
+    for o in objs:
+        _hash_tree(h, o)
+    return h.hexdigest()[:16]
+
+
+def state_hash(model: torch.nn.Module, opt) -> dict[str, str]:
+    """SHA-256 (per component) of everything a step may change on this rank: parameters,
+    their gradients (None hashed as such), buffers (LFB counts and biases), host-RAM Engram
+    tables with their Adam moments and pending row gradients, and the optimizer's state
+    (its lr, which the schedule sets each step, left out). Local, no collective: compared on
+    one rank before and after a step."""
+    from dormouse.model.engram import HostTables
+
+    params = sorted(model.named_parameters(), key=lambda kv: kv[0])
+    hosts = [m for _, m in model.named_modules() if isinstance(m, HostTables)]
+    return {
+        "parameters": _digest([(n, p) for n, p in params]),
+        "gradients": _digest([(n, "none" if p.grad is None else p.grad) for n, p in params]),
+        "buffers": _digest(sorted(model.named_buffers(), key=lambda kv: kv[0])),
+        "host tables": _digest([[m.table, m.exp_avg, m.exp_avg_sq, m.row_step] for m in hosts]),
+        "host row gradients": _digest([[leaf.grad for _, leaf in m._leaves
+                                        if leaf.grad is not None] for m in hosts]),  # fmt: skip
+        "optimizer": _digest(opt.state_dict()) if opt is not None else "",
+    }
+
+
 class Recording:
     """Mixin over a seams class: records what passes through the seams, changes nothing.
 
-    all_finite is called once per step after backward and before the optimizer, so the
-    parameters it sees are those after the previous step: call k records the state after
-    k steps. (A fingerprint under FSDP2 is a collective; every rank records at the same point.)
+    all_finite is called once per step after backward, the reducer and the clip, and before
+    the optimizer, so the parameters it sees are those after the previous step: call k
+    records the state after k steps (and, at the snap steps, step k's reduced gradient).
+    after_step is called at the end of every step, taken or skipped: it records the pre-clip
+    global gradient norm and a hash of this rank's whole training state. (A fingerprint under
+    FSDP2 is a collective; every rank records at the same point.)
     """
 
     snap_steps = (0, 1)
@@ -208,16 +283,20 @@ class Recording:
     def _rec(self) -> dict:
         if not hasattr(self, "rec"):
             self.rec = {"fingerprints": [], "decisions": [], "losses": [], "local_losses": [],
-                        "lfb": [], "params": {}, "probe": [], "host_fingerprints": [],
-                        "host": {}}  # fmt: skip
+                        "lfb": [], "params": {}, "grads": {}, "probe": [],
+                        "host_fingerprints": [], "host": {}, "gnorms": [], "states": [],
+                        "stepped": []}  # fmt: skip
         return self.rec
 
     def wrap(self, model):
         self.model = model
+        self.opt = None
         return super().wrap(model)
 
     def all_finite(self, finite: bool) -> bool:
-        from references.fingerprint import fingerprint, fingerprint_params, plain_params
+        from references.fingerprint import (
+            fingerprint, fingerprint_params, plain_grads, plain_params,
+        )
 
         rec = self._rec()
         k = len(rec["decisions"])
@@ -228,11 +307,33 @@ class Recording:
         if k in self.snap_steps:
             rec["params"][k] = plain_params(self.model)
             rec["host"][k] = host
+            rec["grads"][k] = plain_grads(self.model)
         if getattr(self, "probe", None) is not None:
             rec["probe"].append(self.probe(k, self.model))
         ok = super().all_finite(finite)
         rec["decisions"].append((bool(finite), bool(ok)))
+        self._journal({"k": k, "local": bool(finite), "agreed": bool(ok)})
         return ok
+
+    #: a file each step's verdict and state hash are appended to as they happen, so a rank
+    #: that dies mid-run (a C++ abort cannot be caught) still leaves its evidence
+    journal: Path | None = None
+
+    def _journal(self, row: dict) -> None:
+        if self.journal is not None:
+            import json
+
+            with open(self.journal, "a") as f:
+                f.write(json.dumps(row) + "\n")
+
+    def after_step(self, net, opt, info: dict) -> None:
+        rec = self._rec()
+        self.opt = opt
+        rec["gnorms"].append(float(info.get("gnorm", float("nan"))))
+        rec["stepped"].append(bool(info.get("stepped")))
+        rec["states"].append(state_hash(self.model, opt))
+        self._journal({"stepped": rec["stepped"][-1], "state": rec["states"][-1]})
+        super().after_step(net, opt, info)
 
     def fleet_loss(self, loss) -> float:
         v = super().fleet_loss(loss)
@@ -251,6 +352,9 @@ class Recording:
         rec["final_host"] = host_tables(self.model)
         rec["final_host_fingerprint"] = (fingerprint_params(rec["final_host"])
                                          if rec["final_host"] else None)  # fmt: skip
+        # The full optimizer state as a checkpoint would hold it (a collective under FSDP2;
+        # rank 0 holds it, other ranks may get {}).
+        rec["final_opt"] = self.optimizer_state(self.opt) if self.opt is not None else {}
         return rec
 
 
@@ -275,11 +379,15 @@ def _recorder_classes():
 
 
 def exact_fp32() -> None:
-    """No TF32 on a CUDA fleet or its reference: the gates measure the distributed
-    arithmetic, and TF32's 10-bit mantissa would drown it (matmuls and cuDNN convs)."""
+    """No TF32 and no atomics on a CUDA fleet or its reference: the gates measure the
+    distributed arithmetic, and TF32's 10-bit mantissa (matmuls, cuDNN convs) or the order in
+    which atomic adds land (index_add, scatter) would drown it. CUBLAS_WORKSPACE_CONFIG must
+    be set before cuBLAS starts: `python -m gates` sets it first thing."""
     os.environ["NVIDIA_TF32_OVERRIDE"] = "0"
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
+    torch.use_deterministic_algorithms(True)
 
 
 def free_port() -> int:
@@ -335,14 +443,20 @@ def _rank_main(rank: int, spec: FleetSpec, out: str, port: int) -> None:
     torch.set_num_threads(1)
     if spec.cuda:
         exact_fp32()
+    if spec.mutation:  # a planted bug (gates/mutations.py): this rank runs the broken code
+        from gates.mutations import apply
+
+        apply(spec.mutation)
     result_path = Path(out) / f"rank{rank}.pkl"
     try:
         result = _rank_body(rank, spec, Path(out))
     except BaseException:
         (Path(out) / f"rank{rank}.error").write_text(traceback.format_exc())
         raise
-    with open(result_path, "wb") as f:
+    tmp = result_path.with_suffix(".tmp")  # whole or absent: the spawner may kill this rank
+    with open(tmp, "wb") as f:
         pickle.dump(result, f)
+    os.replace(tmp, result_path)
 
 
 def _rank_body(rank: int, spec: FleetSpec, out: Path) -> dict:
@@ -354,10 +468,11 @@ def _rank_body(rank: int, spec: FleetSpec, out: Path) -> dict:
     from references.single import build_model
 
     FleetRecorder, _ = _recorder_classes()
+    FleetRecorder.journal = out / f"rank{rank}.journal"
     run_dir = out / (f"rank{rank}" if spec.per_rank_out else "run")
     run = fixture_run(spec, run_dir, dist=True)
     model = build_model(run)
-    if rank == spec.nan_rank:
+    if rank in spec.nan_ranks:
         _inject_nan(model, spec.nan_step)
     if rank == spec.signal_rank:
         _signal_during(model, spec.signal_step)
@@ -366,7 +481,8 @@ def _rank_body(rank: int, spec: FleetSpec, out: Path) -> dict:
     stopped = False
     try:
         report = train_dist(run, log=lines.append, device_type="cuda" if spec.cuda else "cpu",
-                            model=model, close=False, timeout_s=COLLECTIVE_TIMEOUT_S,
+                            model=model, close=False,
+                            timeout_s=MUTANT_TIMEOUT_S if spec.mutation else COLLECTIVE_TIMEOUT_S,
                             rate=spec.rates[rank] if spec.rates else None,
                             parallel_cls=FleetRecorder)  # fmt: skip
     except KeyboardInterrupt:  # a stop on a signal: the loop wrote its checkpoint first
@@ -374,6 +490,13 @@ def _rank_body(rank: int, spec: FleetSpec, out: Path) -> dict:
             raise
         stopped = True
         report = {"checkpoint": str(Path(run.train.out_dir) / f"{run.train.ckpt_name}.pt")}
+    except Exception:  # noqa: BLE001 - what this rank recorded before it failed is evidence
+        p = FleetRecorder.current
+        rec = p._rec() if p is not None else {}
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
+        return {"rank": rank, "rec": rec, "error": traceback.format_exc()[-3000:],
+                "lines": lines, "run_dir": str(run_dir)}  # fmt: skip
     p = FleetRecorder.current
     rec = p.finish()
     shapes = [s.line() for s in p.shapes]
@@ -385,10 +508,12 @@ def _rank_body(rank: int, spec: FleetSpec, out: Path) -> dict:
             shutil.copy(ck, out / "first.pt")
         dist.barrier()
         run2 = fixture_run(dataclasses.replace(spec, steps=spec.resume_steps), run_dir, dist=True)
+        FleetRecorder.journal = out / f"rank{rank}.resume.journal"
         model2 = build_model(run2)  # its values are replaced by the checkpoint's
         lines2: list[str] = []
         train_dist(run2, log=lines2.append, device_type="cuda" if spec.cuda else "cpu",
-                   model=model2, close=False, resume=True, timeout_s=COLLECTIVE_TIMEOUT_S,
+                   model=model2, close=False, resume=True,
+                   timeout_s=MUTANT_TIMEOUT_S if spec.mutation else COLLECTIVE_TIMEOUT_S,
                    parallel_cls=FleetRecorder)  # fmt: skip
         resumed = {"rec": FleetRecorder.current.finish(), "lines": lines2}
     dist.barrier()  # before teardown: without it gloo aborts intermittently
@@ -500,14 +625,58 @@ def work_dir(name: str) -> Path:
     return d
 
 
-def fleet(spec: FleetSpec) -> list[dict]:
-    """Run the fleet of `spec` (cached); one result dict per rank, in rank order."""
+#: The mutation (gates/mutations.py) every fleet started in this process runs; "" = none.
+ACTIVE_MUTATION = ""
+
+
+def fleet(spec: FleetSpec, *, allow_errors: bool = False) -> list[dict]:
+    """Run the fleet of `spec` (cached); one result dict per rank, in rank order.
+
+    A rank whose training raised returns what it recorded until then with an "error" entry;
+    unless `allow_errors`, any such rank makes this raise FleetFailed (the gate crashes).
+    """
+    if ACTIVE_MUTATION and not spec.mutation:
+        spec = dataclasses.replace(spec, mutation=ACTIVE_MUTATION)
+    results = _fleet(spec)
+    errors = [(r["rank"], r["error"]) for r in results if r.get("error")]
+    if errors and not allow_errors:
+        raise FleetFailed(f"fleet {spec.name}: rank(s) {[i for i, _ in errors]} raised:\n"
+                          + "\n".join(e for _, e in errors))
+    return results
+
+
+def child_env(env: dict) -> dict:
+    """`env` for a process a gate launches (torchrun and its workers): the repo on
+    PYTHONPATH, and the active fleet mutation planted at interpreter start through a
+    sitecustomize module placed first on the path."""
+    env = dict(env)
+    path = [str(ROOT)]
+    if ACTIVE_MUTATION:
+        site = work_dir("mutant-site")
+        (site / "sitecustomize.py").write_text(
+            "from gates.mutations import apply_from_env\napply_from_env()\n")
+        path.insert(0, str(site))
+        env["DORMOUSE_MUTATION"] = ACTIVE_MUTATION
+    env["PYTHONPATH"] = os.pathsep.join(path + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    return env
+
+
+def rank_errors(ranks: list[dict]) -> str:
+    """'' when every rank finished; else one line per rank that raised (its last line)."""
+    bad = [f"rank {r['rank']} raised {r['error'].strip().splitlines()[-1]}" for r in ranks
+           if r.get("error")]  # fmt: skip
+    return "; ".join(bad)
+
+
+def _fleet(spec: FleetSpec) -> list[dict]:
 
     def compute():
+        t0 = time.perf_counter()
         for attempt in (1, 2):
             out = work_dir(f"fleet-{spec.name}")
             try:
-                wall = spawn(_rank_main, (spec, str(out), free_port()), spec.world)
+                wall = spawn(_rank_main, (spec, str(out), free_port()), spec.world,
+                             MUTANT_DEADLINE_S if spec.mutation else SPAWN_DEADLINE_S)
                 break
             except FleetFailed as e:
                 errors = "".join(f"\n--- rank error ---\n{p.read_text()[-3000:]}"
@@ -516,17 +685,43 @@ def fleet(spec: FleetSpec) -> list[dict]:
                 # take it in between (rare). That, and only that, is worth a second try.
                 if attempt == 1 and "ddress already in use" in errors:
                     continue
-                raise FleetFailed(f"fleet {spec.name}: {e}{errors}") from None
+                # A rank that died (a C++ abort on a collective mismatch, a hang) leaves its
+                # journal: what it decided, step by step, is still evidence.
+                wall = time.perf_counter() - t0
+                failure = f"{e}{errors}"
+                break
+        else:  # pragma: no cover - the loop always breaks
+            raise AssertionError
         results = []
         for r in range(spec.world):
-            with open(out / f"rank{r}.pkl", "rb") as f:
-                results.append(pickle.load(f))
+            pkl = out / f"rank{r}.pkl"
+            if pkl.exists():
+                with open(pkl, "rb") as f:
+                    results.append(pickle.load(f))
+            else:
+                results.append({"rank": r, "rec": _read_journal(out / f"rank{r}.journal"),
+                                "error": f"fleet {spec.name}: {failure}", "lines": []})  # fmt: skip
         for r in results:
             r["wall"] = wall
             r["out"] = str(out)
         return results
 
     return cached("fleet-" + spec.key(), compute)
+
+
+def _read_journal(path: Path) -> dict:
+    import json
+
+    rec = {"decisions": [], "states": [], "stepped": []}
+    if path.exists():
+        for line in path.read_text().splitlines():
+            row = json.loads(line)
+            if "agreed" in row:
+                rec["decisions"].append((row["local"], row["agreed"]))
+            else:
+                rec["states"].append(row["state"])
+                rec["stepped"].append(row["stepped"])
+    return rec
 
 
 @contextlib.contextmanager
@@ -539,11 +734,28 @@ def threads(n: int):
         torch.set_num_threads(old)
 
 
+def batches_of(spec: FleetSpec) -> list[int]:
+    """Each rank's windows per step, read off the spec by hand (not by parse_capacity)."""
+    cap = spec.capacity.strip()
+    if cap == "":
+        return [spec.batch] * spec.world
+    if cap == "auto":
+        raise ValueError(f"spec {spec.name}: capacity auto; pass the expected batches")
+    return [int(part.split("x")[0]) for part in cap.split(",")]
+
+
 def single(spec: FleetSpec, batches: list[int] | None = None, *, probe=None,
-           resume_from: str | None = None, steps: int | None = None) -> dict:
-    """The reference: one process at the global batch of `spec` (cached like a fleet)."""
-    batches = batches or [spec.batch] * spec.world
-    tag = repr((spec.key(), batches, probe.__name__ if probe else None, resume_from, steps))
+           resume_from: str | None = None, steps: int | None = None,
+           drop_steps: tuple[int, ...] = ()) -> dict:
+    """The reference: one process at the global batch of `spec` (cached like a fleet).
+
+    `drop_steps`: 0-based steps whose batch the reference never trains on (no forward, no
+    backward): what a fleet's skipped step must be equivalent to.
+    """
+    spec = dataclasses.replace(spec, mutation="")  # the reference never runs a planted bug
+    batches = batches or batches_of(spec)
+    tag = repr((spec.key(), batches, probe.__name__ if probe else None, resume_from, steps,
+                drop_steps))  # fmt: skip
 
     def compute():
         import shutil
@@ -567,7 +779,8 @@ def single(spec: FleetSpec, batches: list[int] | None = None, *, probe=None,
         t0 = time.perf_counter()
         with threads(1):
             model = build_model(run)
-            _, report = run_single(run, seams=seams, model=model, resume=bool(resume_from))
+            _, report = run_single(run, seams=seams, model=model, resume=bool(resume_from),
+                                   drop_steps=drop_steps)  # fmt: skip
             rec = seams.finish()
         return {"rec": rec, "report": report, "elapsed": time.perf_counter() - t0,
                 "run": run.to_json(), "out": str(out)}  # fmt: skip
@@ -582,6 +795,33 @@ def max_abs_diff(a: list[float], b: list[float]) -> float:
     if len(a) != len(b):
         return float("inf")
     return max((abs(x - y) for x, y in zip(a, b)), default=0.0)
+
+
+def flat_tensors(obj, prefix: str = "") -> dict[str, torch.Tensor]:
+    """{path: tensor} of every floating-point tensor in a nested state (an optimizer's)."""
+    out: dict[str, torch.Tensor] = {}
+    if torch.is_tensor(obj):
+        if obj.is_floating_point():
+            out[prefix] = _local(obj).to("cpu")
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            out.update(flat_tensors(v, f"{prefix}/{k}"))
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            out.update(flat_tensors(v, f"{prefix}/{i}"))
+    return out
+
+
+def max_rel_diff(a: list[float], b: list[float]) -> float:
+    """max |a_i - b_i| / |b_i| (inf on a length mismatch or a non-finite entry)."""
+    if len(a) != len(b) or not a:
+        return float("inf")
+    out = 0.0
+    for x, y in zip(a, b):
+        if not (math.isfinite(x) and math.isfinite(y)):
+            return float("inf")
+        out = max(out, abs(x - y) / max(abs(y), 1e-30))
+    return out
 
 
 def rel_err(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
@@ -605,7 +845,46 @@ def fmt(x: float) -> str:
     return f"{x:.2e}" if x != 0 else "0"
 
 
-def write_status(records: list[Record], path: Path) -> None:
+def gate_source_hash(gate: str) -> str:
+    """What marks a recorded row stale: the gate module's source changed since it ran."""
+    return hashlib.sha256((ROOT / "gates" / f"{gate}.py").read_bytes()).hexdigest()[:12]
+
+
+#: Records of the GPU runs (`--cuda-fleet`, `--cuda`), kept so the CPU run can show them.
+CUDA_RECORDS = ROOT / "docs" / "status-cuda.json"
+
+
+def save_cuda_records(records: list[Record]) -> None:
+    """Merge these GPU records into docs/status-cuda.json (one entry per gate and backend)."""
+    import json
+
+    old = json.loads(CUDA_RECORDS.read_text()) if CUDA_RECORDS.exists() else []
+    new = {(r.gate, r.env.get("backend")): r for r in records}
+    keep = [e for e in old if (e["gate"], e["env"].get("backend")) not in new]
+    rows = keep + [{**dataclasses.asdict(r), "details": {}, "source": gate_source_hash(r.gate)}
+                   for r in new.values()]  # fmt: skip
+    CUDA_RECORDS.write_text(json.dumps(rows, indent=1) + "\n")
+
+
+def load_cuda_records() -> list[tuple[Record, bool]]:
+    """(record, stale) for every saved GPU row; stale when its gate's code changed since."""
+    import json
+
+    if not CUDA_RECORDS.exists():
+        return []
+    out = []
+    for e in json.loads(CUDA_RECORDS.read_text()):
+        source = e.pop("source", "")
+        rec = Record(**e)
+        fresh = (ROOT / "gates" / f"{rec.gate}.py").exists() and source == gate_source_hash(rec.gate)
+        out.append((rec, not fresh))
+    return out
+
+
+def write_status(records: list[Record], path: Path,
+                 extra: list[tuple[Record, bool]] = ()) -> None:
+    """The status table: `records` (this run), each followed by the saved GPU rows of the same
+    gate from `extra` (marked stale where the gate changed after they ran)."""
     env = records[0].env if records else {}
     lines = [
         "# Status: every claim is a gate",
@@ -619,10 +898,18 @@ def write_status(records: list[Record], path: Path) -> None:
         "| gate | claim | instrument | measured | tolerance | verdict |",
         "|---|---|---|---|---|---|",
     ]
+    def row(r: Record, stale: bool = False) -> str:
+        world = r.env.get("world", "-")
+        verdict = (f"{r.verdict()} ({r.env.get('backend', '-')}, {r.env.get('device', '-')}"
+                   + (f", world {world})" if world != "-" else ")"))
+        if stale:
+            verdict += " STALE: the gate changed since this row ran"
+        cells = [r.gate, r.claim, r.instrument, r.measured, r.tolerance, verdict]
+        return "| " + " | ".join(c.replace("|", "\\|").replace("\n", " ") for c in cells) + " |"
+
     for r in records:
-        cells = [r.gate, r.claim, r.instrument, r.measured, r.tolerance,
-                 f"{r.verdict()} ({r.env.get('backend', '-')}, {r.env.get('device', '-')})"]
-        lines.append("| " + " | ".join(c.replace("|", "\\|").replace("\n", " ") for c in cells) + " |")
+        lines.append(row(r))
+        lines += [row(e, stale) for e, stale in extra if e.gate == r.gate]
     lines.append("")
     path.write_text("\n".join(lines))
 
@@ -633,20 +920,45 @@ def write_status(records: list[Record], path: Path) -> None:
 #: 2 ranks x 2 windows, DDP, Muon, 20 steps; eval and checkpoints every 10 steps; each rank
 #: gets its own out_dir so the gate can see which rank wrote what. Gates 1, 2, 8.
 DDP_RUN = FleetSpec("ddp", steps=20, per_rank_out=True, sets=("eval_every=10", "ckpt_every=10"))
-#: capacity 4,2 for 3 steps; rank 1's loss is made non-finite at step index 1. Gates 3, 5.
-#: Blocks in file order (shuffle off), so the hand-written gradient reference reads step 0's
-#: block from byte 0 without re-implementing the data module's block order.
-UNEQUAL_RUN = FleetSpec("unequal", steps=3, capacity="4,2", nan_rank=1, nan_step=1,
-                        sets=("shuffle=false",))
+#: Unequal capacity, two steps (the step-1 state is recorded inside step 2). Blocks in file order (shuffle off), so the hand-written
+#: gradient reference reads step 0's block from byte 0 without re-implementing the data
+#: module's block order. Gate 3, at world 2 and 3 (rank order shows only from world 3 on).
+UNEQUAL_RUNS = {
+    2: FleetSpec("unequal", steps=2, capacity="4,2", sets=("shuffle=false",)),
+    3: FleetSpec("unequal3", world=3, steps=2, capacity="4,2,3", sets=("shuffle=false",)),
+}
+#: Faults: a NaN loss (finite gradient) at step index 2 on each rank in turn and on two at
+#: once, unequal capacity, host-RAM Engram tables and the LFB controller on, so a skipped step
+#: has every kind of state to leave untouched. Gates 5 and 2.
+_FAULT_SETS = ("engram_ram=true", "moe_lb_coef=0.01")
+FAULT_RUNS = [
+    FleetSpec(f"fault-w{len(cap.split(','))}-nan{''.join(map(str, nan))}",
+              world=len(cap.split(",")), steps=5, capacity=cap, nan_ranks=nan, nan_step=2,
+              sets=_FAULT_SETS)
+    for cap, nan in (("3,1", (0,)), ("3,1", (1,)), ("3,1", (0, 1)),
+                     ("3,1,2", (0,)), ("3,1,2", (1,)), ("3,1,2", (2,)))
+]  # fmt: skip
 #: FSDP2 + AdamW, 20 steps, then its single-file checkpoint resumed on the fleet to 25. Gates 4, 12.
 FSDP_RUN = FleetSpec("fsdp", steps=20, sets=("dist_shard=fsdp", "opt=adamw"), resume_steps=25)
-#: LFB on (coef 0.01), capacity auto with injected rates 3:1 (global batch 4 -> 3,1). Gates 9, 11.
-LFB_RUN = FleetSpec("lfb", steps=8, capacity="auto", rates=(3.0, 1.0), sets=("moe_lb_coef=0.01",))
+#: LFB on (coef 0.01), capacity auto with injected rates (global batch 4 -> 3,1; 6 -> 3,1,2).
+#: Gates 9, 11.
+LFB_RUNS = {
+    2: FleetSpec("lfb", steps=8, capacity="auto", rates=(3.0, 1.0), sets=("moe_lb_coef=0.01",)),
+    3: FleetSpec("lfb3", world=3, steps=8, capacity="auto", rates=(3.0, 1.0, 2.0),
+                 sets=("moe_lb_coef=0.01",)),
+}
+#: The last rank gets SIGTERM during step 3 of 20; the fleet agrees every 10 steps, so every
+#: rank stops after step 10 with one checkpoint, which the fleet then resumes to step 20. Gate 15.
+SIGNAL_RUNS = {
+    2: FleetSpec("signal", steps=20, signal_rank=1, signal_step=3, resume_steps=20),
+    3: FleetSpec("signal3", world=3, steps=20, signal_rank=2, signal_step=3, resume_steps=20),
+}
 
 
-#: rank 1 gets SIGTERM during step 3 of 20; the fleet agrees every 10 steps, so both ranks stop
-#: after step 10 with one checkpoint, which the fleet then resumes to step 20. Gate 15.
-SIGNAL_RUN = FleetSpec("signal", steps=20, signal_rank=1, signal_step=3, resume_steps=20)
+def worlds(cuda: bool, *available: int) -> tuple[int, ...]:
+    """The world sizes a gate runs: all of them on gloo; on a CUDA fleet only world 2 (one
+    process per card on the two-card machine; world 3 and 4 stay gloo rows)."""
+    return tuple(w for w in available if w == 2) if cuda else available
 
 
 def on(spec: FleetSpec, cuda: bool) -> FleetSpec:

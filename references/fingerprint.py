@@ -40,6 +40,13 @@ def plain_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {n: _plain(p).clone() for n, p in named}
 
 
+def plain_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """{name: full CPU copy of .grad} for every parameter that has one, sorted by name."""
+    named = [(_clean(n), p.grad) for n, p in model.named_parameters() if p.grad is not None]
+    named.sort(key=lambda kv: kv[0])
+    return {n: _plain(g).clone() for n, g in named}
+
+
 def fingerprint_params(params: dict[str, torch.Tensor]) -> str:
     h = hashlib.sha256()
     for name in sorted(params):

@@ -43,6 +43,7 @@ def token_weighted_step(model: torch.nn.Module, corpus: bytes, shapes: list[tupl
     The run's schedule must give step 0 the full lr (warmup=0: factor 1). Returns the
     per-rank local losses and the weights used. `weights` exists so a gate can compute the
     WRONG (unweighted) step too and show it is distinguishable from the right one.
+    "grads" in the result is the weighted gradient sum_r w_r g_r itself, before any clip.
     """
     if train_cfg.warmup != 0:
         raise ValueError("token_weighted_step reproduces step 0 at lr factor 1: use warmup=0")
@@ -67,6 +68,8 @@ def token_weighted_step(model: torch.nn.Module, corpus: bytes, shapes: list[tupl
                 got[i] = True
     for i, p in enumerate(params):
         p.grad = acc[i] if got[i] else None
+    names = [n for n, _ in model.named_parameters()]
+    weighted = {n: acc[i].detach().clone() for i, n in enumerate(names) if got[i]}
     # The loop clips by the global L2 norm: coef = clip / (norm + 1e-6), at most 1.
     if train_cfg.grad_clip > 0:
         grads = [p.grad for p in params if p.grad is not None]
@@ -80,4 +83,5 @@ def token_weighted_step(model: torch.nn.Module, corpus: bytes, shapes: list[tupl
     opt.step()
     opt.zero_grad(set_to_none=True)
     model.lfb_update()  # one process saw every rank's tokens: its counts ARE the fleet's
-    return {"local_losses": local, "weights": list(weights), "tokens": tokens}
+    return {"local_losses": local, "weights": list(weights), "tokens": tokens,
+            "grads": weighted}

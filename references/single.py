@@ -14,6 +14,7 @@ the same way every fleet rank builds it before wrapping.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import replace
 from typing import Callable
 
@@ -21,6 +22,7 @@ import torch
 
 from dormouse.config import RunConfig
 from dormouse.model import DormouseModel
+from dormouse.train import loop
 from dormouse.train.loop import train
 from dormouse.train.seams import RankShape, Seams
 
@@ -44,11 +46,15 @@ def run_single(
     model: torch.nn.Module | None = None,
     log: Callable[[str], None] | None = None,
     resume: bool = False,
+    drop_steps: tuple[int, ...] = (),
 ) -> tuple[torch.nn.Module, dict]:
     """Train `run` (already at the global batch) in this process; returns (model, report).
 
     `seams` may be a one-process `Seams` subclass that records what passes through the
     loop's seams (losses, fingerprints); it must not change what the loop does.
+    `drop_steps`: at these 0-based steps the batch is read and thrown away: no forward, no
+    backward, no optimizer call (the loop counts the step as skipped). That is what a
+    fleet's agreed skip must amount to, reached without the fleet's skip path.
     """
     cfg = run.train
     if seams is None:
@@ -56,5 +62,28 @@ def run_single(
     if model is None:
         model = build_model(run)
     lines: list[str] = []
-    report = train(model, run, log=log or lines.append, parallel=seams, resume=resume)
+    with _dropping(drop_steps):
+        report = train(model, run, log=log or lines.append, parallel=seams, resume=resume)
     return model, report
+
+
+@contextmanager
+def _dropping(steps: tuple[int, ...]):
+    if not steps:
+        yield
+        return
+    calls = [0]
+    real = loop.train_step
+
+    def train_step(net, opt, parallel, x, y, *args, **kwargs):
+        k = calls[0]
+        calls[0] += 1
+        if k in steps:
+            return torch.tensor(float("nan")), {}, False
+        return real(net, opt, parallel, x, y, *args, **kwargs)
+
+    loop.train_step = train_step
+    try:
+        yield
+    finally:
+        loop.train_step = real

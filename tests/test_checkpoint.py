@@ -39,7 +39,7 @@ def test_atomic_write_leaves_the_old_file_on_failure(tmp_path, monkeypatch):
         raise OSError("disk full")
 
     monkeypatch.setattr(torch, "save", boom)
-    with pytest.raises(OSError, match="disk full"):
+    with pytest.raises(ckpt.CheckpointError, match="disk full.*previous checkpoint there is untou"):
         _save(tmp_path)
     assert path.read_bytes() == before
     assert [p.name for p in tmp_path.iterdir()] == ["c.pt"]  # no temp file left behind
@@ -89,3 +89,11 @@ def test_bad_checkpoint_paths(tmp_path, what):
         p.write_bytes(b"not a checkpoint")
     with pytest.raises(ckpt.CheckpointError):
         ckpt.read_checkpoint(p)
+
+
+def test_a_truncated_checkpoint_is_refused(tmp_path):
+    path, _ = _save(tmp_path)
+    raw = path.read_bytes()
+    path.write_bytes(raw[: len(raw) // 2])
+    with pytest.raises(ckpt.CheckpointError, match="may be truncated"):
+        ckpt.read_checkpoint(path)

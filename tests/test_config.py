@@ -78,3 +78,42 @@ def test_unknown_json_field_refused():
 
 def test_preset_param_targets_listed():
     assert set(PRESET_PARAMS) == {"small", "medium", "b1"}
+
+
+@pytest.mark.parametrize(
+    "sets, needle",
+    [
+        (["lr=inf"], "lr=inf is not a finite number"),
+        (["fit_gb=nan"], "fit_gb=nan is not a finite number"),
+        (["adam_betas=0.9,nan"], "is not a finite number"),
+        (["muon_momentum=1"], "muon_momentum=1.0 must be in"),
+        (["wsd_decay_frac=2"], "wsd_decay_frac=2.0 must be in"),
+        (["seed=-1"], "must not be negative"),
+        (["device=cuda:x"], "is not a device"),
+        (["ckpt_name=a/b"], "not a plain file name"),
+        (["ckpt_name=.."], "not a plain file name"),
+        (["ckpt_name="], "not a plain file name"),
+        (["compile=true"], "compile is not implemented yet"),
+        (["dist_capacity=4,2"], "no --dist"),
+        (["d_model=16777216"], "beyond any model"),
+        (["n_experts=4096", "d_ffn=16777215"], "beyond any card"),
+    ],
+)
+def test_new_refusals(sets, needle):
+    with pytest.raises(ConfigError, match=needle):
+        validate(apply_sets(preset("tiny"), sets))
+
+
+def test_fleet_only_fields_pass_on_a_fleet():
+    validate(apply_sets(preset("tiny"), ["dist=true", "dist_capacity=4,2"]))
+    for dev in ("auto", "cpu", "cuda", "cuda:3"):
+        validate(apply_sets(preset("tiny"), [f"device={dev}"]))
+
+
+def test_json_fields_of_the_wrong_type_are_refused():
+    d = preset("tiny").to_dict()
+    d["train"]["lr"] = "0.1"
+    with pytest.raises(ConfigError, match="field lr: expected float"):
+        RunConfig.from_dict(d)
+    with pytest.raises(ConfigError, match="not valid JSON"):
+        RunConfig.from_json("{")

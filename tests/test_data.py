@@ -395,3 +395,16 @@ def test_shuffled_blocks_keep_the_fleet_layout_and_cover_each_pass(tmp_path):
     assert sorted(first) == list(range(single.n_blocks)) and first != sorted(first)
     second = [single.block(s) for s in range(single.n_blocks, 2 * single.n_blocks)]
     assert second != first  # a new order each pass
+
+
+def test_a_shrunken_file_is_refused_before_it_is_read(tmp_path):
+    # reading a memory map past a truncated file's end kills the process with SIGBUS
+    path = tmp_path / "c.bin"
+    path.write_bytes(bytes(range(256)) * 40)
+    cfg = TrainConfig(data=(str(path),), batch=2, seq_len=16, val_frac=0.0)
+    stream = D.open_data(cfg, log=lambda _l: None).train_stream(2, 16)
+    stream.next()
+    os.truncate(path, 100)
+    with pytest.raises(D.DataError, match="shrank from 10240 to 100 bytes.*before step 1"):
+        stream.next()
+    assert stream.position == 1  # nothing consumed: a checkpoint now resumes exactly

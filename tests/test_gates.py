@@ -7,28 +7,15 @@ run spawn it once per session. `--cuda-fleet` adds the nccl variants (one proces
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
 from gates.harness import GATES, load, timed
 
 #: Gates whose claim is about a fleet (they have an nccl, one-process-per-card variant).
-CUDA_GATES = [g for g in GATES if g not in ("g06_nccl", "g07_launch", "g13_policy")]
+CUDA_GATES = [g for g in GATES if getattr(load(g), "CUDA", True)]
 
 
-@pytest.fixture(scope="session", autouse=True)
-def _shared_gate_cache(tmp_path_factory):
-    base = tmp_path_factory.getbasetemp()
-    # Under xdist each worker has its own basetemp; their parent is shared by the session.
-    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
-    old = os.environ.get("DORMOUSE_GATE_CACHE")
-    os.environ["DORMOUSE_GATE_CACHE"] = str(shared / "dormouse-gates")
-    yield
-    if old is None:
-        os.environ.pop("DORMOUSE_GATE_CACHE", None)
-    else:
-        os.environ["DORMOUSE_GATE_CACHE"] = old
+pytestmark = pytest.mark.usefixtures("gate_cache")
 
 
 def _check(name: str, cuda: bool) -> None:

@@ -2,16 +2,41 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
+
+from ..errors import UserError
+
+
+class SampleError(UserError, ValueError):
+    """Sampling arguments that mean nothing (a negative length, a NaN temperature)."""
+
+
+def check_sample_args(n: int, temperature: float, top_k: int) -> None:
+    """Refuse arguments that would be silently reinterpreted; temperature 0 means greedy."""
+    if n < 0:
+        raise SampleError(f"--bytes {n}: cannot generate a negative number of bytes; give N >= 0")
+    if not math.isfinite(temperature) or temperature < 0:
+        raise SampleError(
+            f"--temperature {temperature}: must be a finite number >= 0 (0 = greedy, always the "
+            f"most likely byte; 0.8 is the default)"
+        )
+    if top_k < 0:
+        raise SampleError(f"--top-k {top_k}: must be >= 0 (0 = no top-k cut, K = keep the K most "
+                          f"likely bytes)")  # fmt: skip
 
 
 @torch.no_grad()
 def generate(model, prompt: bytes, n: int, *, temperature: float = 0.8, top_k: int = 0,
-             generator: torch.Generator | None = None) -> bytes:
-    """Continue `prompt` by `n` bytes. An empty prompt starts from a newline."""
+             generator: torch.Generator | None = None, row_len: int | None = None) -> bytes:
+    """Continue `prompt` by `n` bytes. An empty prompt starts from a newline. `row_len`: the
+    training window length, so a capacity MoE drops in decoding what it dropped in training
+    (default: the model's max_seq_len)."""
+    check_sample_args(n, temperature, top_k)
     device = next(model.parameters()).device
     prompt = prompt or b"\n"
-    cache = model.init_cache()
+    cache = model.init_cache(row_len)
     x = torch.tensor([list(prompt)], dtype=torch.long, device=device)
     logits = model.step(x, cache)  # the whole prompt in one chunked pass
     out = bytearray()

@@ -10,20 +10,25 @@ so a crash mid-write never leaves a torn checkpoint behind, and loaded with
 from __future__ import annotations
 
 import dataclasses
+import errno
+import json
+import math
 import os
+import re
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
-from ..config import ModelConfig, RunConfig
+from ..config import ConfigError, ModelConfig, RunConfig, validate
+from ..errors import UserError
 
 FORMAT = 1
 
 
-class CheckpointError(RuntimeError):
-    pass
+class CheckpointError(UserError, RuntimeError):
+    """A checkpoint or run folder the run cannot use or write; names cause and escape."""
 
 
 def plain_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -69,20 +74,38 @@ def save_checkpoint(
     extra: dict | None = None,
 ) -> Path:
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    model_state = model_state if model_state is not None else plain_state(model)
+    bad = nonfinite_entries(model_state)
+    if bad:
+        # a NaN checkpoint would be resumed, evaluated and sampled as if it were a model
+        raise CheckpointError(
+            f"refusing to write {path} at step {step}: {len(bad)} tensor(s) of the model hold "
+            f"NaN/inf (first: {bad[0]}), so the run diverged; "
+            + ("the previous checkpoint there is untouched. " if path.exists() else "")
+            + "Lower --set lr, or keep --set grad_clip > 0"
+        )
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise CheckpointError(f"cannot create the run folder {path.parent} ({e.strerror or e}); "
+                              f"pick a writable --out") from None  # fmt: skip
     payload = {
         "format": FORMAT,
         "config": run.to_json(),
         "step": int(step),
-        "model": model_state if model_state is not None else plain_state(model),
+        "model": model_state,
         "optimizer": (optimizer_state if optimizer_state is not None
                       else optimizer.state_dict() if optimizer is not None else None),
         "data": data_state,
         "rng": rng_state(),
         "extra": extra or {},
     }
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    # the pid in the name lets the next run tell a dead writer's leftover from a live one
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.{os.getpid()}.",
+                               suffix=".tmp")  # fmt: skip
     try:
+        # mkstemp creates 0600; a checkpoint is an ordinary output file, so honour the umask
+        os.fchmod(fd, 0o666 & ~_umask())
         with os.fdopen(fd, "wb") as f:
             torch.save(payload, f)
             f.flush()
@@ -93,30 +116,67 @@ def save_checkpoint(
             os.fsync(dfd)
         finally:
             os.close(dfd)
-    except BaseException:
+    except BaseException as e:
         if os.path.exists(tmp):
             os.unlink(tmp)
+        if isinstance(e, OSError):
+            full = " (the disk is full)" if e.errno in (errno.ENOSPC, errno.EDQUOT) else ""
+            kept = ("the previous checkpoint there is untouched" if path.exists()
+                    else "no earlier checkpoint exists")  # fmt: skip
+            raise CheckpointError(
+                f"could not write {path} at step {step}: {e.strerror or e}{full}; the partial "
+                f"file was removed and {kept}. Free space (or pick another --out), then "
+                f"--resume auto"
+            ) from None
         raise
     return path
 
 
-def read_checkpoint(path: str | Path) -> dict[str, Any]:
-    """Load a checkpoint file with weights_only=True (no code runs from the file)."""
+def _umask() -> int:
+    # os.umask can only be read by setting it; the window is two system calls long
+    old = os.umask(0o022)
+    os.umask(old)
+    return old
+
+
+def nonfinite_entries(state: dict) -> list[str]:
+    """Names of the floating tensors in a state dict that hold NaN or inf."""
+    return [k for k, v in state.items()
+            if torch.is_tensor(v) and v.is_floating_point() and not bool(torch.isfinite(v).all())]
+
+
+def read_checkpoint(path: str | Path, mmap: bool = False) -> dict[str, Any]:
+    """Load a checkpoint file with weights_only=True (no code runs from the file).
+
+    `mmap=True` maps the tensors instead of reading them: cheap when only the step and the
+    config are wanted (the run-folder checks)."""
     path = Path(path)
     if not path.exists():
         raise CheckpointError(f"no checkpoint at {path}; train first or pass the right path")
     if path.is_dir():
         raise CheckpointError(f"{path} is a directory, not a checkpoint file")
     try:
-        ck = torch.load(path, map_location="cpu", weights_only=True)
+        ck = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except Exception as e:
         raise CheckpointError(
             f"{path} could not be read as a dormouse checkpoint ({type(e).__name__}: {e}); "
             f"it may be truncated or not a checkpoint at all"
         ) from None
-    if not isinstance(ck, dict) or "config" not in ck or "model" not in ck:
+    if not isinstance(ck, dict) or "config" not in ck or not isinstance(ck.get("model"), dict):
         raise CheckpointError(f"{path} is a torch file but not a dormouse checkpoint")
-    ck["run"] = RunConfig.from_json(ck["config"])
+    step = ck.get("step")
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise CheckpointError(
+            f"{path} has no valid step (found {step!r}); the file is damaged or was not "
+            f"written by dormouse: train a new run (--overwrite, or another --out)"
+        )
+    try:
+        ck["run"] = validate(RunConfig.from_json(ck["config"]))
+    except ConfigError as e:
+        raise CheckpointError(
+            f"{path}: its embedded run config is unusable ({e}); the file is damaged or from "
+            f"another version of dormouse: train a new run (--overwrite, or another --out)"
+        ) from None
     return ck
 
 
@@ -146,3 +206,174 @@ def load_model_state(model: torch.nn.Module, ck: dict[str, Any], path: str | Pat
             f"checkpoint {path} does not match this model: missing {missing[:8]}, "
             f"unexpected {unexpected[:8]}"
         )
+
+
+# ---- the run folder ---------------------------------------------------------------------
+
+#: A checkpoint writer's temp file: `.NAME.PID.RANDOM.tmp` (or `.NAME.RANDOM.tmp`, older).
+_TEMP = re.compile(r"\.(?P<name>.+\.pt)\.(?:(?P<pid>[0-9]+)\.)?[A-Za-z0-9_]+\.tmp\Z")
+
+
+def check_out_dir(out: str | Path) -> None:
+    """Refuse an --out that is a file, lies under a file, or cannot be created or written."""
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise CheckpointError(f"--out {out} is a file, not a folder; give a folder path "
+                              f"(it is created if missing)")  # fmt: skip
+    anc = out
+    while not anc.exists():
+        if anc.parent == anc:
+            break
+        anc = anc.parent
+    if anc != out and not anc.is_dir():
+        raise CheckpointError(
+            f"--out {out} lies under {anc}, which is a file, so the folder cannot be created; "
+            f"give a path under a folder"
+        )
+    if not os.access(anc, os.W_OK | os.X_OK):
+        what = "the run folder" if anc == out else f"its nearest existing parent {anc}"
+        raise CheckpointError(
+            f"--out {out}: {what} is not writable by this user, so no checkpoint could be "
+            f"saved; pick a writable --out (or fix the folder's permissions)"
+        )
+
+
+def clean_stale_temps(out: str | Path) -> list[str]:
+    """Remove checkpoint temp files that no live writer owns (a writer killed mid-save);
+    returns their names. A file named with the pid of a live process is left alone."""
+    out = Path(out)
+    removed = []
+    if not out.is_dir():
+        return removed
+    for p in sorted(out.iterdir()):
+        m = _TEMP.match(p.name)
+        if not m or not p.is_file():
+            continue
+        pid = int(m["pid"]) if m["pid"] else None
+        if pid is not None and pid != os.getpid() and _alive(pid):
+            continue
+        p.unlink(missing_ok=True)
+        removed.append(p.name)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):
+        return True
+    return True
+
+
+def metrics_rows(path: str | Path) -> int:
+    path = Path(path)
+    if not path.is_file():
+        return 0
+    with path.open("rb") as f:
+        return sum(1 for line in f if line.strip())
+
+
+def trim_metrics(path: str | Path, step: int) -> int:
+    """Drop metrics rows written after `step` (and a torn last line); returns how many.
+
+    A run that crashed after its last checkpoint logged rows the resumed run logs again."""
+    path = Path(path)
+    if not path.is_file():
+        return 0
+    keep, dropped = [], 0
+    for line in path.read_text(errors="replace").splitlines():
+        if not line.strip():
+            continue
+        try:
+            row_step = json.loads(line).get("step")
+            ok = isinstance(row_step, (int, float)) and row_step <= step
+        except (ValueError, AttributeError):
+            ok = False
+        if ok:
+            keep.append(line)
+        else:
+            dropped += 1
+    if dropped:
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.trim.tmp")
+        tmp.write_text("".join(line + "\n" for line in keep))
+        os.replace(tmp, path)
+    return dropped
+
+
+#: Training fields a resume may change; those the optimizer's state carries are re-applied.
+RESUME_HYPER = ("base_lr", "weight_decay", "momentum", "nesterov", "ns_steps", "ns_kind",
+                "ns_dtype", "muon_sf", "betas")  # fmt: skip
+
+
+def resume_changes(saved: RunConfig, now: RunConfig) -> list[str]:
+    """`field old -> new` for each training field that differs between a checkpoint and this
+    run (the model's shape, the data and the optimizer's routing are checked where loaded)."""
+    a, b = dataclasses.asdict(saved.train), dataclasses.asdict(now.train)
+    return [f"{k} {a[k]!r} -> {b[k]!r}" for k in a if a[k] != b[k]]
+
+
+def plan_run_folder(run: RunConfig, mode: str, overwrite: bool, say: Callable[[str], None],
+                    elastic_restart: int = 0) -> str:
+    """Decide what training into `run`'s folder means: "fresh", "resume" or "complete".
+
+    mode: never (refuse a folder holding a run), auto (resume when a checkpoint exists),
+    must (refuse when none does). --overwrite starts afresh on purpose. An elastic restart
+    (torchrun's TORCHELASTIC_RESTART_COUNT > 0) resumes by itself: `overwrite` then applies
+    to the first attempt only. Nothing is written here.
+    """
+    t = run.train
+    out = Path(t.out_dir)
+    path = out / f"{t.ckpt_name}.pt"
+    check_out_dir(out)
+    if overwrite and mode == "must":
+        raise CheckpointError("--overwrite starts afresh and --resume must continues: pick one")
+    if elastic_restart > 0:
+        if overwrite or mode == "never":
+            say(f"elastic restart {elastic_restart}: resuming the run in {out} (--resume auto), "
+                f"not {'overwriting it' if overwrite else 'refusing it'}")  # fmt: skip
+        overwrite, mode = False, ("auto" if mode != "must" else "must")
+    has_ckpt = path.is_file()
+    rows = metrics_rows(out / "metrics.jsonl")
+    if overwrite:
+        if has_ckpt or rows:
+            say(f"--overwrite: starting afresh in {out} (replacing "
+                + ", ".join(x for x in (f"{path.name}" if has_ckpt else "",
+                                        f"{rows} metrics rows" if rows else "") if x)
+                + ")")  # fmt: skip
+        return "fresh"
+    if not has_ckpt:
+        if mode == "must":
+            raise CheckpointError(
+                f"--resume: no checkpoint at {path}; start without --resume (or --resume auto, "
+                f"which starts fresh when there is none)"
+            )
+        if rows and mode == "never":
+            raise CheckpointError(
+                f"{out} already holds metrics.jsonl ({rows} rows) from an earlier run that wrote "
+                f"no checkpoint; training here would erase them. Use --overwrite to start "
+                f"afresh, --resume auto, or another --out"
+            )
+        return "fresh"
+    ck = read_checkpoint(path, mmap=True)
+    step = int(ck["step"])
+    same = ck["run"] == run
+    if mode == "never" and not (same and step == t.steps):
+        why = ("this run's config" if same else "a different config ("
+               + "; ".join(resume_changes(ck["run"], run) or ["the model differs"]) + ")")
+        raise CheckpointError(
+            f"{out} already holds a run: {path.name} at step {step} of {ck['run'].train.steps}, "
+            f"{rows} metrics rows, {why}; training here would replace it. Use --resume auto to "
+            f"continue it, --overwrite to start afresh, or another --out"
+        )
+    if step > t.steps:
+        raise CheckpointError(
+            f"{path} is at step {step}, beyond this run's steps={t.steps}; raise --steps to "
+            f"continue it, or --overwrite to start afresh"
+        )
+    if step == t.steps:
+        say(f"{out}: the run is already complete at step {step} ({path}); nothing to train. "
+            f"Raise --steps with --resume auto to continue it, or --overwrite to start afresh")
+        return "complete"
+    return "resume"

@@ -41,8 +41,10 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
+from ..errors import UserError
 
-class DataError(ValueError):
+
+class DataError(UserError, ValueError):
     """Data the run cannot use; the message names the file, the measured fact and the escape."""
 
 
@@ -207,8 +209,12 @@ class ByteStream:
 
     def __init__(self, view, batch: int, seq_len: int, offset: int = 0,
                  stride: int | None = None, name: str = "data",
-                 shuffle_seed: int | None = None):  # fmt: skip
+                 shuffle_seed: int | None = None,
+                 source: tuple[str | os.PathLike, int] | None = None):  # fmt: skip
         self.view = _as_bytes(view)
+        # (file, its size when mapped): a file truncated under the map kills the process
+        # with SIGBUS on the next read, so each step first checks it has not shrunk
+        self.source = source
         self.shuffle_seed = shuffle_seed
         self._perm: tuple[int, np.ndarray] | None = None
         self.batch, self.seq_len, self.name = int(batch), int(seq_len), name
@@ -262,6 +268,7 @@ class ByteStream:
         return windows(self.read(step), self.batch, self.seq_len)
 
     def next(self) -> tuple[torch.Tensor, torch.Tensor]:
+        self.check_source()
         out = self.peek(self.step)
         self.step += 1
         return out
@@ -270,6 +277,24 @@ class ByteStream:
 
     def __iter__(self):
         return self
+
+    def check_source(self) -> None:
+        """Refuse to read a file that shrank since it was mapped (reading it would SIGBUS)."""
+        if self.source is None:
+            return
+        path, size = self.source
+        try:
+            now = os.stat(path).st_size
+        except OSError as e:
+            now, why = -1, f"can no longer be inspected ({e.strerror or e})"
+        else:
+            why = f"shrank from {size} to {now} bytes"
+        if now < size:
+            raise DataError(
+                f"data file {os.fspath(path)!r} {why} while training, before step {self.step}; "
+                f"reading it now would crash the process (SIGBUS on its memory map). Restore "
+                f"the file (or train on a copy that nothing rewrites), then --resume auto"
+            )
 
     def state_dict(self) -> dict:
         return {"kind": "stream", "step": self.step, "n_bytes": int(self.view.shape[0]),
@@ -515,7 +540,8 @@ class DataSource:
         offset=rank_byte_offset(batches, seq_len, r), stride=fleet_stride(batches, seq_len)."""
         # each source gets its own block order (seed + index), all of them rank-consistent
         streams = [ByteStream(s.train, batch, seq_len, offset, stride, name=s.name,
-                              shuffle_seed=(self.seed + i) if self.shuffle else None)
+                              shuffle_seed=(self.seed + i) if self.shuffle else None,
+                              source=(s.corpus.path, len(s.corpus)))
                    for i, s in enumerate(self.sources)]  # fmt: skip
         if len(streams) == 1:
             return streams[0]

@@ -22,8 +22,9 @@ from typing import Callable
 import torch
 
 from ..config import RunConfig, validate
+from ..errors import UserError
 from . import checkpoint as ckpt
-from .data import open_data
+from .data import DataError, open_data
 from .optim import MixOptimizer
 from .seams import RankShape, Seams
 
@@ -31,7 +32,7 @@ LN2 = math.log(2.0)
 _log = logging.getLogger("dormouse.train")
 
 
-class TrainingError(RuntimeError):
+class TrainingError(UserError, RuntimeError):
     pass
 
 
@@ -236,17 +237,32 @@ def train_step(net, opt, parallel: Seams, x, y, cfg, factor: float, device, auto
     # host-RAM Engram rows are no parameters: the fleet reduces them here, before the clip
     parallel.after_backward(net)
     finite = bool(torch.isfinite(loss.detach()))
+    gnorm = float("nan")
     if finite:
-        # the optimizer's clip: it also sees host-RAM Engram rows (not parameters)
-        gnorm = opt.clip_grad_norm_(cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
-        finite = bool(torch.isfinite(gnorm))
+        # the optimizer's clip: it also sees host-RAM Engram rows (not parameters); the norm
+        # it returns is the pre-clip global norm (the fleet's, once the reducer has run)
+        gnorm = float(opt.clip_grad_norm_(cfg.grad_clip if cfg.grad_clip > 0 else float("inf")))
+        finite = math.isfinite(gnorm)
+    aux["gnorm"] = gnorm
     if not parallel.all_finite(finite):
+        # A skipped step leaves no trace: no gradient carried into the next step, and the
+        # routers' counts of the dropped batch do not steer the load balancer.
         opt.zero_grad(set_to_none=True)
+        _discard_lfb_counts(parallel.unwrap(net))
+        parallel.after_step(net, opt, {"stepped": False, "gnorm": gnorm})
         return loss, aux, False
     opt.step()
     opt.zero_grad(set_to_none=True)
     parallel.unwrap(net).lfb_update(reduce=parallel.lfb_reduce)
+    parallel.after_step(net, opt, {"stepped": True, "gnorm": gnorm})
     return loss, aux, True
+
+
+@torch.no_grad()
+def _discard_lfb_counts(model: torch.nn.Module) -> None:
+    for name, buf in model.named_buffers():
+        if name.endswith("lfb_counts"):
+            buf.zero_()
 
 
 def ckpt_path(run: RunConfig) -> Path:
@@ -297,14 +313,32 @@ def train(
         if not path.exists():
             raise TrainingError(f"--resume: no checkpoint at {path}; start without --resume")
         ck = ckpt.read_checkpoint(path)
+        if int(ck["step"]) > cfg.steps:
+            raise TrainingError(f"--resume: {path} is at step {ck['step']}, beyond steps="
+                                f"{cfg.steps}; raise --steps to continue it")  # fmt: skip
         parallel.load_model_state(net, ck, path)  # FSDP2 re-shards the full state
+        # The file's optimizer state carries its groups' lr, wd, momentum...: put this run's
+        # back, so a hyperparameter given on resume is applied, not only recorded.
+        mine = [{k: g[k] for k in ckpt.RESUME_HYPER if k in g} for g in opt.param_groups]
         parallel.load_optimizer_state(opt, ck["optimizer"])
+        for g, hyper in zip(opt.param_groups, mine, strict=True):
+            g.update(hyper)
         stream.load_state_dict(ck["data"])
         ckpt.set_rng_state(ck["rng"])
         start = int(ck["step"])
         say(f"resumed from {path} at step {start}")
+        for change in ckpt.resume_changes(ck["run"], run):
+            say(f"changed on resume: {change}")
+        dropped = ckpt.trim_metrics(metrics_path, start) if main else 0
+        if dropped:
+            say(f"metrics.jsonl: dropped {dropped} row(s) logged after step {start} (the run "
+                f"went on past its last checkpoint); they are logged again from here")  # fmt: skip
     if main:
-        out.mkdir(parents=True, exist_ok=True)
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise TrainingError(f"cannot create the run folder {out} ({e.strerror or e}); pick "
+                                f"a writable --out") from None  # fmt: skip
         if not resume:
             metrics_path.write_text("")
         (out / "config.json").write_text(run.to_json())
@@ -368,7 +402,14 @@ def train(
                 stopped = True
                 raise KeyboardInterrupt
             factor = lr_factor(step, cfg)
-            x, y = stream.next()
+            try:
+                x, y = stream.next()
+            except DataError:  # the file shrank under the run: the model is still at `step`
+                if parallel.world_size == 1:
+                    save(step)
+                    say(f"checkpoint written at step {step}; restore the data file, then "
+                        f"--resume auto continues from there")  # fmt: skip
+                raise
             loss, aux, ok = train_step(net, opt, parallel, x, y, cfg, factor, device, autocast_dtype)
             if not ok:
                 skips += 1
@@ -397,9 +438,9 @@ def train(
                 lr_now = cfg.lr * factor
                 bar.clear()
                 say(f"step={done} loss={fleet:.4f} bpb={fleet / LN2:.4f} lr={lr_now:.3e} "
-                    f"tok/s={tps:.0f} ms={ms:.1f}")  # fmt: skip
+                    f"gnorm={aux['gnorm']:.3f} tok/s={tps:.0f} ms={ms:.1f}")  # fmt: skip
                 write_metrics({"kind": "train", "step": done, "loss": fleet, "bpb": fleet / LN2,
-                               "lr": lr_now, "tok_s": tps, "ms": ms,
+                               "lr": lr_now, "gnorm": aux["gnorm"], "tok_s": tps, "ms": ms,
                                "load": aux["load"].tolist() if aux.get("load") is not None else None})  # fmt: skip
             bar.update(done, last_loss)
             if cfg.eval_every and done % cfg.eval_every == 0 and done != end and data.has_val:

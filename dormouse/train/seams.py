@@ -81,6 +81,11 @@ class Seams:
     def all_finite(self, finite: bool) -> bool:
         return finite
 
+    def after_step(self, net: torch.nn.Module, opt, info: dict) -> None:
+        """Called on every rank at the end of each step, taken or skipped, with
+        {"stepped": bool, "gnorm": the pre-clip global norm (nan when not finite)}: an
+        observation point (gates record state here); changes nothing."""
+
     def any_rank(self, flag: bool) -> bool:
         """True when `flag` holds on any rank (a stop request: every rank must stop together)."""
         return flag

@@ -1,0 +1,428 @@
+"""The mutation list: plausible bugs that each gate must catch, applied as monkeypatches.
+
+A gate that cannot fail proves nothing. Each entry plants ONE plausible bug by replacing a
+named function, method, property or constant of `dormouse/` (found by name at run time, so
+the list survives refactoring as long as the name does), names the gates that must FAIL with
+it, and says where the bug lives:
+
+* scope "fleet": inside every fleet rank the harness spawns (and every process a gate
+  launches, through a sitecustomize on PYTHONPATH), never in the gate's own process, where
+  the single-process references run unpatched;
+* scope "process": in the gate's own process (gates that call dormouse functions directly:
+  capacity parsing, the device policy, the launch rules, the model's kernel arms).
+
+`python -m gates --mutations` runs every entry against its gates and writes
+docs/mutations.md; `pytest -m mutation` does the same as tests. A mutation counts as caught
+only when the gate returns a FAIL record by its verdict: a gate that crashed (an exception,
+a fleet that died or hung) has not shown that its instrument sees the bug.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import os
+from dataclasses import dataclass
+from typing import Any, Callable
+
+_MISSING = object()
+
+
+@dataclass(frozen=True)
+class Mutation:
+    name: str
+    bug: str  # the plausible bug, in words
+    patches: tuple[tuple[str, Callable[[Any], Any]], ...]  # ("module:Qual.name", make(original))
+    gates: tuple[str, ...]  # every one of these must FAIL by verdict
+    scope: str = "fleet"  # "fleet" or "process" (see the module docstring)
+
+
+def _resolve(target: str):
+    module, _, qual = target.partition(":")
+    owner: Any = importlib.import_module(module)
+    *path, attr = qual.split(".")
+    for part in path:
+        owner = getattr(owner, part)
+    return owner, attr
+
+
+def _patch(target: str, make: Callable[[Any], Any]) -> Callable[[], None]:
+    owner, attr = _resolve(target)
+    if not hasattr(owner, attr):
+        raise AttributeError(f"mutation target {target} does not exist (renamed?)")
+    own = owner.__dict__.get(attr, _MISSING) if isinstance(owner, type) else getattr(owner, attr)
+    original = getattr(owner, attr) if own is _MISSING else own
+    setattr(owner, attr, make(original))
+
+    def undo() -> None:
+        if own is _MISSING:
+            delattr(owner, attr)  # it was inherited: uncover the base class's again
+        else:
+            setattr(owner, attr, own)
+
+    return undo
+
+
+def apply(name: str) -> Callable[[], None]:
+    """Plant mutation `name` in this process; returns the function that removes it."""
+    m = BY_NAME[name]
+    undos = [_patch(target, make) for target, make in m.patches]
+
+    def undo() -> None:
+        for u in reversed(undos):
+            u()
+
+    return undo
+
+
+@contextlib.contextmanager
+def planted(name: str):
+    """Within the block: the gate's fleets (and, for scope "process", this process) run
+    mutation `name`."""
+    from gates import harness
+
+    m = BY_NAME[name]
+    undo = apply(name) if m.scope == "process" else (lambda: None)
+    harness.ACTIVE_MUTATION = name if m.scope == "fleet" else ""
+    try:
+        yield m
+    finally:
+        harness.ACTIVE_MUTATION = ""
+        undo()
+
+
+def apply_from_env() -> None:
+    """For processes a gate launches (torchrun's workers): plant $DORMOUSE_MUTATION."""
+    name = os.environ.get("DORMOUSE_MUTATION")
+    if name:
+        apply(name)
+
+
+# ---- the bugs ------------------------------------------------------------------------------
+
+
+def _prop(fn: Callable[[Any, Any], Any]) -> Callable[[Any], property]:
+    """make() for a property: fn(self, original_value) -> mutated value."""
+    return lambda orig: property(lambda self: fn(self, orig.fget(self)))
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _own_verdict(orig):
+    def all_finite(self, finite):
+        orig(self, finite)  # every rank still takes part in the collective...
+        return finite  # ...and then goes by its own verdict
+
+    return all_finite
+
+
+def _own_verdict_off_rank0(orig):
+    def all_finite(self, finite):
+        agreed = orig(self, finite)
+        return agreed if self.rank == 0 else finite
+
+    return all_finite
+
+
+def _zg_step(orig):
+    return lambda self, *a, **kw: (setattr(self, "_mut_stepped", True), orig(self, *a, **kw))[1]
+
+
+def _zg_zero(orig):
+    def zero_grad(self, set_to_none=True):
+        if getattr(self, "_mut_stepped", False):
+            self._mut_stepped = False
+            orig(self, set_to_none)
+
+    return zero_grad
+
+
+def _hook_without_division(_orig):
+    def compress(dtype):
+        import torch.distributed as dist
+
+        def hook(state, bucket):
+            small = bucket.buffer().to(dtype)  # the bug: no .div_(world_size)
+            fut = dist.all_reduce(small, async_op=True).get_future()
+
+            def widen(f):
+                out = bucket.buffer()
+                out.copy_(f.value()[0])
+                return out
+
+            return fut.then(widen)
+
+        return hook
+
+    return compress
+
+
+def _merge_in_rank_order_of(orig):
+    def merge(parts, world_size):
+        r = _rank() % max(1, len(parts))
+        return orig(list(parts[r:]) + list(parts[:r]), world_size)  # each rank starts with its own
+
+    return merge
+
+
+def _ignore_seq(orig):
+    def parse(spec, world_size, batch, seq_len, max_seq_len, rates=None):
+        from dormouse.train.seams import RankShape
+
+        shapes = orig(spec, world_size, batch, seq_len, max_seq_len, rates=rates)
+        return [RankShape(s.batch, seq_len) for s in shapes]
+
+    return parse
+
+
+def _remainder_to_rank0(orig):
+    def split(rates, global_batch):
+        orig(rates, global_batch)  # keep its refusals
+        total = sum(rates)
+        out = [max(1, int(global_batch * r / total)) for r in rates]
+        out[0] += global_batch - sum(out)
+        return out
+
+    return split
+
+
+def _unweighted_fleet_loss(_orig):
+    def fleet_loss(self, loss):
+        import torch
+        import torch.distributed as dist
+
+        x = loss.detach().to(device=self.device, dtype=torch.float64).reshape(1)
+        dist.all_reduce(x)
+        return float(x.item()) / self.world_size
+
+    return fleet_loss
+
+
+def _clip_over_parameters(_orig):
+    def clip_grad_norm_(self, max_norm):
+        import torch
+
+        owners = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
+        total = torch.nn.utils.get_total_norm([p.grad for p in owners], 2.0)
+        torch.nn.utils.clip_grads_with_norm_(owners, max_norm, total)
+        return total
+
+    return clip_grad_norm_
+
+
+def _fp32_reduce_in_bf16(orig):
+    import torch
+
+    return {**orig, "fp32": torch.bfloat16}
+
+
+def _gloo_when_nccl_missing(orig):
+    def choose(device_type, nccl_available=None):
+        if device_type == "cuda" and nccl_available is False:
+            return "gloo"
+        return orig(device_type, nccl_available)
+
+    return choose
+
+
+def _accept_dist_without_fleet(orig):
+    def check(dist_flag, env):
+        if dist_flag and env.get("WORLD_SIZE", "1") in ("", "1"):
+            return True
+        return orig(dist_flag, env)
+
+    return check
+
+
+def _save_step_plus_one(orig):
+    def save(path, *, step, **kw):
+        return orig(path, step=step + 1, **kw)
+
+    return save
+
+
+def _window_wide_cap(orig):
+    def capacity_places(self, experts, cache=None):
+        B, T, k = experts.shape
+        return orig(self, experts.reshape(1, B * T, k), cache)  # the whole window as one row
+
+    return capacity_places
+
+
+MUTATIONS: list[Mutation] = [
+    Mutation("loss_scale_world_squared",
+             "the loss scale is world_size^2 * t_r / sum(t): every fleet gradient is world_size "
+             "times too large (the clip used to rescale it away)",
+             (("dormouse.train.distributed:Parallel.loss_scale",
+               _prop(lambda self, v: v * self.world_size)),),
+             ("g01_trajectory", "g03_unequal", "g04_fsdp", "g14_engram_ram_fleet", "g16_clip")),
+    Mutation("loss_scale_unweighted",
+             "every rank's loss scaled by 1: the reducer's mean is the mean of the ranks' means, "
+             "not the token-weighted mean",
+             (("dormouse.train.distributed:Parallel.loss_scale", _prop(lambda self, v: 1.0)),),
+             ("g03_unequal", "g14_engram_ram_fleet")),
+    Mutation("ranks_read_the_same_bytes",
+             "every rank's window starts at the fleet block's first byte (offset 0): the ranks "
+             "train on copies of one window",
+             (("dormouse.train.seams:Seams.offset", _prop(lambda self, v: 0)),),
+             ("g01_trajectory",)),
+    Mutation("bf16_reduce_without_division",
+             "the bf16 comm hook all-reduces the SUM: the gradient is world_size times too large",
+             (("dormouse.train.distributed:_compress_hook", _hook_without_division),),
+             ("g17_bf16_reduce",)),
+    Mutation("own_verdict_off_rank0",
+             "ranks other than 0 act on their local finiteness verdict instead of the agreed one",
+             (("dormouse.train.distributed:Parallel.all_finite", _own_verdict_off_rank0),),
+             ("g05_nonfinite",)),
+    Mutation("own_verdict_everywhere",
+             "every rank acts on its local finiteness verdict (the collective's result unused)",
+             (("dormouse.train.distributed:Parallel.all_finite", _own_verdict),),
+             ("g02_identical", "g05_nonfinite")),
+    Mutation("skip_keeps_gradient",
+             "zero_grad only after a taken step: a skipped step's gradient leaks into the next",
+             (("dormouse.train.optim:MixOptimizer.step", _zg_step),
+              ("dormouse.train.optim:MixOptimizer.zero_grad", _zg_zero)),
+             ("g05_nonfinite",)),
+    Mutation("skip_keeps_lfb_counts",
+             "a skipped step's router counts stay in lfb_counts and steer the next bias update",
+             (("dormouse.train.loop:_discard_lfb_counts", lambda orig: lambda model: None),),
+             ("g05_nonfinite",)),
+    Mutation("host_rows_rank_order",
+             "host Engram rows merged starting from the rank's own rows (a rank-dependent "
+             "summation order: equal at world 2, a+b == b+a)",
+             (("dormouse.train.distributed:merge_row_grads", _merge_in_rank_order_of),),
+             ("g14_engram_ram_fleet",)),
+    Mutation("host_rows_not_reduced",
+             "the host Engram rows are never reduced: each rank steps its own rows",
+             (("dormouse.train.distributed:Parallel.after_backward",
+               lambda orig: lambda self, model: None),),
+             ("g14_engram_ram_fleet",)),
+    Mutation("capacity_ignores_window_length",
+             "--capacity B x T: the per-rank window length T is dropped (every rank gets seq_len)",
+             (("dormouse.train.distributed:parse_capacity", _ignore_seq),),
+             ("g09_capacity",), scope="process"),
+    Mutation("capacity_remainder_to_rank0",
+             "capacity auto: floor shares, the whole remainder to rank 0",
+             (("dormouse.train.distributed:split_by_rates", _remainder_to_rank0),),
+             ("g09_capacity",), scope="process"),
+    Mutation("fleet_loss_unweighted",
+             "the logged fleet loss is the plain mean of the ranks' losses (not token-weighted)",
+             (("dormouse.train.distributed:Parallel.fleet_loss", _unweighted_fleet_loss),),
+             ("g10_torchrun",)),
+    Mutation("one_rank_gradient_1pct",
+             "rank 1's gradient 1% too large (a per-rank scale slightly off)",
+             (("dormouse.train.distributed:Parallel.loss_scale",
+               _prop(lambda self, v: v * 1.01 if self.rank == 1 else v)),),
+             ("g12_fsdp_checkpoint",)),
+    Mutation("fsdp_reduces_in_bf16",
+             "dist_reduce=fp32 maps to a bf16 reduce dtype in FSDP2's mixed-precision policy: the "
+             "'exact' reduce rounds every gradient to bf16",
+             (("dormouse.train.distributed:_REDUCE_DTYPES", _fp32_reduce_in_bf16),),
+             ("g04_fsdp", "g16_clip")),
+    Mutation("nccl_falls_back_to_gloo",
+             "a CUDA fleet without NCCL quietly runs on gloo",
+             (("dormouse.train.distributed:choose_backend", _gloo_when_nccl_missing),),
+             ("g06_nccl",), scope="process"),
+    Mutation("dist_without_fleet_accepted",
+             "--dist with WORLD_SIZE unset or 1 is accepted (a one-rank 'fleet')",
+             (("dormouse.train.distributed:check_launch", _accept_dist_without_fleet),),
+             ("g07_launch",), scope="process"),
+    Mutation("every_rank_is_main",
+             "every rank believes it is rank 0: all write checkpoints, metrics and log lines",
+             (("dormouse.train.seams:Seams.is_main", _prop(lambda self, v: True)),),
+             ("g08_rank0",)),
+    Mutation("lfb_counts_not_reduced",
+             "each rank moves its LFB bias by its own counts (no all-reduce)",
+             (("dormouse.train.distributed:Parallel.lfb_reduce", _prop(lambda self, v: None)),),
+             ("g11_lfb",)),
+    Mutation("kda_fla_from_sm70",
+             "the KDA arm's minimum sm set to (7, 0): fla's Triton kernel chosen on cards that "
+             "cannot run it",
+             (("dormouse.model.kda:_FLA_MIN_SM", lambda orig: (7, 0)),),
+             ("g13_policy",), scope="process"),
+    Mutation("checkpoint_step_off_by_one",
+             "the checkpoint records step + 1: a resume skips a step",
+             (("dormouse.train.checkpoint:save_checkpoint", _save_step_plus_one),),
+             ("g15_signal_stop",)),
+    Mutation("clip_misses_host_rows",
+             "the clip's norm is taken over the parameters only (torch's clip over "
+             "param_groups): host-RAM Engram rows are left out",
+             (("dormouse.train.optim:MixOptimizer.clip_grad_norm_", _clip_over_parameters),),
+             ("g16_clip",)),
+    Mutation("capacity_cut_window_wide",
+             "the capacity MoE's cap and arrival order span the whole window (all rows) again: "
+             "later bytes and other rows decide which earlier assignments drop",
+             (("dormouse.model.moe:MoE.capacity_places", _window_wide_cap),),
+             ("g18_causal",), scope="process"),
+    Mutation("capacity_cap_off_by_one",
+             "the per-row cap is one too large (rank <= cap kept instead of rank < cap)",
+             (("dormouse.model.moe:MoE.capacity_of",
+               lambda orig: lambda self, row_len: orig(self, row_len) + 1),),
+             ("g19_kernels",), scope="process"),
+]
+
+BY_NAME = {m.name: m for m in MUTATIONS}
+
+
+# ---- running them ---------------------------------------------------------------------------
+
+
+def run_one(m: Mutation, gate: str, cuda: bool = False) -> dict:
+    """Run `gate` with `m` planted: one row of the table (caught only by a FAIL verdict)."""
+    from gates import harness
+
+    before = set(harness._memory)
+    with _isolated_cache(m), planted(m.name):
+        rec = harness.timed(gate, lambda: harness.load(gate).run(cuda=cuda))
+    if m.scope == "process":  # references computed while the bug sat in this process
+        for key in set(harness._memory) - before:
+            harness._memory.pop(key, None)
+    crashed = rec.claim == "(gate crashed)"
+    outcome = "caught" if not rec.passed and not crashed else ("crashed" if crashed else "MISSED")
+    return {"mutation": m.name, "bug": m.bug, "gate": gate, "outcome": outcome,
+            "measured": rec.measured, "tolerance": rec.tolerance, "seconds": rec.seconds}
+
+
+@contextlib.contextmanager
+def _isolated_cache(m: Mutation):
+    """A process-scope bug may change what a reference computes here: keep such results out
+    of the cache that unmutated gates share (fleets are keyed by their mutation anyway)."""
+    if m.scope != "process" or "DORMOUSE_GATE_CACHE" not in os.environ:
+        yield
+        return
+    old = os.environ.pop("DORMOUSE_GATE_CACHE")
+    try:
+        yield
+    finally:
+        os.environ["DORMOUSE_GATE_CACHE"] = old
+
+
+def write_table(rows: list[dict], path) -> None:
+    from pathlib import Path
+
+    import torch
+
+    caught = sum(r["outcome"] == "caught" for r in rows)
+    lines = [
+        "# Mutations: every gate must be able to fail",
+        "",
+        "Generated by `python -m gates --mutations` (do not edit by hand). Each row plants one "
+        "plausible bug (`gates/mutations.py`: a monkeypatch of a named function) and runs the "
+        "gate that must catch it. `caught` = the gate returned FAIL by its own verdict; "
+        "`crashed` or `MISSED` would be a gate without the power to fail.",
+        "",
+        f"torch {torch.__version__}, gloo on the CPU. {caught}/{len(rows)} caught.",
+        "",
+        "| mutation | the bug | gate | outcome | measured (with the bug) | tolerance |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        cells = [r["mutation"], r["bug"], r["gate"], r["outcome"], r["measured"], r["tolerance"]]
+        lines.append("| " + " | ".join(str(c).replace("|", "\\|").replace("\n", " ")
+                                        for c in cells) + " |")  # fmt: skip
+    lines.append("")
+    Path(path).write_text("\n".join(lines))
