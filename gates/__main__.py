@@ -88,6 +88,8 @@ def main(argv: list[str] | None = None) -> int:
         rec.details["ran_on_cuda"] = bool(cuda)
         records.append(rec)
         print(rec.summary(), flush=True)
+        if rec.details.get("traceback"):  # a crashed gate: where, not only what
+            print("    " + rec.details["traceback"].strip().replace("\n", "\n    ")[-1500:])
     failed = [r.gate for r in records if not r.passed]
     print(f"\n{len(records) - len(failed)}/{len(records)} gates passed in "
           f"{time.perf_counter() - t0:.0f} s" + (f"; FAILED: {', '.join(failed)}" if failed else ""))

@@ -10,8 +10,8 @@ same bytes after every step.
 from __future__ import annotations
 
 from gates.harness import (
-    FleetSpec, Record, batches_of, fleet, fleet_env, fmt, max_abs_diff, max_rel_diff, on,
-    rel_err, single, update_rel_err, worlds,
+    SPREAD_K, FleetSpec, Record, batches_of, fleet, fleet_env, fmt, judge, max_abs_diff, max_rel_diff,
+    on, rel_err, single, update_rel_err, worlds,
 )
 
 CLAIM = ("host-RAM Engram tables (engram_ram) stay fleet-correct: every rank's table is the "
@@ -50,15 +50,22 @@ TOL_UPDATE = 2.5e-5
 TOL_NORM = 1e-6
 
 
-def _one(spec) -> tuple[bool, str, dict]:
+def _one(spec, cuda: bool) -> tuple[bool, str, dict]:
     ranks = fleet(spec)
     ref = single(spec, batches_of(spec))["rec"]
     got = ranks[0]["rec"]
-    dloss = max_abs_diff(got["losses"], ref["losses"])
-    n_err = max_rel_diff(got["gnorms"], ref["gnorms"])
     before = ref["host"][0]
-    t_err = rel_err(got["final_host"], ref["final_host"])
-    u_err = update_rel_err(got["final_host"], ref["final_host"], before)
+
+    def measure(a: dict, b: dict) -> dict[str, float]:
+        return {"dloss": max_abs_diff(a["losses"], b["losses"]),
+                "norms": max_rel_diff(a["gnorms"], b["gnorms"]),
+                "table": rel_err(a["final_host"], b["final_host"]),
+                "update": update_rel_err(a["final_host"], b["final_host"], before)}
+
+    spread = (measure(single(spec, batches_of(spec), split_rows=True)["rec"], ref)
+              if cuda else {})  # fmt: skip
+    close, figures, tol = judge(cuda, measure(got, ref), {"dloss": TOL_LOSS, "norms": TOL_NORM,
+                                "table": TOL_TABLE, "update": TOL_UPDATE}, spread)  # fmt: skip
     # Something to compare against: the reference's tables moved, and by how many rows.
     moved = sum(int((ref["final_host"][k] != before[k]).any(-1).sum()) for k in before)
     # Bitwise agreement between the ranks after steps 1..N (all_finite records the state
@@ -69,27 +76,27 @@ def _one(spec) -> tuple[bool, str, dict]:
     whole = all(len(q) == n_steps for q in seqs) and None not in seqs[0]
     split = [k + 1 for k in range(n_steps) if len({q[k] for q in seqs}) != 1] if whole else []
     agree = whole and not split
-    ok = (bool(before) and moved > 0 and len(got["losses"]) == spec.steps == n_steps
-          and dloss <= TOL_LOSS and n_err <= TOL_NORM and t_err <= TOL_TABLE
-          and u_err <= TOL_UPDATE and agree)  # fmt: skip
+    ok = bool(before) and moved > 0 and len(got["losses"]) == spec.steps == n_steps and close and agree
     if agree:
         rank_line = f"SHA-256 equal on all {spec.world} ranks after each of {n_steps} steps"
     elif whole:
         rank_line = f"SHA-256 DIFFER across ranks after step(s) {split[:5]}"
     else:
         rank_line = "host-table fingerprints missing on some rank"
-    text = (f"world {spec.world}: |dloss| {fmt(dloss)}, norms {fmt(n_err)}, table {fmt(t_err)}, "
-            f"update {fmt(u_err)} ({moved} rows moved); {rank_line}")
+    text = (f"world {spec.world}: {figures} ({moved} rows moved); {rank_line}"
+            + (f" [{tol}]" if cuda else ""))
     return ok, text, {"fleet_losses": got["losses"], "ref_losses": ref["losses"]}
 
 
 def run(cuda: bool = False) -> Record:
     ws = worlds(cuda, 2, 3, 4)
-    results = [_one(on(ENGRAM_RUNS[w], cuda)) for w in ws]
+    results = [_one(on(ENGRAM_RUNS[w], cuda), cuda) for w in ws]
     return Record(
         "g14_engram_ram_fleet", CLAIM, INSTRUMENT, "; ".join(t for _, t, _ in results),
         f"|dloss| <= {fmt(TOL_LOSS)}, norms <= {fmt(TOL_NORM)}, table <= {fmt(TOL_TABLE)}, "
-        f"update <= {fmt(TOL_UPDATE)} (fp32 round-off of a different summation order); SHA-256 "
+        f"update <= {fmt(TOL_UPDATE)} (fp32 round-off of a different summation order"
+        + (f"; on CUDA at least {SPREAD_K:g}x the reference's spread, per world in brackets"
+           if cuda else "") + "); SHA-256 "
         f"equal (same union, same arithmetic in rank order on every rank)",
         all(ok for ok, _, _ in results), fleet_env(cuda, ws),
         details={f"world{w}": d for w, (_, _, d) in zip(ws, results)},

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from gates.harness import (
-    FleetSpec, Record, fleet, fleet_env, fmt, max_abs_diff, max_rel_diff, on, single,
+    SPREAD_K, FleetSpec, Record, fleet, fleet_env, fmt, judge, max_abs_diff, max_rel_diff, on,
+    single,
 )
 
 CLAIM = "the clip sees the global batch: every step's pre-clip norm equals the single process's"
@@ -26,24 +27,29 @@ TOL_NORM = 5e-7
 TOL_LOSS = 5e-6
 
 
-def _one(spec) -> tuple[bool, str]:
+def _one(spec, cuda: bool) -> tuple[bool, str]:
     ranks = fleet(spec)
     ref = single(spec)["rec"]
     got = ranks[0]["rec"]
-    n_err = max_rel_diff(got["gnorms"], ref["gnorms"])
-    dloss = max_abs_diff(got["losses"], ref["losses"])
+
+    def measure(a: dict, b: dict) -> dict[str, float]:
+        return {"norms": max_rel_diff(a["gnorms"], b["gnorms"]),
+                "dloss": max_abs_diff(a["losses"], b["losses"])}
+
+    spread = measure(single(spec, split_rows=True)["rec"], ref) if cuda else {}
+    ok, text, tol = judge(cuda, measure(got, ref), {"norms": TOL_NORM, "dloss": TOL_LOSS}, spread)
     fired = sum(n > 1.0 for n in ref["gnorms"])
-    ok = fired > 0 and n_err <= TOL_NORM and dloss <= TOL_LOSS and len(got["gnorms"]) == spec.steps
+    ok = ok and fired > 0 and len(got["gnorms"]) == spec.steps
     return ok, (f"{spec.name}: pre-clip norms {min(ref['gnorms']):.2f}..{max(ref['gnorms']):.2f} "
-                f"(the clip fired on {fired}/{len(ref['gnorms'])} steps), max rel error "
-                f"{fmt(n_err)}; max |dloss| {fmt(dloss)}")
+                f"(the clip fired on {fired}/{len(ref['gnorms'])} steps); {text} [{tol}]")
 
 
 def run(cuda: bool = False) -> Record:
-    results = [_one(on(s, cuda)) for s in CLIP_RUNS]
+    results = [_one(on(s, cuda), cuda) for s in CLIP_RUNS]
     return Record(
         "g16_clip", CLAIM, INSTRUMENT, "; ".join(t for _, t in results),
-        f"norms <= {fmt(TOL_NORM)} relative, |dloss| <= {fmt(TOL_LOSS)} (fp32 round-off); the "
-        f"clip must fire on some step",
+        f"norms <= {fmt(TOL_NORM)} relative, |dloss| <= {fmt(TOL_LOSS)} (fp32 round-off"
+        + (f"; on CUDA at least {SPREAD_K:g}x the reference's spread, per run in brackets"
+           if cuda else "") + "); the clip must fire on some step",
         all(ok for ok, _ in results), fleet_env(cuda, 2),
     )

@@ -37,13 +37,17 @@ def rank_windows(corpus: bytes, shapes: list[tuple[int, int]]):
 
 
 def token_weighted_step(model: torch.nn.Module, corpus: bytes, shapes: list[tuple[int, int]],
-                        train_cfg, weights: list[float] | None = None) -> dict:
+                        train_cfg, weights: list[float] | None = None, *,
+                        device: str = "cpu", reverse: bool = False) -> dict:
     """One optimizer step of `model` with sum_r w_r g_r (w_r = t_r / sum_t unless given).
 
     The run's schedule must give step 0 the full lr (warmup=0: factor 1). Returns the
     per-rank local losses and the weights used. `weights` exists so a gate can compute the
     WRONG (unweighted) step too and show it is distinguishable from the right one.
     "grads" in the result is the weighted gradient sum_r w_r g_r itself, before any clip.
+    `device`: where the model and windows go (a CUDA fleet's reference runs on its card);
+    `reverse`: accumulate the ranks last to first (the same sum in another fp32 order: the
+    reference's own spread).
     """
     if train_cfg.warmup != 0:
         raise ValueError("token_weighted_step reproduces step 0 at lr factor 1: use warmup=0")
@@ -52,14 +56,16 @@ def token_weighted_step(model: torch.nn.Module, corpus: bytes, shapes: list[tupl
     tokens = [b * t for b, t in shapes]
     if weights is None:
         weights = [t / sum(tokens) for t in tokens]
+    model.to(device)
     params = list(model.parameters())
     acc = [torch.zeros_like(p) for p in params]
     got = [False] * len(params)
     local = []
     model.train()
-    for (x, y), w in zip(rank_windows(corpus, shapes), weights):
+    pairs = list(zip(rank_windows(corpus, shapes), weights))
+    for (x, y), w in (pairs[::-1] if reverse else pairs):
         model.zero_grad(set_to_none=True)
-        _, loss, _ = model(x, y)
+        _, loss, _ = model(x.to(device), y.to(device))
         local.append(float(loss.detach()))
         loss.backward()
         for i, p in enumerate(params):
@@ -69,7 +75,7 @@ def token_weighted_step(model: torch.nn.Module, corpus: bytes, shapes: list[tupl
     for i, p in enumerate(params):
         p.grad = acc[i] if got[i] else None
     names = [n for n, _ in model.named_parameters()]
-    weighted = {n: acc[i].detach().clone() for i, n in enumerate(names) if got[i]}
+    weighted = {n: acc[i].detach().cpu().clone() for i, n in enumerate(names) if got[i]}
     # The loop clips by the global L2 norm: coef = clip / (norm + 1e-6), at most 1.
     if train_cfg.grad_clip > 0:
         grads = [p.grad for p in params if p.grad is not None]
@@ -78,7 +84,10 @@ def token_weighted_step(model: torch.nn.Module, corpus: bytes, shapes: list[tupl
         for p in params:
             if p.grad is not None:
                 p.grad.mul_(coef)
-    opt = MixOptimizer.from_config(model, train_cfg, "cpu", log=lambda _line: None)
+    if reverse:
+        local.reverse()
+    opt = MixOptimizer.from_config(model, train_cfg, torch.device(device).type,
+                                   log=lambda _line: None)  # fmt: skip
     opt.set_lr_factor(1.0)
     opt.step()
     opt.zero_grad(set_to_none=True)

@@ -47,6 +47,8 @@ def run_single(
     log: Callable[[str], None] | None = None,
     resume: bool = False,
     drop_steps: tuple[int, ...] = (),
+    reverse_rows: bool = False,
+    split_rows: tuple[int, ...] = (),
 ) -> tuple[torch.nn.Module, dict]:
     """Train `run` (already at the global batch) in this process; returns (model, report).
 
@@ -55,21 +57,44 @@ def run_single(
     `drop_steps`: at these 0-based steps the batch is read and thrown away: no forward, no
     backward, no optimizer call (the loop counts the step as skipped). That is what a
     fleet's agreed skip must amount to, reached without the fleet's skip path.
+    `reverse_rows`: every batch's windows in reverse order. `split_rows` (e.g. (3, 1)): every
+    training forward runs as forwards of these many windows, the loss their token-weighted
+    mean, so the gradient is summed over the pieces by autograd. Both are the same
+    mathematics in another fp32 order (split_rows with other matmul shapes too, as a fleet's
+    ranks have): the reference's own round-off spread, which a CUDA gate measures on the
+    card instead of assuming the CPU's.
     """
     cfg = run.train
     if seams is None:
         seams = Seams([RankShape(cfg.batch, cfg.seq_len)])
     if model is None:
         model = build_model(run)
+    if split_rows:
+        _split_forward(model, split_rows)
     lines: list[str] = []
-    with _dropping(drop_steps):
+    with _batches(drop_steps, reverse_rows):
         report = train(model, run, log=log or lines.append, parallel=seams, resume=resume)
     return model, report
 
 
+def _split_forward(model: torch.nn.Module, sizes: tuple[int, ...]) -> None:
+    orig = model.forward
+
+    def forward(x, y=None, *args, **kwargs):
+        if not model.training or y is None or sum(sizes) != x.shape[0]:
+            return orig(x, y, *args, **kwargs)
+        outs = [orig(xc, yc, *args, **kwargs)
+                for xc, yc in zip(x.split(list(sizes)), y.split(list(sizes)))]  # fmt: skip
+        n = [yc.numel() for yc in y.split(list(sizes))]
+        loss = sum(o[1] * k for o, k in zip(outs, n)) / sum(n)
+        return torch.cat([o[0] for o in outs]), loss, outs[0][2]
+
+    model.forward = forward
+
+
 @contextmanager
-def _dropping(steps: tuple[int, ...]):
-    if not steps:
+def _batches(drop: tuple[int, ...], reverse: bool):
+    if not drop and not reverse:
         yield
         return
     calls = [0]
@@ -78,8 +103,10 @@ def _dropping(steps: tuple[int, ...]):
     def train_step(net, opt, parallel, x, y, *args, **kwargs):
         k = calls[0]
         calls[0] += 1
-        if k in steps:
+        if k in drop:
             return torch.tensor(float("nan")), {}, False
+        if reverse:
+            x, y = x.flip(0), y.flip(0)
         return real(net, opt, parallel, x, y, *args, **kwargs)
 
     loop.train_step = train_step

@@ -456,11 +456,12 @@ class MixOptimizer(torch.optim.Optimizer):
                     f"device or use --set optim_8bit=false"
                 )
             return bnb.optim.AdamW8bit(groups, lr=lr, betas=betas)
-        dtensor = any(_is_dtensor(p) for p in params)
         all_cuda = all(p.device.type == "cuda" for p in params)
-        # fused on plain CUDA tensors (one kernel for all); foreach elsewhere, including
-        # FSDP2's DTensors, which the foreach path is documented to handle.
-        if all_cuda and not dtensor:
+        # fused on CUDA (one kernel for all; FSDP2's DTensor shards too: AdamW is elementwise,
+        # and one process and a sharded fleet then run the same arithmetic, which gate g12
+        # measured apart by 10x its round-off spread with foreach on the fleet, on an H200);
+        # foreach on the CPU.
+        if all_cuda:
             return torch.optim.AdamW(groups, lr=lr, betas=betas, fused=True)
         return torch.optim.AdamW(groups, lr=lr, betas=betas, foreach=True)
 
@@ -714,6 +715,15 @@ class MixOptimizer(torch.optim.Optimizer):
             # kernel choice (fused/foreach), which is a property of the device, not the run.
             for ag in self.adamw.param_groups:
                 ag.update(self._adamw_flags)
+            if self._adamw_flags.get("fused"):
+                # A state saved by a foreach AdamW (a CPU or an FSDP2 run) keeps its step
+                # counters on the CPU, and torch moves them only for a group that was fused
+                # when saved; the fused kernel wants them as fp32 beside the parameters (a GPU
+                # resume of an FSDP2 checkpoint crashed here, measured on an H200).
+                for p, st in self.adamw.state.items():
+                    step = st.get("step")
+                    if torch.is_tensor(step) and step.device != p.device:
+                        st["step"] = step.to(device=p.device, dtype=torch.float32)
             n = len(self._muon_groups)
             self.param_groups[n:n + len(self.adamw.param_groups)] = self.adamw.param_groups
         if self._engram_group is not None:
