@@ -367,7 +367,7 @@ def build_parser() -> argparse.ArgumentParser:
     li.add_argument("rest", nargs=argparse.REMAINDER)
     li.set_defaults(fn=cmd_link)
 
-    b = sub.add_parser("bench", help="benchmarks (tokens/s, step ms, memory): tables, not tests")
+    b = sub.add_parser("bench", help="benchmark tables: step (the default), optim, memory")
     b.add_argument("rest", nargs=argparse.REMAINDER)
     b.set_defaults(fn=cmd_bench)
     return p

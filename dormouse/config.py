@@ -116,6 +116,9 @@ class TrainConfig:
     dist_reduce: str = "auto"  # auto | fp32 | bf16 | fp16
     dist_shard: str = "none"  # none | fsdp
     bucket_mb: float = 0.0  # 0 = sized from the payload
+    # seconds: a rank whose heartbeat is older than this, or one collective that waits
+    # longer, ends every rank of the fleet (docs/reliability.md, the fleet)
+    dist_timeout: float = 600.0
     fit_gb: float = 0.0  # 0 = no --fit
 
 
@@ -361,6 +364,9 @@ _DEVICE = re.compile(r"(auto|cpu|cuda(:[0-9]+)?)\Z")
 #: Every model integer stays below this (16.7M): far beyond any preset (b1's largest is
 #: engram_rows=393216), and small enough that no tensor's element count overflows int64.
 _SHAPE_MAX = 2**24
+#: The longest dist_timeout (7 days, in seconds): longer is no timeout at all, and past
+#: ~1e14 s Python's timedelta overflows.
+_DIST_TIMEOUT_MAX = 7 * 24 * 3600
 #: The largest weight a run may ask for, in elements (4 TiB in fp32): no card holds it.
 _TENSOR_MAX = 2**40
 
@@ -467,6 +473,12 @@ def validate(run: RunConfig) -> RunConfig:
         raise ConfigError(f"wsd_decay_frac={t.wsd_decay_frac} must be in [0, 1]")
     if not 0 <= t.val_frac < 1:
         raise ConfigError(f"val_frac={t.val_frac} must be in [0, 1); e.g. --set val_frac=0.01")
+    if not 0 < t.dist_timeout <= _DIST_TIMEOUT_MAX:
+        raise ConfigError(
+            f"dist_timeout={t.dist_timeout} must be in (0, {_DIST_TIMEOUT_MAX:.0f}] seconds: it "
+            f"is how long a fleet waits for a silent rank or one collective before every rank "
+            f"stops; e.g. --set dist_timeout=600"
+        )
     if t.seed < 0:
         raise ConfigError(f"seed={t.seed} must not be negative (torch and numpy seeds are "
                           f"unsigned); pick a seed in [0, 2**62)")  # fmt: skip

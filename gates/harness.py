@@ -57,7 +57,8 @@ GATES = [
     "g01_trajectory", "g02_identical", "g03_unequal", "g04_fsdp", "g05_nonfinite",
     "g06_nccl", "g07_launch", "g08_rank0", "g09_capacity", "g10_torchrun", "g11_lfb",
     "g12_fsdp_checkpoint", "g13_policy", "g14_engram_ram_fleet", "g15_signal_stop",
-    "g16_clip", "g17_bf16_reduce", "g18_causal", "g19_kernels",
+    "g16_clip", "g17_bf16_reduce", "g18_causal", "g19_kernels", "g20_data", "g21_multinode",
+    "g23_capacity_fleet",
 ]  # fmt: skip
 
 
@@ -142,6 +143,20 @@ def corpus_path() -> Path:
         out += (sentence[:1].upper() + sentence[1:] + ". ").encode()
     tmp = where.with_suffix(f".{os.getpid()}.tmp")
     tmp.write_bytes(bytes(out[:CORPUS_BYTES]))
+    os.replace(tmp, where)
+    return where
+
+
+def second_corpus_path() -> Path:
+    """Another deterministic corpus (the first one's words, shuffled by another seed, in
+    lower case), for the data-mixture gate: a second source whose bytes differ."""
+    where = corpus_path().with_name("corpus2.txt")
+    if where.exists() and where.stat().st_size == CORPUS_BYTES:
+        return where
+    words = corpus_path().read_bytes().lower().split(b" ")
+    random.Random(20261130).shuffle(words)
+    tmp = where.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_bytes(b" ".join(words)[:CORPUS_BYTES].ljust(CORPUS_BYTES, b" "))
     os.replace(tmp, where)
     return where
 
@@ -412,6 +427,19 @@ def _at_training_forward(model: torch.nn.Module, at: int, change: Callable) -> N
     model.forward = forward
 
 
+def record_inputs(model: torch.nn.Module, sink: list) -> None:
+    """Append the bytes of every training forward's input x to `sink` (uint8 [B, T] arrays):
+    which windows this process trained on, step by step."""
+    orig = model.forward
+
+    def forward(x, y=None, *args, **kwargs):
+        if model.training and y is not None:
+            sink.append(x.detach().to("cpu", torch.uint8).numpy().copy())
+        return orig(x, y, *args, **kwargs)
+
+    model.forward = forward
+
+
 def _inject_nan(model: torch.nn.Module, at: int) -> None:
     """Make the `at`-th training forward return a NaN loss whose GRADIENT is finite.
 
@@ -472,6 +500,8 @@ def _rank_body(rank: int, spec: FleetSpec, out: Path) -> dict:
     run_dir = out / (f"rank{rank}" if spec.per_rank_out else "run")
     run = fixture_run(spec, run_dir, dist=True)
     model = build_model(run)
+    inputs: list = []
+    record_inputs(model, inputs)
     if rank in spec.nan_ranks:
         _inject_nan(model, spec.nan_step)
     if rank == spec.signal_rank:
@@ -519,7 +549,7 @@ def _rank_body(rank: int, spec: FleetSpec, out: Path) -> dict:
     dist.barrier()  # before teardown: without it gloo aborts intermittently
     dist.destroy_process_group()
     return {"rank": rank, "rec": rec, "report": report, "lines": lines, "shapes": shapes,
-            "stopped": stopped,
+            "stopped": stopped, "inputs": inputs,
             "run_dir": str(run_dir), "elapsed": elapsed, "resumed": resumed}  # fmt: skip
 
 
@@ -645,20 +675,83 @@ def fleet(spec: FleetSpec, *, allow_errors: bool = False) -> list[dict]:
     return results
 
 
-def child_env(env: dict) -> dict:
+def child_env(env: dict, fault: str = "") -> dict:
     """`env` for a process a gate launches (torchrun and its workers): the repo on
-    PYTHONPATH, and the active fleet mutation planted at interpreter start through a
-    sitecustomize module placed first on the path."""
+    PYTHONPATH, and the active fleet mutation (gates/mutations.py) and `fault`
+    (gates/faults.py) planted at interpreter start through a sitecustomize module placed
+    first on the path."""
     env = dict(env)
     path = [str(ROOT)]
-    if ACTIVE_MUTATION:
+    if ACTIVE_MUTATION or fault:
         site = work_dir("mutant-site")
         (site / "sitecustomize.py").write_text(
-            "from gates.mutations import apply_from_env\napply_from_env()\n")
+            "from gates.mutations import apply_from_env\napply_from_env()\n"
+            "from gates.faults import apply_from_env as plant_fault\nplant_fault()\n")
         path.insert(0, str(site))
         env["DORMOUSE_MUTATION"] = ACTIVE_MUTATION
+        env["DORMOUSE_FAULT"] = fault
     env["PYTHONPATH"] = os.pathsep.join(path + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     return env
+
+
+def torchrun() -> list[str]:
+    import shutil
+    import sys
+
+    exe = shutil.which("torchrun")
+    return [exe] if exe else [sys.executable, "-m", "torch.distributed.run"]
+
+
+#: What every gate's torchrun child gets: one thread, NVLink multicast off, no TF32, a
+#: deterministic cuBLAS.
+LAUNCH_ENV = {"OMP_NUM_THREADS": "1", "NCCL_NVLS_ENABLE": "0",
+              "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1",
+              "NVIDIA_TF32_OVERRIDE": "0", "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}  # fmt: skip
+
+
+def launch_env(fault: str = "") -> dict:
+    """os.environ for a torchrun a gate starts: no inherited fleet variables, LAUNCH_ENV."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env.update(LAUNCH_ENV)
+    return child_env(env, fault)
+
+
+def metrics_losses(run_dir: Path) -> list[float]:
+    """The train losses rank 0 logged to metrics.jsonl, in order."""
+    import json
+
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [r["loss"] for r in map(json.loads, path.read_text().splitlines())
+            if r.get("kind") == "train"]  # fmt: skip
+
+
+def cli_reference(sets: tuple[str, ...], batches: list[int], steps: int) -> dict:
+    """One process at the global batch of a CLI fleet run of `tiny` with these --set
+    values (cached): the recorder's record, losses per step."""
+    from dormouse.config import apply_sets, preset, validate
+
+    tag = "cli-ref-" + hashlib.sha256(repr((sets, batches, steps)).encode()).hexdigest()[:16]
+
+    def compute():
+        from dormouse.train.seams import RankShape
+        from references.single import global_run, run_single
+
+        out = work_dir("cli-ref")
+        fleet_run = validate(apply_sets(preset("tiny"), [*sets, f"out_dir={out}",
+                                                         f"steps={steps}"]))  # fmt: skip
+        run = global_run(fleet_run, batches)
+        if run.train.device == "cuda":
+            exact_fp32()
+        _, Single = _recorder_classes()
+        seams = Single([RankShape(run.train.batch, run.train.seq_len)])
+        with threads(1):
+            run_single(run, seams=seams)
+        return seams.finish()
+
+    return cached(tag, compute)
 
 
 def rank_errors(ranks: list[dict]) -> str:
@@ -782,12 +875,14 @@ def single(spec: FleetSpec, batches: list[int] | None = None, *, probe=None,
         t0 = time.perf_counter()
         with threads(1):
             model = build_model(run)
+            inputs: list = []
+            record_inputs(model, inputs)
             _, report = run_single(run, seams=seams, model=model, resume=bool(resume_from),
                                    drop_steps=drop_steps, reverse_rows=reverse_rows,
                                    split_rows=tuple(batches) if split_rows else ())  # fmt: skip
             rec = seams.finish()
         return {"rec": rec, "report": report, "elapsed": time.perf_counter() - t0,
-                "run": run.to_json(), "out": str(out)}  # fmt: skip
+                "run": run.to_json(), "out": str(out), "inputs": inputs}  # fmt: skip
 
     return cached("single-" + hashlib.sha256(tag.encode()).hexdigest()[:16], compute)
 

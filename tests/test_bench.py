@@ -1,15 +1,22 @@
-"""`dormouse bench`'s plumbing: the table, the machine lines, --out, the refusals.
+"""`dormouse bench {step,optim,memory}`: each runs on a tiny config on the CPU and prints its
+table under the machine lines; --out, the default sub-command, the refusals.
 
 Correctness only. Speed is reported by the bench itself and never asserted here.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
+
+import pytest
 import torch
 
-from dormouse.bench import HEADER, active_params_per_token, main_bench, peak_tflops
+from dormouse.bench import main_bench
+from dormouse.bench.memory import HEADER as MEMORY_HEADER
+from dormouse.bench.step import HEADER, active_params_per_token, peak_tflops
 from dormouse.config import preset
 from dormouse.model import DormouseModel
+from dormouse.train.fit import GiB, plan_fit
 
 
 def _table_rows(text: str) -> list[list[str]]:
@@ -40,16 +47,17 @@ def test_tiny_on_cpu_prints_the_table_and_writes_it(tmp_path, capsys):
     assert "Machine: CPU" in printed
     assert "torch threads" in printed and torch.__version__ in printed
     command = next(ln for ln in printed.splitlines() if ln.startswith("- Command: `"))
-    assert "python -m dormouse bench tiny --device cpu --steps 2 --warmup 1" in command
+    assert "python -m dormouse bench step tiny --device cpu --steps 2 --warmup 1" in command
     assert out.read_text() == printed
 
 
 def test_overrides_reach_the_run(capsys):
-    rc = main_bench(["tiny", "--device", "cpu", "--steps", "1", "--warmup", "0",
-                     "--batch", "2", "--seq", "32"])  # fmt: skip
+    rc = main_bench(["step", "tiny", "--device", "cpu", "--steps", "1", "--warmup", "0",
+                     "--batch", "2", "--seq", "32", "--set", "dtype=bf16"])  # fmt: skip
     assert rc == 0
     row = dict(zip(HEADER, _table_rows(capsys.readouterr().out)[2]))
     assert row["batch x seq"] == "2 x 32"
+    assert row["dtype"] == "bf16"  # PEAK_TFLOPS' key, so a listed card gets its MFU
 
 
 def test_unknown_preset_is_refused_with_the_config_error(capsys):
@@ -67,6 +75,52 @@ def test_bad_device_and_step_counts_are_refused(capsys):
     if not torch.cuda.is_available():
         assert main_bench(["tiny", "--device", "cuda"]) == 2
         assert "sees no CUDA device" in capsys.readouterr().err
+
+
+def test_optim_times_the_real_models_parameter_set(capsys):
+    from dormouse.cli import main  # through the CLI: `dormouse bench optim ...`
+
+    assert main(["bench", "optim", "--preset", "tiny", "--device", "cpu", "--steps", "1"]) == 0
+    printed = capsys.readouterr().out
+    assert "`tiny` parameter set (DormouseModel)" in printed and "Machine: CPU" in printed
+    rows = _table_rows(printed)
+    assert [r[0] for r in rows[2:]] == ["batched Muon", "per-matrix Muon",
+                                        "full step (batched Muon + AdamW)"]  # fmt: skip
+    assert rows[3][3] == "1.00x"  # the per-matrix arm is the baseline
+    # the real model's Muon matrices (a 3-D expert stack counts once per expert), no copy
+    from dormouse.train.optim import MixOptimizer
+
+    opt = MixOptimizer(DormouseModel(preset("tiny").model), lr=1e-3)
+    mats = sum(p.numel() // (g["matrix"][0] * g["matrix"][1])
+               for g in opt.param_groups if g["kind"] == "muon" for p in g["params"])  # fmt: skip
+    assert f"in {mats} matrices" in printed
+
+
+def test_memory_dry_prints_the_planners_estimates(tmp_path, capsys):
+    out = tmp_path / "memory.md"
+    argv = ["memory", "--dry", "--presets", "small,b1", "--budgets", "4", "--calibrate",
+            "--out", str(out)]  # fmt: skip
+    assert main_bench(argv) == 0
+    printed = capsys.readouterr().out
+    rows = _table_rows(printed)
+    assert rows[0] == MEMORY_HEADER
+    body = {(r[0], r[1], r[2]): dict(zip(MEMORY_HEADER, r)) for r in rows[2:]}
+    assert ("small", "- (calibration)", "none") in body
+    assert ("small", "- (calibration)", "act_ckpt") in body
+    assert all(r["measured GiB"] == "-" for r in body.values())  # --dry measures nothing
+    small = next(r for k, r in body.items() if k[:2] == ("small", "4"))
+    b1 = next(r for k, r in body.items() if k[:2] == ("b1", "4"))
+    assert "does not fit" in b1["notes"] and "does not fit" not in small["notes"]
+    small512 = replace(preset("small"), train=replace(preset("small").train, batch=8, seq_len=512))
+    want = plan_fit(small512, 4)[1]  # the same numbers `plan --fit` prints
+    assert float(small["estimate GiB"]) == pytest.approx(want.total / GiB, abs=0.005)
+    assert "estimates only" in printed and out.read_text() == printed
+    assert "Command: `python -m dormouse bench memory --dry --presets small,b1" in printed
+
+
+def test_memory_without_cuda_names_the_escape(capsys):
+    assert main_bench(["memory", "--device", "cpu", "--presets", "tiny", "--seq", "32"]) == 2
+    assert "--dry" in capsys.readouterr().err
 
 
 def test_active_params_count_each_application():

@@ -254,7 +254,6 @@ def _tiny(*sets):
 @pytest.mark.parametrize(
     "sets, cause, escape",
     [
-        (["moe_capacity=1.0"], "moe_capacity=1.0", "moe_capacity=0"),
         (["engram_ram=true", "dist_shard=fsdp", "opt=adamw"], "mixed torch.Tensor and DTensor",
          "dist_shard=none"),
         (["dist_shard=fsdp"], "opt=mix", "opt=adamw"),
@@ -273,6 +272,7 @@ def test_fleet_correct_features_are_allowed():
     refuse_incompatible(_tiny("moe_lb_coef=0.01"), 2)  # LFB: counts reduced (gate g11)
     refuse_incompatible(_tiny("dist_shard=fsdp", "opt=adamw"), 2)  # FSDP2 + AdamW (gate g04)
     refuse_incompatible(_tiny("engram_ram=true"), 2)  # host rows reduced by hand (gate g14)
+    refuse_incompatible(_tiny("moe_capacity=1.0"), 2)  # per-row drops (gate g23)
     refuse_incompatible(_tiny("data=a.bin,b.bin", "data_weights=1,3"), 4)  # mixture, below
 
 
@@ -360,3 +360,71 @@ def test_fleet_seams_on_one_rank(one_rank_group):
     assert par.lfb_reduce(counts) is None and counts.tolist() == [1.0, 2.0]
     par.barrier()
     assert par.line().startswith("dist rank=0/1 backend=gloo device=cpu shape=2x8 dtype=fp32")
+
+
+# ---- the heartbeat, on an in-process store ---------------------------------------------------
+
+
+def _beat(store, rank: int, n: int, step: int, state: str = "alive") -> None:
+    import json
+    import os
+
+    store.set(f"t/beat/{rank}", json.dumps({"n": n, "step": step, "phase": "train", "saved": None,
+                                             "pid": os.getpid(), "host": "elsewhere",
+                                             "state": state, "why": "x"}))  # fmt: skip
+
+
+def _heartbeat(timeout: float = 0.5):
+    import torch.distributed as dist
+
+    from dormouse.train.distributed import Heartbeat
+
+    store = dist.HashStore()
+    hb = Heartbeat(0, 2, timeout, lambda: store, "t")
+    ended: list[str] = []
+
+    def end(reason):  # instead of os._exit: record, and stop the threads
+        ended.append(reason)
+        hb._halt.set()
+
+    hb._end = end
+    return hb, store, ended
+
+
+def test_the_watchdog_names_a_silent_peer_and_its_last_step():
+    import time
+
+    hb, store, ended = _heartbeat()
+    _beat(store, 1, 1, 7)
+    hb.start()
+    hb.at(9, "eval")
+    time.sleep(0.3)
+    assert not ended  # still within the timeout
+    time.sleep(1.0)
+    assert ended and "rank 1 has sent no heartbeat" in ended[0], ended
+    assert "its last heartbeat: step 7 (train)" in ended[0]
+
+
+def test_a_beating_peer_is_never_ended():
+    import time
+
+    hb, store, ended = _heartbeat()
+    hb.start()
+    for n in range(15):
+        _beat(store, 1, n, n)
+        time.sleep(0.1)
+    hb.leave("done")
+    assert not ended and hb.seen[1]["step"] == 14
+
+
+def test_a_barrier_refuses_to_wait_for_a_peer_that_left():
+    import time
+
+    hb, store, ended = _heartbeat(timeout=5)
+    _beat(store, 1, 1, 3, state="failed")
+    hb.start()
+    time.sleep(0.8)  # a pulse reads it
+    with pytest.raises(DistError, match="rank 1 left the fleet .failed: x. at step 3"):
+        hb.gather()
+    hb.leave("failed")
+    assert not ended

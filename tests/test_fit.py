@@ -1,14 +1,12 @@
 """The --fit planner: the memory model's arithmetic, the cheapest-first ladder, the loud
-refusal, the CLI line and the memory bench's dry mode. Everything runs on the meta device."""
+refusal and the CLI line. Everything runs on the meta device."""
 
 from __future__ import annotations
 
 import importlib.util
 import re
 import resource
-import sys
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 import torch
@@ -19,7 +17,6 @@ from dormouse.config import ModelConfig, RunConfig, TrainConfig, preset
 from dormouse.train import fit
 from dormouse.train.fit import GiB, FitError, ParamSplit, estimate, plan_fit
 
-ROOT = Path(__file__).resolve().parents[1]
 COMPONENTS = ("masters", "grads", "adamw", "muon", "engram", "casts", "act", "opt_work")
 
 # A hand-countable parameter split: what route_params would report for an imaginary model.
@@ -228,26 +225,3 @@ def test_apply_fit_sets_the_mechanisms_and_logs_the_same_line():
     assert engaged and all(fit.mechanism_on(planned, m) for m in engaged)
     unset = replace(run, train=replace(run.train, fit_gb=0.0))
     assert fit.apply_fit(unset, log=lines.append) is unset
-
-
-# ---- the bench's dry mode -----------------------------------------------------------------
-
-
-def test_memory_bench_dry(tmp_path, capsys):
-    path = ROOT / "bench" / "memory_bench.py"
-    spec = importlib.util.spec_from_file_location("memory_bench", path)
-    bench = importlib.util.module_from_spec(spec)
-    sys.modules["memory_bench"] = bench
-    spec.loader.exec_module(bench)
-    out = tmp_path / "memory.md"
-    assert bench.main(["--dry", "--presets", "small,b1", "--budgets", "4", "--out", str(out)]) == 0
-    text = out.read_text()
-    assert "Command: `python bench/memory_bench.py --dry" in text
-    small = [ln for ln in text.splitlines() if ln.startswith("| small | 4 |")]
-    b1 = [ln for ln in text.splitlines() if ln.startswith("| b1 | 4 |")]
-    assert small and b1
-    assert "does not fit" in b1[0]
-    est = float(small[0].split("|")[5])
-    small512 = replace(preset("small"), train=replace(preset("small").train, batch=8, seq_len=512))
-    want = plan_fit(small512, 4)[1]
-    assert est == pytest.approx(want.total / GiB, abs=0.005)

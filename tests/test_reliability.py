@@ -161,6 +161,26 @@ def test_an_lr_given_on_resume_is_applied(tmp_path):
     assert all(r["lr"] == 0 for r in rows if r["kind"] == "train" and r["step"] > 2)
 
 
+def test_resume_on_other_bytes_of_the_same_size_is_refused(tmp_path, capsys):
+    """The data file rewritten with other content of the same size resumed silently: the
+    checkpoint now holds the data's fingerprint (size + sampled blocks)."""
+    data = tmp_path / "data.txt"
+    data.write_bytes(_corpus(tmp_path).read_bytes())
+    out = tmp_path / "r"
+    argv = ["train", "tiny", "--data", data, "--out", out, *SMALL]
+    assert _cli(capsys, *argv, "--steps", 2)[0] == 0
+    assert ckpt.read_checkpoint(out / "ckpt.pt")["data_fingerprint"][0]["size"] == 20_000
+    body = bytearray(data.read_bytes())
+    body[:4096] = bytes(4096)  # the same size, other bytes
+    data.write_bytes(bytes(body))
+    rc, _, err = _cli(capsys, *argv, "--steps", 4, "--resume", "auto")
+    _refused(rc, err, "was trained on other bytes", str(data), "same size (20000 bytes)",
+             "Restore the file", "--overwrite")
+    assert ckpt.read_checkpoint(out / "ckpt.pt")["step"] == 2  # nothing trained on it
+    data.write_bytes(_corpus(tmp_path).read_bytes())  # restored: the resume goes on
+    assert _cli(capsys, *argv, "--steps", 4, "--resume", "auto")[0] == 0
+
+
 def test_metrics_rows_after_the_checkpoint_are_dropped_on_resume(tmp_path):
     out = tmp_path / "r"
     run = _run(tmp_path, out, "steps=6")
@@ -190,6 +210,9 @@ def test_metrics_rows_after_the_checkpoint_are_dropped_on_resume(tmp_path):
     (["ckpt_name=../../x"], "not a plain file name"),
     (["compile=true"], "compile is not implemented yet"),
     (["seed=-1"], "seed=-1 must not be negative"),
+    (["dist_timeout=0"], "dist_timeout=0.0 must be in (0, 604800] seconds"),
+    (["dist_timeout=-5"], "dist_timeout=-5.0 must be in (0, 604800] seconds"),
+    (["dist_timeout=1e30"], "dist_timeout=1e+30 must be in (0, 604800] seconds"),
 ])  # fmt: skip
 def test_meaningless_config_values_are_refused(tmp_path, capsys, sets, needle):
     args = [x for s in sets for x in ("--set", s)]
@@ -386,10 +409,17 @@ def test_checkpoints_honour_the_umask(tmp_path, umask, mode):
 
 
 def test_user_errors_share_one_base_class():
-    for cls in (ConfigError, DataError, ckpt.CheckpointError, TrainingError, SampleError):
+    from dormouse.train.device import DeviceError, DtypeError
+    from dormouse.train.distributed import DistError, LaunchError, RefusedError
+    from dormouse.train.fit import FitError
+
+    for cls in (ConfigError, DataError, ckpt.CheckpointError, TrainingError, SampleError,
+                DtypeError, DeviceError, FitError, DistError, LaunchError, RefusedError):  # fmt: skip
         assert issubclass(cls, UserError), cls
         assert is_user_error(cls("x"))
     assert not is_user_error(RuntimeError("a bug"))
+    # no list of names any more: a class merely CALLED like a family is a bug, not a refusal
+    assert not is_user_error(type("DistError", (RuntimeError,), {})("x"))
 
 
 def test_a_bug_keeps_its_traceback(monkeypatch):

@@ -1,8 +1,8 @@
 """Single-file checkpoints: write atomically, load safely, refuse a mismatched shape.
 
 One checkpoint = one file holding the run config, the model (fp32 masters and the
-LFB buffers, which live in the state dict), the optimizer, the data position, the
-RNG states and the step. It is written to a temporary file, fsynced and renamed,
+LFB buffers, which live in the state dict), the optimizer, the data position and the
+data's fingerprint, the RNG states and the step. It is written to a temporary file, fsynced and renamed,
 so a crash mid-write never leaves a torn checkpoint behind, and loaded with
 `weights_only=True`, so nothing in a checkpoint file can execute code.
 """
@@ -71,6 +71,7 @@ def save_checkpoint(
     optimizer_state: dict | None = None,
     step: int,
     data_state: dict | None = None,
+    data_fingerprint: list[dict] | None = None,
     extra: dict | None = None,
 ) -> Path:
     path = Path(path)
@@ -97,6 +98,9 @@ def save_checkpoint(
         "optimizer": (optimizer_state if optimizer_state is not None
                       else optimizer.state_dict() if optimizer is not None else None),
         "data": data_state,
+        # each --data file's size and sampled-block digest (data.data_fingerprint): a resume
+        # on other bytes behind the same path is refused (data.fingerprint_mismatch)
+        "data_fingerprint": data_fingerprint,
         "rng": rng_state(),
         "extra": extra or {},
     }

@@ -24,6 +24,8 @@ from typing import Callable
 
 import torch
 
+from ..errors import UserError
+
 MiB = 1 << 20
 GiB = 1 << 30
 
@@ -64,11 +66,11 @@ _TORCH_DTYPE = {"bf16": torch.bfloat16, "fp32": torch.float32}
 _NO_FP16 = "the forward has no fp16 path (the fp16 forward is not written yet)"
 
 
-class DtypeError(ValueError):
+class DtypeError(UserError, ValueError):
     """A dtype the device or the forward cannot honour; names cause, fact and escape."""
 
 
-class DeviceError(ValueError):
+class DeviceError(UserError, ValueError):
     """A device that does not exist here; names what does."""
 
 

@@ -14,8 +14,13 @@ Owns everything that makes the single-process loop (`loop.py`) a fleet member:
   reduced by hand after backward, and full (gathered) checkpoint state that one process can
   reload.
 * `merge_row_grads` — the pure arithmetic of that row reduction (union, rank-order sum, mean).
-* `init_parallel` (probe -> policy -> capacity -> process group) and `train_dist`, the
-  entry the CLI calls under torchrun.
+* `Heartbeat` — the watchdog: each rank's pulse in the store and its watch over the others'
+  (a stalled or dead rank, a lost store or launcher ends every rank within dist_timeout), and
+  the barrier that lets rank 0 evaluate or save for as long as it beats.
+* `agreement_fields` / `disagreement` — what every rank must share (every config field but
+  PER_RANK_FIELDS, the capacity split, the data's bytes), refused naming fields and ranks.
+* `init_parallel` (probe -> policy -> process group -> heartbeat -> agreement -> capacity)
+  and `train_dist`, the entry the CLI calls under torchrun.
 
 Everything else the fleet runs is the single-process loop; the gates in `gates/` hold the
 two together against hand-written references.
@@ -26,10 +31,14 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import inspect
+import json
 import logging
 import math
 import os
 import re
+import socket
+import sys
+import threading
 import time
 from datetime import timedelta
 from typing import Callable, Mapping, Sequence
@@ -38,6 +47,7 @@ import torch
 import torch.distributed as dist
 
 from ..config import RunConfig, validate
+from ..errors import UserError
 from ..model.engram import HostTables
 from .data import rank_byte_offset  # noqa: F401  (re-exported: the fleet's data layout)
 from .seams import RankShape, Seams
@@ -50,7 +60,7 @@ __all__ = [
 ]  # fmt: skip
 
 
-class DistError(RuntimeError):
+class DistError(UserError, RuntimeError):
     """The fleet cannot start or cannot agree; the message names cause, fact and escape."""
 
 
@@ -279,23 +289,16 @@ def refuse_incompatible(run: RunConfig, world_size: int) -> None:
     """Refuse what a fleet of `world_size` ranks would run incorrectly (cause and escape).
 
     Allowed on purpose: the LFB controller (its counts are summed over the fleet by
-    `Parallel.lfb_reduce`, gated against the single process), host-RAM Engram tables under
-    DDP (their rows are reduced by `Parallel.after_backward`, gate g14), and a data mixture
-    (its source for step s is a hash of (seed, s), `data.Mixture.source_at`, so every rank
-    picks the same source and the fleet reads one block of one source per step).
+    `Parallel.lfb_reduce`, gate g11), host-RAM Engram tables under DDP (their rows are
+    reduced by `Parallel.after_backward`, gate g14), a data mixture (its source for step s
+    is a hash of (seed, s), so every rank picks the same source: gate g20), and the
+    capacity-padded MoE (its cap and drops are decided per row, so splitting the global
+    batch across ranks changes no drop: gate g23).
     """
     if world_size <= 1:
         return
     m, t = run.model, run.train
     fleet = f"a fleet of {world_size} ranks"
-    if m.moe_capacity > 0:
-        raise RefusedError(
-            f"moe_capacity={m.moe_capacity} (capacity-padded MoE) on {fleet}: the cap is "
-            f"ceil(capacity * tokens * k / E) over the WINDOW, so which assignments are dropped "
-            f"depends on the window's composition, and splitting the global batch across ranks "
-            f"changes the model being trained. Use --set moe_capacity=0 (dropless: the fleet "
-            f"then equals one process at the global batch)"
-        )
     if m.engram_ram and t.dist_shard == "fsdp":
         raise RefusedError(
             f"engram_ram=true with dist_shard=fsdp on {fleet}: the host rows' gradient is a "
@@ -492,7 +495,15 @@ class Parallel(Seams):
                     dist.broadcast(buf, src=0)
                     flat[i:i + chunk].copy_(buf)
 
+    #: the fleet's watchdog (`Heartbeat`), set by init_parallel; None in a bare Parallel
+    heartbeat: Heartbeat | None = None
+
     def barrier(self) -> None:
+        # First wait in the store, watched by the heartbeat: rank 0 may evaluate or write a
+        # large checkpoint for longer than dist_timeout while the others wait here, and that
+        # is not a hang while it beats. The collective barrier after it then returns at once.
+        if self.heartbeat is not None:
+            self.heartbeat.gather()
         if self.backend == "nccl":
             dist.barrier(device_ids=[self.device.index])
         else:
@@ -693,6 +704,458 @@ def _shard_optimizer_state(opt) -> None:
                                               src_data_rank=None)
 
 
+# ---- the watchdog -------------------------------------------------------------------------
+
+#: Exit code of a rank its watchdog ends (a stalled or dead peer, a lost store or launcher).
+WATCHDOG_EXIT = 3
+#: The first step (and everything before it) runs against this collective timeout at least:
+#: a first-use kernel autotune on one card may take minutes while the others wait in the
+#: first all-reduce, and the heartbeat still ends the fleet within dist_timeout of a rank
+#: that stops or dies. From the second step on, every collective waits dist_timeout.
+FIRST_STEP_TIMEOUT_S = 3600.0
+#: One collective waits this many dist_timeouts (see init_parallel).
+COLLECTIVE_TIMEOUT_FACTOR = 2.0
+
+
+def _short(e: BaseException, n: int = 200) -> str:
+    text = " ".join(str(e).split())
+    return f"{type(e).__name__}: {text[:n]}{'...' if len(text) > n else ''}"
+
+
+class Heartbeat:
+    """This rank's pulse in the fleet's c10d store, and the watch over its peers' pulses.
+
+    Two daemon threads. The pulse writes (count, step, phase, pid, host) under this rank's
+    key every `interval` seconds and reads the peers' keys. The watch never touches the
+    network (a store call can block): it ends this process when a peer's pulse has not
+    changed for `timeout` seconds (a SIGSTOPped, frozen or killed rank: its threads stop
+    too), when the store has not answered for as long (it lives in the torchrun agent, or
+    in rank 0), or when the torchrun agent that launched this rank is gone. Ending is one
+    line on stderr naming the rank and its last step, then os._exit(WATCHDOG_EXIT): the main
+    thread never runs again, and a checkpoint is replaced by rename, so the last one written
+    stays whole. A rank that leaves on purpose (done, or an error it reports itself) says
+    so, and its peers stop watching it; one the watchdog ended says so, and its peers end too.
+    """
+
+    def __init__(self, rank: int, world: int, timeout_s: float, connect: Callable[[], object],
+                 prefix: str, *, store_where: str = "the fleet's store",
+                 launcher_pid: int | None = None, settle_to: float | None = None):  # fmt: skip
+        self.rank, self.world, self.timeout = int(rank), int(world), float(timeout_s)
+        self.interval = min(2.0, max(0.05, self.timeout / 10))
+        self.connect, self.prefix, self.where = connect, prefix, store_where
+        self.launcher_pid, self.settle_to = launcher_pid, settle_to
+        self.host, self.pid = socket.gethostname(), os.getpid()
+        self.step, self.phase, self.saved = 0, "start", None
+        self.state, self.why = "alive", ""
+        now = time.monotonic()
+        self.last_io = now
+        self.seen: dict[int, dict] = {}  # peer -> its last record
+        self.changed = {r: now for r in range(self.world) if r != self.rank}
+        self.left: dict[int, dict] = {}  # peers that said they left on purpose
+        self._halt = threading.Event()
+        self._barriers = 0
+        self._main = None
+        self._threads = [threading.Thread(target=f, name=f"dormouse-{n}-r{rank}", daemon=True)
+                         for n, f in (("pulse", self._pulse), ("watch", self._watch))]  # fmt: skip
+
+    # -- what the loop tells it -------------------------------------------------------------
+
+    def at(self, step: int, what: str, saved: int | None = None) -> None:
+        self.step, self.phase = int(step), what
+        if saved is not None:
+            self.saved = int(saved)
+
+    def settled(self) -> None:
+        """After the first step: every collective from now on waits `settle_to` at most."""
+        if self.settle_to is None:
+            return
+        seconds, self.settle_to = self.settle_to, None
+        self.set_collective_timeout(seconds)
+
+    @staticmethod
+    def set_collective_timeout(seconds: float) -> None:
+        set_timeout = getattr(dist.distributed_c10d, "_set_pg_timeout", None)
+        if set_timeout is not None:
+            try:
+                set_timeout(timedelta(seconds=seconds))
+            except (RuntimeError, ValueError, AssertionError):  # an older torch or backend
+                pass
+
+    # -- lifetime --------------------------------------------------------------------------
+
+    def start(self) -> Heartbeat:
+        self._beat_once(self._store())  # a peer that looks before our first pulse finds one
+        for t in self._threads:
+            t.start()
+        return self
+
+    def leave(self, state: str, why: str = "") -> None:
+        """Stop both threads; tell the peers this rank left on purpose (done or failed)."""
+        if self._halt.is_set():
+            return
+        self.state, self.why = state, why
+        self._halt.set()
+        for t in self._threads:
+            if t.is_alive():
+                t.join(timeout=2 * self.interval + 1)
+        self._last_word()
+
+    def _last_word(self) -> None:
+        """Write this rank's state once more, waiting at most a second: the store may be gone
+        with the fleet (connecting to a dead one retries for its whole timeout)."""
+
+        def say():
+            try:
+                self._beat_once(self._main if self._main is not None else self.connect())
+            except Exception:  # noqa: BLE001
+                pass
+
+        t = threading.Thread(target=say, daemon=True)
+        t.start()
+        t.join(1.0)
+
+    # -- the store -----------------------------------------------------------------------
+
+    def _key(self, r: int) -> str:
+        return f"{self.prefix}/beat/{r}"
+
+    def _store(self):
+        if self._main is None:
+            self._main = self.connect()
+        return self._main
+
+    def _record(self, n: int) -> str:
+
+        return json.dumps({"n": n, "step": self.step, "phase": self.phase, "saved": self.saved,
+                           "pid": self.pid, "host": self.host, "state": self.state,
+                           "why": self.why})  # fmt: skip
+
+    _count = 0
+
+    def _beat_once(self, store) -> None:
+        self._count += 1
+        store.set(self._key(self.rank), self._record(self._count))
+
+    def _pulse(self) -> None:
+
+        store = None
+        while not self._halt.is_set():
+            try:
+                if store is None:
+                    store = self.connect()
+                self._beat_once(store)
+                for r in list(self.changed):
+                    if r in self.left or not store.check([self._key(r)]):
+                        continue
+                    rec = json.loads(store.get(self._key(r)))
+                    old = self.seen.get(r)
+                    if old is None or old.get("n") != rec.get("n"):
+                        self.changed[r] = time.monotonic()
+                    self.seen[r] = rec
+                    if rec.get("state") in ("done", "failed"):
+                        self.left[r] = rec
+                self.last_io = time.monotonic()
+            except Exception:  # noqa: BLE001 - a missed round; the watch judges the silence
+                store = None
+            self._halt.wait(self.interval)
+
+    # -- the watch --------------------------------------------------------------------------
+
+    def _watch(self) -> None:
+        tick = time.monotonic()
+        while not self._halt.wait(self.interval):
+            now, slept = time.monotonic(), time.monotonic() - tick
+            tick = now
+            if slept > max(3 * self.interval, self.timeout / 2):
+                # this process itself was frozen (SIGSTOP, a suspended machine): its view of
+                # the peers is stale, not theirs; let the pulse read them again first
+                self.last_io = now
+                self.changed = {r: now for r in self.changed}
+                continue
+            if self.launcher_pid is not None and os.getppid() != self.launcher_pid:
+                self._end(f"the torchrun agent that launched it (pid {self.launcher_pid}) is "
+                          f"gone")  # fmt: skip
+            for r, rec in list(self.seen.items()):
+                if rec.get("state") == "ended" and r not in self.left:
+                    self._end(f"rank {r} ended itself ({rec.get('why')})")
+            for r, t in list(self.changed.items()):
+                if r in self.left or now - t <= self.timeout:
+                    continue
+                rec = self.seen.get(r)
+                last = (f"its last heartbeat: step {rec['step']} ({rec['phase']})" if rec
+                        else "it never sent a heartbeat")  # fmt: skip
+                how = ("its process exited" if r in self._dead_peers()
+                       else "it stopped, froze or died")  # fmt: skip
+                self._end(f"rank {r} has sent no heartbeat for {now - t:.1f} s (dist_timeout="
+                          f"{self.timeout:g} s): {how}; {last}")  # fmt: skip
+            if now - self.last_io > self.timeout:
+                self._end(f"{self.where} has not answered for {now - self.last_io:.1f} s "
+                          f"(dist_timeout={self.timeout:g} s)")  # fmt: skip
+
+    def _saved(self) -> str:
+        # rank 0 knows its last file; the others know the last save the fleet agreed on
+        # (rank 0 may have written a later one since)
+        if self.saved is None:
+            return "no checkpoint was written by this run yet"
+        later = "" if self.rank == 0 else " or later"
+        return (f"the last checkpoint (step {self.saved}{later}) is intact: a checkpoint is "
+                f"replaced only by rename")
+
+    def _end(self, reason: str) -> None:
+
+        line = (f"dormouse: fleet watchdog on rank {self.rank}: {reason}. This rank was at step "
+                f"{self.step} ({self.phase}) and ends now (exit {WATCHDOG_EXIT}), as does every "
+                f"rank; {self._saved()}. Find what stopped the rank, then relaunch with --resume "
+                f"auto")
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:  # noqa: BLE001
+                pass
+        os.write(2, (line + "\n").encode("utf-8", "replace"))
+        self.state, self.why = "ended", reason[:300]
+        self._last_word()  # the peers end now rather than a dist_timeout later
+        os._exit(WATCHDOG_EXIT)
+
+    # -- what the main thread asks ----------------------------------------------------------
+
+    def gather(self) -> None:
+        """A barrier in the store: wait for every rank as long as the waited-for rank beats
+        (the watch ends the fleet otherwise); a peer that left refuses the wait at once."""
+        self._barriers += 1
+        store = self._store()
+        key = f"{self.prefix}/barrier/{self._barriers}"
+        store.add(key, 1)
+        delay, polls = 0.001, 0
+        while int(store.add(key, 0)) < self.world:
+            for r, rec in list(self.left.items()):
+                raise DistError(
+                    f"rank {r} left the fleet ({rec.get('state')}: {rec.get('why') or 'no reason'}"
+                    f") at step {rec.get('step')} while rank {self.rank} waits for it at step "
+                    f"{self.step} ({self.phase}); its own message names the cause"
+                )
+            polls += 1
+            if polls % 20 == 0:
+                for r in self._dead_peers():
+                    rec = self.seen[r]
+                    raise DistError(
+                        f"rank {r} is gone (its process, pid {rec['pid']} on this host, exited "
+                        f"without a word at step {rec.get('step')}) while rank {self.rank} waits "
+                        f"for it at step {self.step} ({self.phase}). {self._saved()}; find why "
+                        f"it died (out of memory?), then relaunch with --resume auto"
+                    )
+            time.sleep(delay)
+            delay = min(2 * delay, 0.05)
+
+    def _dead_peers(self) -> list[int]:
+        """Peers on this host whose process exited without saying they left."""
+        return [r for r, rec in list(self.seen.items())
+                if r not in self.left and rec.get("state") == "alive"
+                and rec.get("host") == self.host and rec.get("pid")
+                and not _pid_alive(int(rec["pid"]))]  # fmt: skip
+
+    def explain(self, e: BaseException) -> str:
+        """One line for a collective (or store call) that failed: what each peer was doing."""
+        now = time.monotonic()
+        peers, culprits = [], []
+        for r in sorted(self.changed):
+            rec = self.seen.get(r) or self.left.get(r)
+            if rec is None:
+                peers.append(f"rank {r} never sent a heartbeat")
+                culprits.append(r)
+                continue
+            silent = now - self.changed[r]
+            if rec.get("state") in ("done", "failed", "ended"):
+                how = f"left ({rec['state']}: {rec.get('why') or 'no reason'})"
+            elif rec.get("host") == self.host and rec.get("pid") and not _pid_alive(int(rec["pid"])):
+                how = f"is gone (its process, pid {rec['pid']} on this host, exited)"
+            elif silent > 3 * self.interval:
+                how = f"has been silent for {silent:.1f} s"
+            else:
+                peers.append(f"rank {r} beats (step {rec.get('step')}, {rec.get('phase')})")
+                continue
+            culprits.append(r)
+            peers.append(f"rank {r} {how}, last at step {rec.get('step')} ({rec.get('phase')})")
+        text = str(e)
+        if self.launcher_pid is not None and os.getppid() != self.launcher_pid:
+            hint = f"the torchrun agent that launched this rank (pid {self.launcher_pid}) is gone"
+        elif culprits:
+            hint = f"rank {', '.join(map(str, culprits))} stopped"
+        elif "imed out" in text:
+            hint = ("every peer still beats, so the ranks fell out of step (a bug: please report "
+                    "it with the log)")  # fmt: skip
+        else:
+            hint = (f"a peer or {self.where} dropped its connection (no rank is known to have "
+                    f"died here; another host?)")  # fmt: skip
+        return (f"rank {self.rank} lost the fleet at step {self.step} ({self.phase}): {hint} "
+                f"({'; '.join(peers)}); the failed call: {_short(e, 120)}. {self._saved()}; "
+                f"relaunch with --resume auto")
+
+
+def _pid_alive(pid: int) -> bool:
+    """False once the process has exited (a zombie its parent has not reaped yet included)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except FileNotFoundError:
+        return False
+    except (OSError, IndexError):  # no /proc (not Linux): ask the kernel
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except (PermissionError, OverflowError):
+            return True
+        return True
+
+
+def _fleet_failure(e: BaseException) -> bool:
+    """A collective or the store failed (a peer died, a timeout): not a bug in this rank."""
+    if isinstance(e, UserError):
+        return False
+    if isinstance(e, getattr(dist, "DistError", ())):  # DistBackendError, DistStoreError, ...
+        return True
+    text = str(e)
+    return isinstance(e, RuntimeError) and any(s in text for s in (
+        "Connection closed by peer", "Connection reset by peer", "Broken pipe", "Timed out",
+        "timed out", "gloo", "NCCL"))  # fmt: skip
+
+
+_SESSIONS = 0
+
+
+def _start_heartbeat(rank: int, world: int, timeout_s: float, settle_to: float | None,
+                     env: Mapping[str, str]) -> Heartbeat:  # fmt: skip
+    """A Heartbeat on this fleet's store: its own TCPStore clients at MASTER_ADDR:PORT (so a
+    blocked call of one thread cannot block another), else the process group's store."""
+    global _SESSIONS
+    _SESSIONS += 1  # every rank starts the same number of sessions: the keys match
+    addr, port = env.get("MASTER_ADDR"), env.get("MASTER_PORT")
+    agent = env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    if addr and port:
+        io = timedelta(seconds=max(1.0, min(30.0, timeout_s / 2)))
+
+        def connect():
+            return dist.TCPStore(addr, int(port), is_master=False, timeout=io)
+
+        where = f"{'the torchrun agent' if agent else 'rank 0'}'s store at {addr}:{port}"
+    else:
+        store = dist.distributed_c10d._get_default_store()
+
+        def connect():
+            return store
+
+        where = "the process group's store"
+    restart = env.get("TORCHELASTIC_RESTART_COUNT", "0")
+    launched = env.get("TORCHELASTIC_RUN_ID") is not None
+    return Heartbeat(rank, world, timeout_s, connect, f"dormouse/{restart}/{_SESSIONS}",
+                     store_where=where, launcher_pid=os.getppid() if launched else None,
+                     settle_to=settle_to).start()  # fmt: skip
+
+
+# ---- the ranks' agreement -------------------------------------------------------------------
+
+#: Config fields that may differ between ranks, and why. Everything else must agree.
+PER_RANK_FIELDS = {
+    "out_dir": "only rank 0 writes; a gate gives each rank its own folder to see who writes",
+    "device": "every rank maps it to its own card (cuda -> cuda:LOCAL_RANK); the device TYPE "
+              "must agree and is compared",
+    "data": "a path may be spelled differently on each node; the BYTES behind it must agree "
+            "and are compared (size + sampled blocks)",
+}
+
+
+def agreement_fields(run: RunConfig, shapes: Sequence[RankShape], device_type: str,
+                     data_prints: Sequence[dict] | None) -> dict[str, str]:  # fmt: skip
+    """name -> the text every rank must share: every config field but PER_RANK_FIELDS, the
+    capacity split, the device type and the data's fingerprint."""
+    out = {"preset/source": run.source}
+    out.update({k: repr(v) for k, v in dataclasses.asdict(run.model).items()})
+    out.update({k: repr(v) for k, v in dataclasses.asdict(run.train).items()
+                if k not in PER_RANK_FIELDS})  # fmt: skip
+    out["capacity split"] = ",".join(s.line() for s in shapes)
+    out["device type"] = device_type
+    out["data bytes"] = (repr([(p["size"], p["digest"]) for p in data_prints])
+                         if data_prints is not None else "?")  # fmt: skip
+    return out
+
+
+def _hash60(text: str) -> int:
+    return int(hashlib.sha256(text.encode()).hexdigest()[:15], 16)
+
+
+def disagreement(table: Sequence[Sequence[int]], names: Sequence[str]) -> dict[str, list[int]]:
+    """{field: the ranks whose value differs from rank 0's} from every rank's field hashes."""
+    out = {}
+    for i, name in enumerate(names):
+        ranks = [r for r, row in enumerate(table) if row[i] != table[0][i]]
+        if ranks:
+            out[name] = ranks
+    return out
+
+
+def disagreement_message(diff: Mapping[str, list[int]], mine: Mapping[str, str], rank: int,
+                         data_prints: Sequence[dict] | None = None) -> str:  # fmt: skip
+    def ranks(rs):
+        return f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}"
+
+    parts = [f"{k} ({ranks(rs)} differ{'s' if len(rs) == 1 else ''} from rank 0)"
+             for k, rs in diff.items()]  # fmt: skip
+    here = []
+    for k in diff:
+        if k == "data bytes" and data_prints:
+            here.append("data " + ", ".join(f"{p['path']} ({p['size']} bytes, sampled digest "
+                                            f"{p['digest'][:12]})" for p in data_prints))
+        else:
+            here.append(f"{k}={mine[k][:60]}")
+    return (f"the fleet's ranks disagree on {len(diff)} setting(s): {'; '.join(parts)}. Here on "
+            f"rank {rank}: {'; '.join(here)}. Every rank must run the same preset, --set values, "
+            f"capacity and data bytes (only {', '.join(sorted(PER_RANK_FIELDS))} may differ): "
+            f"launch every rank with the same command line and the same data")
+
+
+def _agree_config(run: RunConfig, shapes: list[RankShape], device: torch.device,
+                  rank: int) -> None:  # fmt: skip
+    """All-gather a hash of each field; refuse on EVERY rank, naming the fields and ranks."""
+    from .data import DataError, data_fingerprint, default_corpus
+
+    error = ""
+    prints = None
+    try:
+        paths = list(run.train.data) or [str(default_corpus(log=lambda _l: None))]
+        prints = [data_fingerprint(p) for p in paths]
+    except DataError as e:
+        error = str(e)
+    mine = agreement_fields(run, shapes, device.type, prints)
+    names = list(mine)
+    # the field list itself first: ranks of other dormouse versions cannot gather one table
+    head = _agree_ints([len(names), _hash60(repr(names)), 1 if error else 0], device)
+    if len({(n, h) for n, h, _ in head}) != 1:
+        raise DistError(
+            "the fleet's ranks run different versions of dormouse (their config field lists "
+            "differ); install the same version on every node"
+        )
+    failed = [r for r, (_, _, bad) in enumerate(head) if bad]
+    if failed:
+        raise DistError(
+            f"rank {rank} cannot read its data: {error}" if error else
+            f"rank(s) {', '.join(map(str, failed))} cannot read their data (their own message "
+            f"names the file); every rank must read the same bytes"
+        )
+    table = _agree_ints([_hash60(mine[k]) for k in names], device)
+    diff = disagreement(table, names)
+    if diff:
+        raise DistError(disagreement_message(diff, mine, rank, prints))
+
+
+def _agree_ints(values: list[int], device: torch.device) -> list[list[int]]:
+    """All-gather a list of int64 per rank (the same length on every rank)."""
+    mine = torch.tensor(values, dtype=torch.int64, device=device)
+    out = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, mine)
+    return [t.tolist() for t in out]
+
+
 # ---- joining the fleet --------------------------------------------------------------------
 
 
@@ -714,14 +1177,6 @@ def _agree(values: list[float], device: torch.device) -> list[float]:
     return [float(v) for t in out for v in t.tolist()]
 
 
-def _fingerprint(run: RunConfig, shapes: list[RankShape]) -> float:
-    """A number every rank must share: the model, the capacity split and the schedule."""
-    t = run.train
-    key = repr((dataclasses.asdict(run.model), [s.line() for s in shapes], t.steps, t.seed,
-                t.lr, t.opt, t.dist_shard, t.dist_reduce, t.data))  # fmt: skip
-    return float(int(hashlib.sha256(key.encode()).hexdigest()[:12], 16))
-
-
 def init_parallel(
     run: RunConfig,
     device_type: str | None = None,
@@ -733,10 +1188,13 @@ def init_parallel(
     parallel_cls: type[Parallel] = Parallel,
     env: Mapping[str, str] | None = None,
 ) -> Parallel:
-    """Join the fleet torchrun launched: backend, device, process group, capacity, reduce dtype.
+    """Join the fleet torchrun launched: backend, device, process group, heartbeat, the ranks'
+    agreement on the config and the data, capacity, reduce dtype.
 
     `rate` replaces this rank's measured matmul rate for `--capacity auto` (tests inject
     rates to make the split deterministic); `nccl_available` simulates a torch without NCCL.
+    `timeout_s` replaces `dist_timeout` and then bounds every collective, the first step's
+    too (without it the first step may take FIRST_STEP_TIMEOUT_S: a kernel autotune).
     """
     env = os.environ if env is None else env
     world = _world_from(env)
@@ -760,11 +1218,32 @@ def init_parallel(
         torch.cuda.set_device(device)
     for k, v in NCCL_SAFE_ENV.items():
         os.environ.setdefault(k, v)
+    limit = float(timeout_s) if timeout_s else float(cfg.dist_timeout)
+    # A collective waits twice the heartbeat's limit, so that a rank that stops is named by
+    # the watchdog (within dist_timeout) before its peers' collective gives up on it.
+    collective = limit if timeout_s else COLLECTIVE_TIMEOUT_FACTOR * limit
+    patient = not timeout_s and collective < FIRST_STEP_TIMEOUT_S
     if not dist.is_initialized():
-        kw = {"timeout": timedelta(seconds=timeout_s)} if timeout_s else {}
+        # the rendezvous waits `collective` for a rank that never arrives
+        kw = {"timeout": timedelta(seconds=collective)}
         if backend == "nccl":
             kw["device_id"] = device
         dist.init_process_group(backend, rank=rank, world_size=world, **kw)
+    heartbeat = _start_heartbeat(rank, world, limit, collective if patient else None, env)
+    if patient:
+        heartbeat.set_collective_timeout(FIRST_STEP_TIMEOUT_S)
+    try:
+        parallel = _join(run, device, rank, world, backend, log, rate, parallel_cls)
+    except BaseException as e:
+        heartbeat.leave("failed", _short(e))
+        raise
+    parallel.heartbeat = heartbeat
+    return parallel
+
+
+def _join(run: RunConfig, device: torch.device, rank: int, world: int, backend: str, log,
+          rate: float | None, parallel_cls: type[Parallel]) -> Parallel:  # fmt: skip
+    cfg = run.train
     say = log if rank == 0 else (lambda _line: None)
 
     from .loop import resolve_autocast
@@ -788,13 +1267,7 @@ def init_parallel(
             + f" (global {sum(s.batch for s in shapes)} windows, "
             f"{sum(s.tokens for s in shapes)} tokens)")
 
-    fps = _agree([_fingerprint(run, shapes)], device)
-    if len(set(fps)) != 1:
-        raise DistError(
-            "the ranks were launched with different configurations (model, --capacity, steps, "
-            "seed, lr, opt, dist_shard, dist_reduce or data differ); launch every rank with the "
-            "same command line"
-        )
+    _agree_config(run, shapes, device, rank)
 
     reduce = cfg.dist_reduce
     if reduce == "auto":
@@ -862,14 +1335,27 @@ def train_dist(
             model = DormouseModel(run.model)
         from .loop import train
 
-        report = train(model, run, log=log, parallel=parallel, resume=resume, stop_at=stop_at)
+        try:
+            report = train(model, run, log=log, parallel=parallel, resume=resume, stop_at=stop_at)
+        except Exception as e:
+            if not _fleet_failure(e) or parallel.heartbeat is None:
+                raise
+            # a peer died or the ranks fell out of step: one line naming what each peer was
+            # doing, instead of the backend's traceback
+            why = parallel.heartbeat.explain(e)
+            raise DistError(why) from None
         report.update(shapes=[s.line() for s in parallel.shapes], backend=parallel.backend,
                       reduce=parallel.reduce, device=str(parallel.device))  # fmt: skip
+        if close:
+            parallel.barrier()  # without it, gloo teardown aborts intermittently
         ok = True
         return report
+    except BaseException as e:
+        failed = e
+        raise
     finally:
         quiet.setLevel(level)
+        if parallel.heartbeat is not None:
+            parallel.heartbeat.leave("done" if ok else "failed", "" if ok else _short(failed))
         if close and dist.is_initialized():
-            if ok:
-                parallel.barrier()  # without it, gloo teardown aborts intermittently
             dist.destroy_process_group()

@@ -5,86 +5,8 @@ memory mechanisms cheapest first until the estimate fits FIT_HEADROOM of the bud
 a loud `FitError`), `format_fit_line`, and the two entry points: `main_plan` for
 `python -m dormouse plan PRESET --fit GB [--batch B --seq T]` and `apply_fit` for
 `train --fit GB`. Nothing here allocates a tensor: the parameter split is read from
-`route_params` on a META-device model, so planning b1 on a 4 GB laptop is free.
-
-THE MODEL (an estimate, stated as one; `bench/memory_bench.py` holds it against
-torch.cuda.max_memory_allocated on an H200 and writes docs/memory.md)
-
-Budget: `--fit GB` is the card's size in GiB (2^30 bytes; a "16 GB" card has 16 GiB of
-DRAM). The plan must fit FIT_HEADROOM = 90% of it; the rest is left for the CUDA context,
-the caching allocator's fragmentation and what the model ignores (kernel workspaces).
-
-Per parameter (P = parameters that live on the device; the split Muon / AdamW / Engram
-is the optimizer's own routing, `route_params`, on a meta build):
-  masters   4 B x P                      fp32 master weights
-  grads     4 B x P                      fp32 gradients (the VRAM Engram table's gradient
-                                         is dense: F.embedding's backward fills the table)
-  adamw     8 B x P_adamw                exp_avg + exp_avg_sq; 2 B with optim_8bit
-  muon      4 B x P_muon                 one momentum buffer; 2 B with muon_state_dtype=bf16
-  engram    8 B x P_engram + 4 B x rows  the tables' row-sparse Adam: fp32 moments (never
-                                         8-bit) and an int32 step count per row
-Per step (transients):
-  casts     2 B x (P_expert x max_iter + P_2d)   only when the forward computes in half
-            precision: the expert stacks are cast per block application (`w.to(bf16)` in
-            MoE._routed) and autocast caches one cast of every other matrix; autograd
-            keeps all of them until backward.
-  act       K x tokens x d_model x (n_layers x max_iter + BACKWARD_WORKSET)
-            K = the bytes one block application saves for backward, per token and per
-            unit of width (see `act_bytes_per_token_d`); the extra BACKWARD_WORKSET (0.5)
-            blocks are the working set of the backward of the block being differentiated.
-  opt_work  the Muon step's workspace on its largest shape group (n elements): the fp32
-            gradient stack, the Nesterov blend and the polar iterate, 14 B x n with a bf16
-            polar (16 B with fp32), +4 B x n when the momentum is stored in bf16 (it is
-            widened to fp32 for the update), plus the two Gram matrices A, B of the polar.
-
-Phases. Gradients and activations are never fully alive together, and the optimizer's
-workspace only exists once activations are gone, so the peak is the largest of three
-moments of a steady-state step (grads set to None between steps, as the loop does):
-  resident  = masters + adamw + muon + engram
-  backward  = resident + casts + act                      (start of backward)
-  midpoint  = resident + (casts + saved act) x (1 - 1/max_iter) + act working set
-              + the body's grads     (the looped body's grads all appear during the first
-                                      backward pass over the last iteration)
-  step      = resident + grads + opt_work
-  est_peak  = max(backward, midpoint, step)
-
-Activations, K (bytes per token x d_model per block application). Measured on CPU with
-saved-tensor hooks over the presets' shapes (torch 2.13, bf16 autocast and fp32), split by
-part; the fla kernel's share is read from fla's ChunkKDAFunction save list (q, k, v,
-g and its chunk cumsum, the Aqk/Akk chunk matrices). Half precision / fp32:
-  mixer projections   60 / 70   the normed input cast once per linear, q/k/v, short conv,
-                                SiLU, L2 norms, decay and beta, output gate and norm, deltas
-  KDA kernel, fla     24 / 28
-  KDA kernel, torch  215 / 205  x kda_chunk/16: the [C, C, K] decay tensors of the chunked
-                                form (C = kda_chunk) dominate
-  routed experts     k x (7 d + 8 F) / k x (10 d + 16 F), per token, divided by d
-                                (= 30 / 52 at k=2, F=d, as in small and medium)
-  the rest            25 / 22   shared expert, router, the block's norms and residuals, and
-                                the one-off embedding / Engram / head / loss saves
-giving K = 139 (fla) or 330 (torch arm) for small and medium in bf16. The seeds' 64 B per
-token x d_model for the WHOLE model is what a checkpointed body keeps; the un-checkpointed
-body of this port keeps about n_layers x max_iter times more, which is why medium needs a
-mechanism on a 4 GB card here (see `plan medium --fit 4`).
-ACT_SCALE multiplies every activation term: it is the calibration hook. The H200 bench
-prints the K its measured peaks imply; set ACT_SCALE (or the parts) from that table.
-Measured on an H200 (torch 2.11, bf16 autocast; docs/memory.md): torch KDA arm, implied
-K = 325 (small), 326 (medium), 356 (b1) against the 330-334 the parts give for those
-presets; fla arm (fla-core 0.6.0), implied K = 134 for small against the modelled 139. So
-ACT_SCALE stays 1.0. (fla on medium and b1 was not measured: each new head count autotunes
-the kernels afresh, which outran the session's device time.)
-
-Mechanisms, cheapest first (each with what it removes from the device):
-  moe_offload         the routed expert pass's saved activations and its per-application
-                      expert casts -> host RAM (one block's casts stay, transiently)
-  engram_ram          the Engram tables, their gradient and their moments -> host RAM
-  muon_state_dtype    Muon momentum 4 -> 2 B (but +4 B x n in the step's workspace: the
-                      planner keeps it only when the peak goes down)
-  optim_8bit          AdamW (and Engram) moments 8 -> 2 B; needs bitsandbytes on CUDA, so
-                      it is only engaged where `bitsandbytes` is importable
-  act_ckpt            the body keeps only each block's input (4 B per token x d_model per
-                      application, 2 B with act_ckpt_quant) and recomputes one block at a
-                      time: act = inputs + one block's saves + its backward working set
-A mechanism that does not lower the estimate is skipped and the reason recorded.
+`route_params` on a META-device model. The model, its phases, the activation constants and
+how they were measured: docs/fit.md; `python -m dormouse bench memory` checks it.
 """
 
 from __future__ import annotations
@@ -96,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from ..config import RunConfig, preset, preset_names, validate
+from ..errors import UserError
 
 GiB = 1 << 30
 #: The plan must fit this fraction of the stated budget (the rest: CUDA context, allocator
@@ -131,7 +54,7 @@ MECHANISMS: tuple[tuple[str, str, object, object], ...] = (
 MECHANISM_NAMES = tuple(m[0] for m in MECHANISMS)
 
 
-class FitError(ValueError):
+class FitError(UserError, ValueError):
     """The run cannot fit the stated budget; the message names every component and the escapes."""
 
 

@@ -24,7 +24,7 @@ import torch
 from ..config import RunConfig, validate
 from ..errors import UserError
 from . import checkpoint as ckpt
-from .data import DataError, open_data
+from .data import DataError, fingerprint_mismatch, open_data
 from .optim import MixOptimizer
 from .seams import RankShape, Seams
 
@@ -265,6 +265,16 @@ def _discard_lfb_counts(model: torch.nn.Module) -> None:
             buf.zero_()
 
 
+class _NoHeartbeat:
+    """One process has no peers to watch: where the loop is goes nowhere."""
+
+    def at(self, step: int, what: str, saved: int | None = None) -> None:
+        pass
+
+    def settled(self) -> None:
+        pass
+
+
 def ckpt_path(run: RunConfig) -> Path:
     return Path(run.train.out_dir) / f"{run.train.ckpt_name}.pt"
 
@@ -299,6 +309,9 @@ def train(
     data = open_data(cfg, log=say)
     shape = parallel.shape
     stream = data.train_stream(shape.batch, shape.seq_len, offset=parallel.offset, stride=parallel.stride)
+    data_print = data.fingerprint()
+    # a fleet's watchdog (distributed.Heartbeat) hears where this rank is; one process: nothing
+    beat = getattr(parallel, "heartbeat", None) or _NoHeartbeat()
     evaluates = (main or parallel.eval_on_all_ranks) and data.has_val
     val = data.val_batches(cfg.eval_batches, cfg.batch, cfg.seq_len) if evaluates else []
 
@@ -324,6 +337,14 @@ def train(
         for g, hyper in zip(opt.param_groups, mine, strict=True):
             g.update(hyper)
         stream.load_state_dict(ck["data"])
+        changed = fingerprint_mismatch(ck.get("data_fingerprint") or data_print, data_print)
+        if changed:
+            raise DataError(
+                f"--resume: {path} was trained on other bytes: {'; '.join(changed)}. Resuming "
+                f"would continue the run on data it never saw, at the old data position. Restore "
+                f"the file the run was trained on, or train a new run on this one (--overwrite, "
+                f"or another --out)"
+            )
         ckpt.set_rng_state(ck["rng"])
         start = int(ck["step"])
         say(f"resumed from {path} at step {start}")
@@ -348,12 +369,31 @@ def train(
     def save(step: int) -> None:
         # Every rank takes part in gathering the state (a collective under FSDP2);
         # only rank 0 writes the file.
+        beat.at(step, "save")
         model_state = parallel.model_state(net)
         opt_state = parallel.optimizer_state(opt)
+        refused = None
         if main:
-            ckpt.save_checkpoint(path, run=run, model_state=model_state, optimizer_state=opt_state,
-                                 step=step, data_state=stream.state_dict())  # fmt: skip
+            try:
+                ckpt.save_checkpoint(path, run=run, model_state=model_state,
+                                     optimizer_state=opt_state, step=step,
+                                     data_state=stream.state_dict(),
+                                     data_fingerprint=data_print)  # fmt: skip
+            except ckpt.CheckpointError as e:  # NaN parameters, a full disk...
+                refused = e
+            else:
+                beat.at(step, "save", saved=step)
         parallel.barrier()
+        # rank 0's refusal is every rank's: the others would otherwise train on into a
+        # collective rank 0 never joins
+        if parallel.any_rank(refused is not None):
+            if refused is not None:
+                raise refused
+            raise ckpt.CheckpointError(
+                f"rank 0 could not write the checkpoint at step {step} (its message names the "
+                f"cause); rank {parallel.rank} stops with it"
+            )
+        beat.at(step, "train", saved=step)
 
     def write_metrics(row: dict) -> None:
         if main:
@@ -361,6 +401,7 @@ def train(
                 f.write(json.dumps(row) + "\n")
 
     def do_eval(step: int) -> dict:
+        beat.at(step, "eval")
         res = {}
         if main or parallel.eval_on_all_ranks:
             res = evaluate(parallel.unwrap(net) if not parallel.eval_on_all_ranks else net,
@@ -392,6 +433,7 @@ def train(
     try:
         for step in range(start, end):
             # here `step` steps are complete: the one place a stop leaves a resumable state
+            beat.at(step, "train")
             stopper.keep_installed()
             if (step - start) % stop_every == 0 and parallel.any_rank(stopper.caught is not None):
                 why = stopper.caught or "a signal on another rank"
@@ -403,14 +445,23 @@ def train(
                 raise KeyboardInterrupt
             factor = lr_factor(step, cfg)
             try:
-                x, y = stream.next()
-            except DataError:  # the file shrank under the run: the model is still at `step`
-                if parallel.world_size == 1:
-                    save(step)
-                    say(f"checkpoint written at step {step}; restore the data file, then "
-                        f"--resume auto continues from there")  # fmt: skip
-                raise
+                stream.check_source()
+                shrunk = None
+            except DataError as e:  # the file shrank under the run: the model is still at `step`
+                shrunk = e
+            # ranks may see the shrink a step apart: every rank stops on this step together
+            if parallel.any_rank(shrunk is not None):
+                save(step)
+                say(f"checkpoint written at step {step}; restore the data file, then "
+                    f"--resume auto continues from there")  # fmt: skip
+                raise shrunk or DataError(
+                    f"another rank found a data file shrunk under the run before step {step} "
+                    f"(its message names the file); rank {parallel.rank} stops with it"
+                )
+            x, y = stream.next()
             loss, aux, ok = train_step(net, opt, parallel, x, y, cfg, factor, device, autocast_dtype)
+            if step == start:  # the first step may be long on one rank (kernel autotune)
+                beat.settled()
             if not ok:
                 skips += 1
                 consecutive += 1

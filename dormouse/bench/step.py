@@ -1,0 +1,148 @@
+"""step: the training step's speed, one row per preset (the default sub-benchmark).
+
+Each preset's model, optimizer and step as `dormouse train` builds them, untimed warm-up
+steps, then timed steps on random byte windows.
+
+    OMP_NUM_THREADS=2 python -m dormouse bench step tiny small --device cpu --steps 5
+    python -m dormouse bench step medium b1 --device cuda --batch 8 --seq 512 --out docs/bench.md
+"""
+
+from __future__ import annotations
+
+import gc
+import re
+import resource
+import statistics
+import sys
+
+import torch
+
+from ..config import preset_names
+from . import BenchError, GiB, build, configure, machine_lines, report, resolve_device, table
+from . import timed, windows
+
+#: Dense peak tensor throughput (TFLOP/s, no 2:4 sparsity) of the cards MFU is quoted for,
+#: by the compute dtype the step ran in. Matched on the CUDA device name: (a substring the
+#: name must contain, substrings that rule the match out, peaks). H100/H200 numbers are the
+#: SXM parts'; the PCIe and NVL parts run lower clocks and are left unmatched ("n/a") rather
+#: than guessed. fp32 means plain fp32 FMA (torch's default matmul precision, "highest");
+#: with TF32 enabled the fp32 row understates the card, which the machine line states.
+PEAK_TFLOPS: tuple[tuple[str, tuple[str, ...], dict[str, float]], ...] = (
+    ("H100", ("PCIe", "NVL"), {"bf16": 989.0, "fp32": 67.0}),
+    ("H200", ("NVL",), {"bf16": 989.0, "fp32": 67.0}),
+    ("A100", (), {"bf16": 312.0, "fp32": 19.5}),
+    ("RTX 4090", (), {"bf16": 165.0, "fp32": 82.6}),
+)
+HEADER = ("preset|params (M)|active params/token (M)|batch x seq|KDA arm|MoE arm|dtype|"
+          "step ms (median)|step ms (min)|tokens/s|model TFLOP/s|MFU|peak memory").split("|")
+NOTES = (
+    "Step = forward + backward + clip + MixOptimizer step + LFB update on random bytes, by wall "
+    "clock with the device synchronised; tokens/s = batch x seq / median step.",
+    "Active params/token: the looped body once per iteration, routed experts at moe_topk/"
+    "n_experts, lookups excluded; model TFLOP/s = 6 x that x tokens/s (KDA recurrence FLOPs "
+    "uncounted); MFU against the card's dense peak (PEAK_TFLOPS), n/a on CPU, unlisted cards.",
+    "Peak memory: torch.cuda.max_memory_allocated on CUDA; on the CPU the process's peak RSS "
+    "(the whole process, never lower than an earlier preset's).",
+)  # fmt: skip
+
+
+def add_args(ap) -> None:
+    names = ", ".join(preset_names())
+    ap.add_argument("presets", nargs="*", metavar="PRESET", help=f"{names} (default small)")
+    ap.add_argument("--batch", type=int, help="batch size (default: the preset's)")
+    ap.add_argument("--seq", type=int, help="sequence length (default: the preset's)")
+    ap.add_argument("--steps", type=int, help="timed steps (default 5 on CPU, 20 on CUDA)")
+    ap.add_argument("--warmup", type=int, help="untimed steps first (default 1 on CPU, 5 on CUDA)")
+    ap.add_argument("--kda-impl", choices=("auto", "torch", "fla"), help="the KDA arm")
+
+
+def peak_tflops(device_name: str, dtype: str) -> float | None:
+    """The dense peak for this card and compute dtype, or None when the card is not listed."""
+    for needle, excluded, peaks in PEAK_TFLOPS:
+        if needle in device_name and not any(x in device_name for x in excluded):
+            return peaks.get(dtype)
+    return None
+
+
+def active_params_per_token(model) -> float:
+    """Parameters one token's forward multiplies through, the N of the 6N-FLOPs rule: the
+    body's shared weights max_iter times (routed expert stacks at moe_topk/n_experts of
+    that), each iteration's low-rank delta once; the embedding and Engram tables are
+    lookups, not matmuls. Gains, biases and conv taps stay in (a rounding error)."""
+    cfg, total = model.cfg, 0.0
+    for name, p in model.named_parameters():
+        if name == "embed.weight" or name.startswith("engram.store."):
+            continue
+        if not name.startswith("blocks.") or "_delta." in name:
+            total += p.numel()
+        else:
+            share = cfg.moe_topk / cfg.n_experts if re.search(r"\.moe\.w[123]$", name) else 1
+            total += p.numel() * cfg.max_iter * share
+    return total
+
+
+def bench_preset(run, device: torch.device, steps: int, warmup: int, say) -> tuple[list, int]:
+    """(the table row of `run` on `device`, timed steps skipped as non-finite)."""
+    from ..model import count_params
+    from ..train.device import probe_device
+
+    cuda = device.type == "cuda"
+    gc.collect()
+    if cuda:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    model, step, dtype = build(run, device, say)
+    data, taken = windows(run, warmup + steps), []
+    ms = timed(lambda i: taken.append(step(i, data[i])), steps, warmup, device)
+    if cuda:
+        peak = f"{torch.cuda.max_memory_allocated(device) / GiB:.2f} GiB alloc"
+    else:  # Linux reports ru_maxrss in KiB, macOS in bytes
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        peak = f"{rss * (1 if sys.platform == 'darwin' else 1024) / GiB:.2f} GiB RSS"
+    dt = {None: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]  # PEAK_TFLOPS' keys
+    med, active = statistics.median(ms), active_params_per_token(model)
+    name = probe_device(device).name
+    tok_s = run.train.batch * run.train.seq_len / (med / 1000)
+    tflops, top = 6 * active * tok_s / 1e12, peak_tflops(name, dt)
+    mfu = ("n/a (CPU)" if not cuda else f"n/a (no {dt} peak known for {name})" if top is None
+           else f"{100 * tflops / top:.1f}%")  # fmt: skip
+    return [run.source.removeprefix("preset:"), f"{count_params(run.model) / 1e6:.2f}",
+            f"{active / 1e6:.2f}", f"{run.train.batch} x {run.train.seq_len}",
+            model.blocks[0].mixer.impl, model.blocks[0].moe._arm(device, dtype or torch.float32),
+            dt, f"{med:.1f}", f"{min(ms):.1f}", f"{tok_s:,.0f}", f"{tflops:.3g}", mfu,
+            peak], taken[warmup:].count(False)  # fmt: skip
+
+
+def run(args, command: str, say) -> str:
+    from ..model.kda import choose_kda_impl
+
+    sets = args.set + ([f"kda_impl={args.kda_impl}"] if args.kda_impl else [])
+    runs = [configure(n, sets, args.batch, args.seq) for n in args.presets or ["small"]]
+    device = resolve_device(args.device, say)
+    cuda = device.type == "cuda"
+    steps = args.steps if args.steps is not None else (20 if cuda else 5)
+    warmup = args.warmup if args.warmup is not None else (5 if cuda else 1)
+    if steps < 1 or warmup < 0:
+        raise BenchError(f"--steps {steps} --warmup {warmup}: time at least one step "
+                         f"(steps >= 1) after zero or more warm-up steps")  # fmt: skip
+    for r in runs:  # a pinned kda_impl=fla that cannot run here, refused before any timing
+        try:
+            choose_kda_impl(r.model.kda_impl, device, torch.float32, r.model.head_dim)
+        except RuntimeError as e:
+            raise BenchError(str(e)) from None
+    if any(r.train.fit_gb for r in runs):  # --set fit_gb=GB plans as train --fit does
+        from ..train.fit import apply_fit
+
+        runs = [apply_fit(r, log=say) for r in runs]
+    machine, rows, skipped = machine_lines(device, command), [], []
+    for k, r in enumerate(runs, 1):
+        say(f"[{k}/{len(runs)}] {r.source}: batch {r.train.batch} x seq {r.train.seq_len} on "
+            f"{device}, {warmup} warm-up + {steps} timed step(s)")  # fmt: skip
+        row, skips = bench_preset(r, device, steps, warmup, say)
+        rows.append(row)
+        skipped += [f"{row[0]}: {skips}/{steps}"] if skips else []
+    notes = [f"Method: {warmup} untimed warm-up step(s), then {steps} timed step(s) per preset, "
+             "built as `dormouse train` builds them.", *NOTES]
+    if skipped:
+        notes.append("Timed steps skipped as non-finite (still timed): " + ", ".join(skipped))
+    return report("dormouse bench step: training step", machine, table(HEADER, rows), notes)
