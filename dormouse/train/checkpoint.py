@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import errno
 import json
-import math
 import os
 import re
 import tempfile
@@ -254,21 +253,28 @@ def clean_stale_temps(out: str | Path) -> list[str]:
         if not m or not p.is_file():
             continue
         pid = int(m["pid"]) if m["pid"] else None
-        if pid is not None and pid != os.getpid() and _alive(pid):
+        if pid is not None and pid != os.getpid() and pid_alive(pid):
             continue
         p.unlink(missing_ok=True)
         removed.append(p.name)
     return removed
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """False once the process has exited (a zombie its parent has not reaped yet included)."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except FileNotFoundError:
         return False
-    except (PermissionError, OverflowError):
+    except (OSError, IndexError):  # no /proc (not Linux): ask the kernel
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except (PermissionError, OverflowError):
+            return True
         return True
-    return True
 
 
 def metrics_rows(path: str | Path) -> int:

@@ -50,6 +50,7 @@ from ..config import RunConfig, validate
 from ..errors import UserError
 from ..model.engram import HostTables
 from .data import rank_byte_offset  # noqa: F401  (re-exported: the fleet's data layout)
+from .checkpoint import pid_alive
 from .seams import RankShape, Seams
 
 __all__ = [
@@ -952,7 +953,7 @@ class Heartbeat:
         return [r for r, rec in list(self.seen.items())
                 if r not in self.left and rec.get("state") == "alive"
                 and rec.get("host") == self.host and rec.get("pid")
-                and not _pid_alive(int(rec["pid"]))]  # fmt: skip
+                and not pid_alive(int(rec["pid"]))]  # fmt: skip
 
     def explain(self, e: BaseException) -> str:
         """One line for a collective (or store call) that failed: what each peer was doing."""
@@ -967,7 +968,7 @@ class Heartbeat:
             silent = now - self.changed[r]
             if rec.get("state") in ("done", "failed", "ended"):
                 how = f"left ({rec['state']}: {rec.get('why') or 'no reason'})"
-            elif rec.get("host") == self.host and rec.get("pid") and not _pid_alive(int(rec["pid"])):
+            elif rec.get("host") == self.host and rec.get("pid") and not pid_alive(int(rec["pid"])):
                 how = f"is gone (its process, pid {rec['pid']} on this host, exited)"
             elif silent > 3 * self.interval:
                 how = f"has been silent for {silent:.1f} s"
@@ -990,23 +991,6 @@ class Heartbeat:
         return (f"rank {self.rank} lost the fleet at step {self.step} ({self.phase}): {hint} "
                 f"({'; '.join(peers)}); the failed call: {_short(e, 120)}. {self._saved()}; "
                 f"relaunch with --resume auto")
-
-
-def _pid_alive(pid: int) -> bool:
-    """False once the process has exited (a zombie its parent has not reaped yet included)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except FileNotFoundError:
-        return False
-    except (OSError, IndexError):  # no /proc (not Linux): ask the kernel
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        except (PermissionError, OverflowError):
-            return True
-        return True
 
 
 def _fleet_failure(e: BaseException) -> bool:
