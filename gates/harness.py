@@ -58,7 +58,7 @@ GATES = [
     "g06_nccl", "g07_launch", "g08_rank0", "g09_capacity", "g10_torchrun", "g11_lfb",
     "g12_fsdp_checkpoint", "g13_policy", "g14_engram_ram_fleet", "g15_signal_stop",
     "g16_clip", "g17_bf16_reduce", "g18_causal", "g19_kernels", "g20_data", "g21_multinode",
-    "g23_capacity_fleet",
+    "g22_elastic", "g23_capacity_fleet",
 ]  # fmt: skip
 
 

@@ -353,7 +353,7 @@ MUTATIONS: list[Mutation] = [
     Mutation("checkpoint_step_off_by_one",
              "the checkpoint records step + 1: a resume skips a step",
              (("dormouse.train.checkpoint:save_checkpoint", _save_step_plus_one),),
-             ("g15_signal_stop",)),
+             ("g15_signal_stop", "g22_elastic")),
     Mutation("clip_misses_host_rows",
              "the clip's norm is taken over the parameters only (torch's clip over "
              "param_groups): host-RAM Engram rows are left out",

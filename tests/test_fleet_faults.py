@@ -266,7 +266,7 @@ def _case(name: str, rank: int, tmp: Path) -> tuple:
         return _tiny(out, tmp / "corpus.txt", *(theirs if rank == 1 else ())), {}
     if name == "paths":  # the same bytes under another path on each rank: that is fine
         d = tmp / f"node{rank}"
-        return _tiny(out, d / "corpus.txt", f"steps=2"), {}
+        return _tiny(out, d / "corpus.txt", "steps=2"), {}
     if name == "bytes":  # the same path, other bytes on each rank ("two nodes")
         os.chdir(tmp / f"node{rank}")
         return _tiny(out, "corpus.txt"), {}

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 
-from dormouse.train import link as lk
 from dormouse.train.device import DeviceRecord
 from dormouse.train.link import (
     LINK_EFFICIENCY,

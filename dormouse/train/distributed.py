@@ -1212,6 +1212,15 @@ def init_parallel(
         kw = {"timeout": timedelta(seconds=collective)}
         if backend == "nccl":
             kw["device_id"] = device
+        restart = env.get("TORCHELASTIC_RESTART_COUNT", "0")
+        if env.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and restart not in ("", "0"):
+            # torchrun keeps its store across an elastic restart, and torch adds no prefix
+            # per attempt: a restarted rank could read a dead attempt's address from it (gloo:
+            # "Connection refused" to a port nobody holds, measured on about half the
+            # restarts of gate g22 on the CPU box). Each attempt gets keys of its own.
+            base = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), world,
+                                 is_master=False, timeout=kw["timeout"])  # fmt: skip
+            kw["store"] = dist.PrefixStore(f"dormouse/attempt_{restart}", base)
         dist.init_process_group(backend, rank=rank, world_size=world, **kw)
     heartbeat = _start_heartbeat(rank, world, limit, collective if patient else None, env)
     if patient:
