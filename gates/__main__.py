@@ -72,7 +72,6 @@ def main(argv: list[str] | None = None) -> int:
     names = args.only or GATES
     if args.cuda and not args.cuda_fleet:
         names = [g for g in names if getattr(load(g), "SINGLE_CUDA", False)]
-    import os
     import tempfile
 
     # The fleets' run folders and the shared-run cache live for this command only.

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 
-from gates.harness import ROOT, Record, corpus_path, environment, work_dir
+from gates.harness import Record, corpus_path, environment, launch_env, work_dir
 
 #: Not a fleet claim: `python -m gates --cuda-fleet` runs it as it is.
 CUDA = False
@@ -17,10 +16,8 @@ INSTRUMENT = ("check_launch on (--dist, WORLD_SIZE unset/1) and (no --dist, WORL
 
 
 def _cli(args: list[str], extra_env: dict) -> subprocess.Popen:
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}  # fmt: skip
+    env = launch_env()  # no inherited fleet variables; the repo on PYTHONPATH
     env.update(extra_env)
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     return subprocess.Popen([sys.executable, "-m", "dormouse", "train", "tiny", *args],
                             cwd=work_dir("launch"), env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)  # fmt: skip

@@ -299,8 +299,8 @@ class Recording:
         if not hasattr(self, "rec"):
             self.rec = {"fingerprints": [], "decisions": [], "losses": [], "local_losses": [],
                         "lfb": [], "params": {}, "grads": {}, "probe": [],
-                        "host_fingerprints": [], "host": {}, "gnorms": [], "states": [],
-                        "stepped": []}  # fmt: skip
+                        "host_fingerprints": [], "host": {}, "gnorms": [],
+                        "states": []}  # fmt: skip
         return self.rec
 
     def wrap(self, model):
@@ -345,9 +345,8 @@ class Recording:
         rec = self._rec()
         self.opt = opt
         rec["gnorms"].append(float(info.get("gnorm", float("nan"))))
-        rec["stepped"].append(bool(info.get("stepped")))
         rec["states"].append(state_hash(self.model, opt))
-        self._journal({"stepped": rec["stepped"][-1], "state": rec["states"][-1]})
+        self._journal({"state": rec["states"][-1]})
         super().after_step(net, opt, info)
 
     def fleet_loss(self, loss) -> float:
@@ -805,7 +804,7 @@ def _fleet(spec: FleetSpec) -> list[dict]:
 def _read_journal(path: Path) -> dict:
     import json
 
-    rec = {"decisions": [], "states": [], "stepped": []}
+    rec = {"decisions": [], "states": []}
     if path.exists():
         for line in path.read_text().splitlines():
             row = json.loads(line)
@@ -813,7 +812,6 @@ def _read_journal(path: Path) -> dict:
                 rec["decisions"].append((row["local"], row["agreed"]))
             else:
                 rec["states"].append(row["state"])
-                rec["stepped"].append(row["stepped"])
     return rec
 
 
@@ -839,19 +837,18 @@ def batches_of(spec: FleetSpec) -> list[int]:
 
 def single(spec: FleetSpec, batches: list[int] | None = None, *, probe=None,
            resume_from: str | None = None, steps: int | None = None,
-           drop_steps: tuple[int, ...] = (), reverse_rows: bool = False,
-           split_rows: bool = False) -> dict:
+           drop_steps: tuple[int, ...] = (), split_rows: bool = False) -> dict:
     """The reference: one process at the global batch of `spec` (cached like a fleet).
 
     `drop_steps`: 0-based steps whose batch the reference never trains on (no forward, no
-    backward): what a fleet's skipped step must be equivalent to. `reverse_rows` /
-    `split_rows`: the same run with each batch's windows reversed / run as the fleet's
-    per-rank pieces in one process, for the reference's own round-off spread.
+    backward): what a fleet's skipped step must be equivalent to. `split_rows`: the same run
+    with each batch run as the fleet's per-rank pieces in one process, for the reference's
+    own round-off spread.
     """
     spec = dataclasses.replace(spec, mutation="")  # the reference never runs a planted bug
     batches = batches or batches_of(spec)
     tag = repr((spec.key(), batches, probe.__name__ if probe else None, resume_from, steps,
-                drop_steps, reverse_rows, split_rows))  # fmt: skip
+                drop_steps, split_rows))  # fmt: skip
 
     def compute():
         import shutil
@@ -878,7 +875,7 @@ def single(spec: FleetSpec, batches: list[int] | None = None, *, probe=None,
             inputs: list = []
             record_inputs(model, inputs)
             _, report = run_single(run, seams=seams, model=model, resume=bool(resume_from),
-                                   drop_steps=drop_steps, reverse_rows=reverse_rows,
+                                   drop_steps=drop_steps,
                                    split_rows=tuple(batches) if split_rows else ())  # fmt: skip
             rec = seams.finish()
         return {"rec": rec, "report": report, "elapsed": time.perf_counter() - t0,
@@ -1052,9 +1049,10 @@ def write_status(records: list[Record], path: Path,
 #: 2 ranks x 2 windows, DDP, Muon, 20 steps; eval and checkpoints every 10 steps; each rank
 #: gets its own out_dir so the gate can see which rank wrote what. Gates 1, 2, 8.
 DDP_RUN = FleetSpec("ddp", steps=20, per_rank_out=True, sets=("eval_every=10", "ckpt_every=10"))
-#: Unequal capacity, two steps (the step-1 state is recorded inside step 2). Blocks in file order (shuffle off), so the hand-written
-#: gradient reference reads step 0's block from byte 0 without re-implementing the data
-#: module's block order. Gate 3, at world 2 and 3 (rank order shows only from world 3 on).
+#: Unequal capacity, two steps (the step-1 state is recorded inside step 2). Blocks in file
+#: order (shuffle off), so the hand-written gradient reference reads step 0's block from byte
+#: 0 without re-implementing the data module's block order. Gate 3, at world 2 and 3 (rank
+#: order shows only from world 3 on).
 UNEQUAL_RUNS = {
     2: FleetSpec("unequal", steps=2, capacity="4,2", sets=("shuffle=false",)),
     3: FleetSpec("unequal3", world=3, steps=2, capacity="4,2,3", sets=("shuffle=false",)),

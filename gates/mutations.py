@@ -141,20 +141,15 @@ def _zg_zero(orig):
     return zero_grad
 
 
-def _hook_without_division(_orig):
+def _hook_without_division(orig):
     def compress(dtype):
-        import torch.distributed as dist
+        mean = orig(dtype)
 
         def hook(state, bucket):
-            small = bucket.buffer().to(dtype)  # the bug: no .div_(world_size)
-            fut = dist.all_reduce(small, async_op=True).get_future()
+            import torch.distributed as dist
 
-            def widen(f):
-                out = bucket.buffer()
-                out.copy_(f.value()[0])
-                return out
-
-            return fut.then(widen)
+            bucket.buffer().mul_(dist.get_world_size())  # the bug: the hook's division undone
+            return mean(state, bucket)
 
         return hook
 
@@ -295,7 +290,8 @@ MUTATIONS: list[Mutation] = [
              ("g05_nonfinite",)),
     Mutation("skip_keeps_lfb_counts",
              "a skipped step's router counts stay in lfb_counts and steer the next bias update",
-             (("dormouse.train.loop:_discard_lfb_counts", lambda orig: lambda model: None),),
+             (("dormouse.model.model:DormouseModel.lfb_discard",
+               lambda orig: lambda self: None),),
              ("g05_nonfinite",)),
     Mutation("host_rows_rank_order",
              "host Engram rows merged starting from the rank's own rows (a rank-dependent "

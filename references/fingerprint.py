@@ -33,18 +33,19 @@ def _plain(t: torch.Tensor) -> torch.Tensor:
     return t.to("cpu").contiguous()
 
 
+def _plain_sorted(named) -> dict[str, torch.Tensor]:
+    named = sorted(((_clean(n), t) for n, t in named), key=lambda kv: kv[0])
+    return {n: _plain(t).clone() for n, t in named}
+
+
 def plain_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """{name: full CPU copy} for every parameter, sorted by name."""
-    named = [(_clean(n), p) for n, p in model.named_parameters()]
-    named.sort(key=lambda kv: kv[0])
-    return {n: _plain(p).clone() for n, p in named}
+    return _plain_sorted(model.named_parameters())
 
 
 def plain_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """{name: full CPU copy of .grad} for every parameter that has one, sorted by name."""
-    named = [(_clean(n), p.grad) for n, p in model.named_parameters() if p.grad is not None]
-    named.sort(key=lambda kv: kv[0])
-    return {n: _plain(g).clone() for n, g in named}
+    return _plain_sorted((n, p.grad) for n, p in model.named_parameters() if p.grad is not None)
 
 
 def fingerprint_params(params: dict[str, torch.Tensor]) -> str:

@@ -47,7 +47,6 @@ def run_single(
     log: Callable[[str], None] | None = None,
     resume: bool = False,
     drop_steps: tuple[int, ...] = (),
-    reverse_rows: bool = False,
     split_rows: tuple[int, ...] = (),
 ) -> tuple[torch.nn.Module, dict]:
     """Train `run` (already at the global batch) in this process; returns (model, report).
@@ -57,12 +56,11 @@ def run_single(
     `drop_steps`: at these 0-based steps the batch is read and thrown away: no forward, no
     backward, no optimizer call (the loop counts the step as skipped). That is what a
     fleet's agreed skip must amount to, reached without the fleet's skip path.
-    `reverse_rows`: every batch's windows in reverse order. `split_rows` (e.g. (3, 1)): every
-    training forward runs as forwards of these many windows, the loss their token-weighted
-    mean, so the gradient is summed over the pieces by autograd. Both are the same
-    mathematics in another fp32 order (split_rows with other matmul shapes too, as a fleet's
-    ranks have): the reference's own round-off spread, which a CUDA gate measures on the
-    card instead of assuming the CPU's.
+    `split_rows` (e.g. (3, 1)): every training forward runs as forwards of these many
+    windows, the loss their token-weighted mean, so the gradient is summed over the pieces by
+    autograd: the same mathematics in another fp32 order and other matmul shapes, as a
+    fleet's ranks have: the reference's own round-off spread, which a CUDA gate measures on
+    the card instead of assuming the CPU's.
     """
     cfg = run.train
     if seams is None:
@@ -72,7 +70,7 @@ def run_single(
     if split_rows:
         _split_forward(model, split_rows)
     lines: list[str] = []
-    with _batches(drop_steps, reverse_rows):
+    with _dropping(drop_steps):
         report = train(model, run, log=log or lines.append, parallel=seams, resume=resume)
     return model, report
 
@@ -93,8 +91,8 @@ def _split_forward(model: torch.nn.Module, sizes: tuple[int, ...]) -> None:
 
 
 @contextmanager
-def _batches(drop: tuple[int, ...], reverse: bool):
-    if not drop and not reverse:
+def _dropping(drop: tuple[int, ...]):
+    if not drop:
         yield
         return
     calls = [0]
@@ -105,8 +103,6 @@ def _batches(drop: tuple[int, ...], reverse: bool):
         calls[0] += 1
         if k in drop:
             return torch.tensor(float("nan")), {}, False
-        if reverse:
-            x, y = x.flip(0), y.flip(0)
         return real(net, opt, parallel, x, y, *args, **kwargs)
 
     loop.train_step = train_step

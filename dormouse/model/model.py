@@ -104,6 +104,12 @@ class DormouseModel(nn.Module):
         for block in self.blocks:
             block.moe.lfb_update(reduce=reduce)
 
+    @torch.no_grad()
+    def lfb_discard(self) -> None:
+        """After a skipped step: forget the routers' counts of the batch that was dropped."""
+        for block in self.blocks:
+            block.moe.lfb_counts.zero_()
+
     # ---- recurrent decoding --------------------------------------------------------
     def init_cache(self, row_len: int | None = None) -> dict:
         """An empty decoding cache. `row_len` (default max_seq_len) is the row length the

@@ -248,7 +248,7 @@ def train_step(net, opt, parallel: Seams, x, y, cfg, factor: float, device, auto
         # A skipped step leaves no trace: no gradient carried into the next step, and the
         # routers' counts of the dropped batch do not steer the load balancer.
         opt.zero_grad(set_to_none=True)
-        _discard_lfb_counts(parallel.unwrap(net))
+        parallel.unwrap(net).lfb_discard()
         parallel.after_step(net, opt, {"stepped": False, "gnorm": gnorm})
         return loss, aux, False
     opt.step()
@@ -256,13 +256,6 @@ def train_step(net, opt, parallel: Seams, x, y, cfg, factor: float, device, auto
     parallel.unwrap(net).lfb_update(reduce=parallel.lfb_reduce)
     parallel.after_step(net, opt, {"stepped": True, "gnorm": gnorm})
     return loss, aux, True
-
-
-@torch.no_grad()
-def _discard_lfb_counts(model: torch.nn.Module) -> None:
-    for name, buf in model.named_buffers():
-        if name.endswith("lfb_counts"):
-            buf.zero_()
 
 
 class _NoHeartbeat:
