@@ -13,21 +13,46 @@ import os
 import sys
 
 from .config import ConfigError, apply_sets, check_device, preset, preset_names, validate
-from .errors import is_user_error
+from .errors import UserError
 
 
-def _log(line: str) -> None:
-    # One write per line: print() writes the text and the newline separately when stdout is
-    # unbuffered (PYTHONUNBUFFERED=1), and a fleet's ranks share one pipe, so two ranks'
-    # lines could interleave mid-line. A single write under PIPE_BUF bytes stays whole.
-    sys.stdout.write(line + "\n")
-    sys.stdout.flush()
+log = logging.getLogger("dormouse")
 
 
-def _setup_logging() -> None:
-    # Module loggers ("dormouse.*") report `auto` choices on stderr, so `sample` prints only
-    # the text on stdout.
-    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+class _RankFilter(logging.Filter):
+    """On a fleet, INFO lines come from rank 0 only (it speaks for the fleet); warnings, errors
+    and lines logged with extra={"every_rank": True} come from every rank."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        rank = os.environ.get("RANK", "0") or "0"
+        return rank == "0" or record.levelno >= logging.WARNING or getattr(record, "every_rank", False)
+
+
+class _LineHandler(logging.Handler):
+    """One write per line: a fleet's ranks share one pipe, and print() writes the text and
+    the newline separately when stdout is unbuffered, so two ranks' lines could interleave
+    mid-line. A single write under PIPE_BUF bytes stays whole."""
+
+    def __init__(self, stream_name: str):
+        super().__init__(logging.INFO)
+        self.stream_name = stream_name  # looked up per line: tests swap sys.stdout
+        self.addFilter(_RankFilter())
+
+    def emit(self, record: logging.LogRecord) -> None:
+        stream = getattr(sys, self.stream_name)
+        stream.write(self.format(record) + "\n")
+        stream.flush()
+
+
+def setup_logging(stream_name: str = "stdout") -> logging.Handler:
+    """The `dormouse` logger's one handler (replacing an earlier one): every module logs
+    through `logging.getLogger(__name__)`; `sample` sends it to stderr, its text to stdout."""
+    for h in [h for h in log.handlers if isinstance(h, _LineHandler)]:
+        log.removeHandler(h)
+    handler = _LineHandler(stream_name)
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    return handler
 
 
 def _run_from_args(args):
@@ -61,59 +86,19 @@ def _elastic_restart(env) -> int:
         return 0
 
 
-def _quiet(_line: str) -> None:
-    pass
-
-
-def _build_model(run, meta: bool = False):
-    """The model of `run`; an arm this build does not have is a refusal, not a traceback."""
-    import torch
-
-    from .model import DormouseModel
-
-    try:
-        if meta:
-            with torch.device("meta"):
-                return DormouseModel(run.model)
-        torch.manual_seed(run.train.seed)
-        return DormouseModel(run.model)
-    except NotImplementedError as e:  # moe_impl=triton: the model's own refusal text
-        raise ConfigError(str(e)) from None
-
-
-def _check_arms(run, device, autocast_dtype) -> None:
-    """Refuse a pinned kernel arm that cannot run on this device before any step runs, with
-    the model's own choice functions (inside the model the refusal would be a traceback)."""
-    import torch
-
-    from .model.kda import choose_kda_impl
-    from .model.moe import _grouped_support
-
-    m = run.model
-    dtype = autocast_dtype or torch.float32
-    try:
-        choose_kda_impl(m.kda_impl, device, dtype, m.head_dim)
-    except RuntimeError as e:
-        raise ConfigError(str(e)) from None
-    if m.moe_impl == "grouped":
-        why = _grouped_support(device, dtype, m.d_model, m.d_ffn)
-        if why:
-            raise ConfigError(f"moe_impl=grouped cannot run: {why}; use --set moe_impl=batched "
-                              f"(runs everywhere) or moe_impl=auto")  # fmt: skip
-
-
-def _dry_run(run, device, autocast_dtype, plan: str) -> int:
+def _dry_run(run, device, autocast, plan: str) -> int:
     """Everything a run checks before its first step, without training or writing a file."""
     from .train import checkpoint as ckpt
     from .train.data import open_data
     from .train.loop import ckpt_path
     from .train.optim import MixOptimizer
+    from .train.run import build_model, dtype_name
 
-    model = _build_model(run, meta=True)
+    model = build_model(run, meta=True)
     n = sum(p.numel() for p in model.parameters())
-    MixOptimizer.from_config(model, run.train, device.type, log=_quiet)
+    MixOptimizer.from_config(model, run.train, device.type)
     t = run.train
-    data = open_data(t, log=_log)
+    data = open_data(t)
     data.train_stream(t.batch, t.seq_len)
     if t.eval_every and data.has_val:
         data.val_batches(1, t.batch, t.seq_len)
@@ -123,10 +108,9 @@ def _dry_run(run, device, autocast_dtype, plan: str) -> int:
         if diff:
             raise ckpt.CheckpointError(f"{ckpt_path(run)} has another model shape: "
                                        + "; ".join(diff))  # fmt: skip
-    dtype = "fp32" if autocast_dtype is None else str(autocast_dtype).replace("torch.", "")
-    _log(f"dry run: ok ({run.source}, {n / 1e6:.2f}M parameters, device={device}, "
-         f"dtype={dtype}, steps={t.steps}; would {_PLAN_WORDS[plan]} in {t.out_dir}); nothing "
-         f"trained or written")  # fmt: skip
+    log.info(f"dry run: ok ({run.source}, {n / 1e6:.2f}M parameters, device={device}, "
+             f"dtype={dtype_name(autocast)}, steps={t.steps}; would {_PLAN_WORDS[plan]} in "
+             f"{t.out_dir}); nothing trained or written")  # fmt: skip
     return 0
 
 
@@ -135,43 +119,29 @@ _PLAN_WORDS = {"fresh": "start afresh", "resume": "resume", "complete": "do noth
 
 def cmd_train(args) -> int:
     from .train import checkpoint as ckpt
-    from .train.distributed import check_launch, train_dist
+    from .train.run import prepare, train_run
 
     run = _run_from_args(args)
-    dist_mode = check_launch(run.train.dist, os.environ)
-    mode = args.resume or "never"
-    restart = _elastic_restart(os.environ)
-    rank0 = os.environ.get("RANK", "0") in ("", "0")
-    if dist_mode:
-        plan = ckpt.plan_run_folder(run, mode, args.overwrite, _log if rank0 else _quiet, restart)
-        if args.dry_run:
-            _log(f"dry run: fleet launch accepted; would {_PLAN_WORDS[plan]} in "
-                 f"{run.train.out_dir} (the fleet's own checks run when its ranks meet); nothing "
-                 f"trained or written")  # fmt: skip
-            return 0
-        if plan == "complete":
-            return 0
-        if rank0:
-            _say_cleaned(ckpt.clean_stale_temps(run.train.out_dir), run.train.out_dir)
-        report = train_dist(run, log=_log, resume=plan == "resume")
-    else:
-        if run.train.fit_gb:
-            from .train.fit import apply_fit
+    if run.train.dist or os.environ.get("WORLD_SIZE", "").strip() not in ("", "1"):
+        from .train.fleet import check_launch
 
-            run = apply_fit(run, log=_log)
-        from .train.loop import resolve_autocast, resolve_device, train
-
-        device = resolve_device(run.train.device, _quiet)
-        autocast_dtype = resolve_autocast(run, device, _quiet)
-        _check_arms(run, device, autocast_dtype)
-        plan = ckpt.plan_run_folder(run, mode, args.overwrite, _log, restart)
-        if args.dry_run:
-            return _dry_run(run, device, autocast_dtype, plan)
-        if plan == "complete":
-            return 0
+        check_launch(run.train.dist, os.environ)
+    if args.dry_run and not run.train.dist:
+        run, device, autocast = prepare(run)
+    plan = ckpt.plan_run_folder(run, args.resume or "never", args.overwrite,
+                                _elastic_restart(os.environ))  # fmt: skip
+    if args.dry_run and run.train.dist:  # the fleet's own checks run when its ranks meet
+        log.info(f"dry run: fleet launch accepted; would {_PLAN_WORDS[plan]} in "
+                 f"{run.train.out_dir} (the fleet's own checks run when its ranks meet); "
+                 f"nothing trained or written")  # fmt: skip
+        return 0
+    if args.dry_run:
+        return _dry_run(run, device, autocast, plan)
+    if plan == "complete":
+        return 0
+    if os.environ.get("RANK", "0") in ("", "0"):
         _say_cleaned(ckpt.clean_stale_temps(run.train.out_dir), run.train.out_dir)
-        model = _build_model(run)
-        report = train(model, run, log=_log, resume=plan == "resume", progress=True)
+    report = train_run(run, resume=plan == "resume", progress=not run.train.dist)
     final = (report.get("val") or {}).get("bpb", 0.0)
     if not math.isfinite(final):
         from .train.loop import TrainingError
@@ -187,14 +157,14 @@ def cmd_train(args) -> int:
         start = report.get("val_start") or {}
         if val:
             before = f"{start['bpb']:.4f} -> " if start else ""
-            _log(f"done: steps={report['steps']} val_bpb={before}{val['bpb']:.4f} "
+            log.info(f"done: steps={report['steps']} val_bpb={before}{val['bpb']:.4f} "
                  f"checkpoint={report['checkpoint']}")  # fmt: skip
     return 0
 
 
 def _say_cleaned(removed: list[str], out: str) -> None:
     if removed:
-        _log(f"{out}: removed {len(removed)} temp file(s) left by a checkpoint write that never "
+        log.info(f"{out}: removed {len(removed)} temp file(s) left by a checkpoint write that never "
              f"finished (a killed run): {', '.join(removed)}")  # fmt: skip
 
 
@@ -209,16 +179,17 @@ def _arms_for_this_machine(run, source: str):
     if not pinned:
         return run
     said = " ".join(f"{k}={v}" for k, v in pinned.items())
-    _log(f"{source}: trained with {said}; the arms compute the same function, so this run "
+    log.info(f"{source}: trained with {said}; the arms compute the same function, so this run "
          f"picks them for its own device ({' '.join(f'{k}=auto' for k in pinned)})")
     return replace(run, model=replace(run.model, **{k: "auto" for k in pinned}))
 
 
 def cmd_eval(args) -> int:
-    from .train.checkpoint import load_model_state, read_checkpoint
-    from .train.data import open_data
-    from .train.loop import evaluate, resolve_autocast, resolve_device
     from .model import DormouseModel
+    from .train.checkpoint import load_model, read_checkpoint
+    from .train.data import open_data
+    from .train.loop import evaluate
+    from .train.run import resolve_autocast, resolve_device
 
     if args.batches is not None and args.batches < 1:
         raise ConfigError(f"--batches {args.batches}: evaluate at least one batch (omit it for "
@@ -229,14 +200,14 @@ def cmd_eval(args) -> int:
     run = _arms_for_this_machine(ck["run"], args.checkpoint)
     if args.data:
         run = apply_sets(run, ["data=" + ",".join(args.data)])
-    device = resolve_device(args.device or "auto", _log)
+    device = resolve_device(args.device or "auto")
     model = DormouseModel(run.model)
-    load_model_state(model, ck, args.checkpoint)
+    load_model(model, ck, args.checkpoint)
     model.to(device)
-    data = open_data(run.train, log=_log)
+    data = open_data(run.train)
     batches = data.val_batches(args.batches or run.train.eval_batches, run.train.batch, run.train.seq_len)
-    res = evaluate(model, batches, device, resolve_autocast(run, device, _log))
-    _log(f"eval checkpoint={args.checkpoint} step={ck['step']} loss={res['loss']:.4f} "
+    res = evaluate(model, batches, device, resolve_autocast(run, device))
+    log.info(f"eval checkpoint={args.checkpoint} step={ck['step']} loss={res['loss']:.4f} "
          f"bpb={res['bpb']:.4f} tokens={res['tokens']}")  # fmt: skip
     return 0
 
@@ -246,8 +217,8 @@ def cmd_sample(args) -> int:
 
     from .model import DormouseModel
     from .model.sample import check_sample_args, generate
-    from .train.checkpoint import load_model_state, read_checkpoint
-    from .train.loop import resolve_device
+    from .train.checkpoint import load_model, read_checkpoint
+    from .train.run import resolve_device
 
     check_sample_args(args.bytes, args.temperature, args.top_k)
     if args.device:
@@ -257,8 +228,8 @@ def cmd_sample(args) -> int:
     prompt = args.prompt.encode("utf-8", "surrogateescape")
     ck = read_checkpoint(args.checkpoint)
     model = DormouseModel(_arms_for_this_machine(ck["run"], args.checkpoint).model)
-    load_model_state(model, ck, args.checkpoint)
-    device = resolve_device(args.device or "auto", lambda _l: None)
+    load_model(model, ck, args.checkpoint)
+    device = resolve_device(args.device or "auto")
     model.to(device).eval()
     gen = torch.Generator(device="cpu").manual_seed(args.seed)
     # the capacity MoE caps each training window of seq_len bytes: decode with the same rows
@@ -275,19 +246,19 @@ def cmd_plan(args) -> int:
         import torch
 
         from .model import DormouseModel
-        from .train.optim import format_routes, route_params
+        from .train.routing import format_routes, route_params
 
         with torch.device("meta"):
             model = DormouseModel(run.model)
-        _log(format_routes(route_params(model, opt=run.train.opt)))
+        log.info(format_routes(route_params(model, opt=run.train.opt)))
     if args.fit is not None:
         from .train.fit import main_plan
 
-        main_plan(run, args.fit, batch=args.batch, seq=args.seq, log=_log)
+        main_plan(run, args.fit, batch=args.batch, seq=args.seq)
     if not args.routes and args.fit is None:
         from .model import count_params
 
-        _log(f"{args.preset}: {count_params(run.model) / 1e6:.2f}M parameters")
+        log.info(f"{args.preset}: {count_params(run.model) / 1e6:.2f}M parameters")
     return 0
 
 
@@ -374,8 +345,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    _setup_logging()
     argv = list(sys.argv[1:] if argv is None else argv)
+    setup_logging("stderr" if argv[:1] in (["sample"], ["bench"]) else "stdout")
     # `link` and `bench` own their flags: hand them everything after the subcommand.
     passthrough = {"link": cmd_link, "bench": cmd_bench}
     if argv and argv[0] in passthrough:
@@ -387,7 +358,7 @@ def main(argv: list[str] | None = None) -> int:
         print("dormouse: interrupted", file=sys.stderr)
         return 130
     except Exception as e:  # a UserError is one line (cause, fact, escape); anything else a bug
-        if not is_user_error(e):
+        if not isinstance(e, UserError):
             raise
         what = "config error: " if isinstance(e, ConfigError) else ""
         print(f"dormouse: {what}{e}", file=sys.stderr)

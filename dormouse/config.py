@@ -10,13 +10,20 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import logging
 import math
 import re
 import typing
 from dataclasses import dataclass, field, fields, replace
-from typing import Any
+from typing import Any, Literal
 
 from .errors import UserError
+
+log = logging.getLogger(__name__)
+
+KdaImpl = Literal["auto", "torch", "fla"]
+MoeImpl = Literal["auto", "grouped", "batched", "triton"]
+Dtype = Literal["auto", "fp32", "bf16", "fp16"]  # auto: the device policy's (train/device.py)
 
 
 class ConfigError(UserError, ValueError):
@@ -37,7 +44,7 @@ class ModelConfig:
     head_dim: int = 64
     conv_size: int = 4
     gate_rank: int = 16  # low-rank f(x) that feeds the per-key-dim decay
-    kda_impl: str = "auto"  # auto | torch | fla
+    kda_impl: KdaImpl = "auto"
     kda_chunk: int = 16  # chunk length of the torch arm
     segment_len: int = 0  # 0 = whole window; else carry state, cut gradient at borders
     # MoE FFN
@@ -46,7 +53,7 @@ class ModelConfig:
     moe_topk: int = 2
     moe_capacity: float = 0.0  # 0 = dropless; > 0 = capacity factor
     moe_lb_coef: float = 0.0  # LFB update rate; 0 = controller off
-    moe_impl: str = "auto"  # auto | grouped | batched | triton
+    moe_impl: MoeImpl = "auto"
     shared_rank: int = 16
     # Engram
     engram_rows: int = 1024
@@ -60,7 +67,6 @@ class ModelConfig:
     act_ckpt_quant: bool = False  # quantize checkpointed inputs to bf16 (approximate)
     # the rest
     max_seq_len: int = 512
-    bf16: bool = False  # compute in bf16 autocast on CUDA when dtype=none
     init_std: float = 0.02
 
     @property
@@ -75,25 +81,25 @@ class TrainConfig:
     seq_len: int = 256
     seed: int = 0
     device: str = "auto"  # auto | cpu | cuda | cuda:N
-    dtype: str = "none"  # none | auto | fp32 | bf16 | fp16
+    dtype: Dtype = "auto"
     compile: bool = False
     # schedule
     lr: float = 3e-3
     min_lr_frac: float = 0.1
     warmup: int = 20
-    schedule: str = "cosine"  # cosine | wsd | constant
+    schedule: Literal["cosine", "wsd", "constant"] = "cosine"
     wsd_decay_frac: float = 0.2
     wd: float = 0.1
     grad_clip: float = 1.0
     max_skips: int = 10  # consecutive non-finite steps before the run stops
     # optimizer
-    opt: str = "mix"  # mix | adamw
+    opt: Literal["mix", "adamw"] = "mix"
     ns_steps: int = 5
-    ns_kind: str = "quintic"  # quintic | polar_express
-    ns_dtype: str = "auto"  # auto | fp32 | bf16
-    muon_state_dtype: str = "fp32"  # fp32 | bf16
-    muon_variant: str = "nesterov"  # nesterov | plain
-    muon_sf: str = "rms"  # rms | jordan
+    ns_kind: Literal["quintic", "polar_express"] = "quintic"
+    ns_dtype: Literal["auto", "fp32", "bf16"] = "auto"
+    muon_state_dtype: Literal["fp32", "bf16"] = "fp32"
+    muon_variant: Literal["nesterov", "plain"] = "nesterov"
+    muon_sf: Literal["rms", "jordan"] = "rms"
     muon_momentum: float = 0.95
     adam_betas: tuple[float, ...] = (0.9, 0.95)
     engram_lr_mult: float = 5.0
@@ -113,8 +119,8 @@ class TrainConfig:
     # distributed
     dist: bool = False
     dist_capacity: str = ""
-    dist_reduce: str = "auto"  # auto | fp32 | bf16 | fp16
-    dist_shard: str = "none"  # none | fsdp
+    dist_reduce: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
+    dist_shard: Literal["none", "fsdp"] = "none"
     bucket_mb: float = 0.0  # 0 = sized from the payload
     # seconds: a rank whose heartbeat is older than this, or one collective that waits
     # longer, ends every rank of the fleet (docs/reliability.md, the fleet)
@@ -150,11 +156,9 @@ class RunConfig:
             if not isinstance(d.get(part, {}), dict):
                 raise ConfigError(f"the run config's {part!r} must be a JSON object, got "
                                   f"{type(d[part]).__name__}")  # fmt: skip
-        return cls(
-            source=str(d["source"]),
-            model=_build(ModelConfig, d.get("model", {})),
-            train=_build(TrainConfig, d.get("train", {})),
-        )
+        model, train = dict(d.get("model", {})), dict(d.get("train", {}))
+        _one_dtype(model, train)
+        return cls(str(d["source"]), _build(ModelConfig, model), _build(TrainConfig, train))
 
     @classmethod
     def from_json(cls, text: str) -> RunConfig:
@@ -163,6 +167,16 @@ class RunConfig:
         except (TypeError, ValueError) as e:
             raise ConfigError(f"the run config is not valid JSON ({e})") from None
         return cls.from_dict(d)
+
+
+def _one_dtype(model: dict[str, Any], train: dict[str, Any]) -> None:
+    """An older config's ModelConfig.bf16 and dtype=none (the flag decides) -> one dtype."""
+    if "bf16" not in model and train.get("dtype") != "none":
+        return
+    bf16, old = model.pop("bf16", False), train.get("dtype", "none")
+    train["dtype"] = ("auto" if bf16 is True else "fp32") if old == "none" else old
+    log.info("run config of an older dormouse: bf16=%s dtype=%s -> dtype=%s", bf16, old,
+             train["dtype"])
 
 
 def _build(cls, d: dict[str, Any]):
@@ -180,6 +194,8 @@ def _build(cls, d: dict[str, Any]):
 
 def _coerce_json(tp, v, key: str = "?"):
     """A JSON value as the field's declared type; ConfigError when it is another kind."""
+    if typing.get_origin(tp) is Literal:  # validate() checks the value itself
+        tp = str
     if typing.get_origin(tp) is tuple:
         if not isinstance(v, (list, tuple)):
             raise ConfigError(f"field {key}: expected a list, got {type(v).__name__} {v!r}")
@@ -201,30 +217,31 @@ def _coerce_json(tp, v, key: str = "?"):
 _TINY = ModelConfig(
     d_model=64, n_heads=4, head_dim=16, d_ffn=128, n_layers=1, max_iter=2, rank=8,
     n_experts=4, moe_topk=2, engram_rows=64, engram_dim=8, engram_heads=2,
-    shared_rank=16, gate_rank=8, max_seq_len=64, bf16=False,
+    shared_rank=16, gate_rank=8, max_seq_len=64,
 )  # fmt: skip
 
 _SMALL = ModelConfig(
     d_model=256, n_heads=4, head_dim=64, d_ffn=128, n_layers=4, max_iter=2, rank=16,
     n_experts=8, moe_topk=2, engram_rows=16384, engram_dim=32, engram_heads=4,
-    shared_rank=64, gate_rank=32, max_seq_len=512, bf16=True,
+    shared_rank=64, gate_rank=32, max_seq_len=512,
 )  # fmt: skip
 
 _MEDIUM = ModelConfig(
     d_model=768, n_heads=12, head_dim=64, d_ffn=768, n_layers=6, max_iter=2, rank=32,
     n_experts=8, moe_topk=2, engram_rows=65536, engram_dim=64, engram_heads=4,
-    shared_rank=128, gate_rank=64, max_seq_len=1024, bf16=True,
+    shared_rank=128, gate_rank=64, max_seq_len=1024,
 )  # fmt: skip
 
 _B1 = ModelConfig(
     d_model=1536, n_heads=12, head_dim=128, d_ffn=1920, n_layers=8, max_iter=2, rank=64,
     n_experts=8, moe_topk=2, engram_rows=393216, engram_dim=128, engram_heads=4,
-    shared_rank=256, gate_rank=128, max_seq_len=2048, bf16=True,
+    shared_rank=256, gate_rank=128, max_seq_len=2048,
 )  # fmt: skip
 
 _PRESETS: dict[str, tuple[ModelConfig, TrainConfig]] = {
+    # tiny computes fp32 everywhere; the others take the device policy's dtype (auto).
     "tiny": (_TINY, TrainConfig(batch=4, seq_len=64, steps=20, lr=1e-3, warmup=0,
-                                log_every=1, eval_every=0, ckpt_every=0)),
+                                log_every=1, eval_every=0, ckpt_every=0, dtype="fp32")),
     # The main job (300 steps of this) must finish inside 10 minutes on a 2-core CPU,
     # where Muon's polar is compute-bound: narrow experts (d_ffn 128) cut it ~4x, and the
     # parameters they gave up sit in Engram rows (row-sparse Adam, no polar). 8 x 128 with
@@ -291,7 +308,7 @@ def parse_value(tp, text: str, key: str):
             return int(text, 0)
         if tp is float:
             return float(text)
-        if tp is str:
+        if tp is str or origin is Literal:  # validate() checks a Literal's value
             return text
         if origin is tuple:
             (inner, *_rest) = typing.get_args(tp)
@@ -332,20 +349,9 @@ def apply_sets(run: RunConfig, sets: list[str] | tuple[str, ...]) -> RunConfig:
 
 # ---- validation ----------------------------------------------------------------
 
-_CHOICES = {
-    "kda_impl": ("auto", "torch", "fla"),
-    "moe_impl": ("auto", "grouped", "batched", "triton"),
-    "dtype": ("none", "auto", "fp32", "bf16", "fp16"),
-    "schedule": ("cosine", "wsd", "constant"),
-    "opt": ("mix", "adamw"),
-    "ns_kind": ("quintic", "polar_express"),
-    "ns_dtype": ("auto", "fp32", "bf16"),
-    "muon_state_dtype": ("fp32", "bf16"),
-    "muon_variant": ("nesterov", "plain"),
-    "muon_sf": ("rms", "jordan"),
-    "dist_reduce": ("auto", "fp32", "bf16", "fp16"),
-    "dist_shard": ("none", "fsdp"),
-}
+#: Every field with a fixed set of values: its Literal annotation, stated once.
+_CHOICES = {name: typing.get_args(tp) for cls in (ModelConfig, TrainConfig)
+            for name, tp in typing.get_type_hints(cls).items() if typing.get_origin(tp) is Literal}
 
 _POSITIVE = (
     "vocab d_model n_layers max_iter n_heads head_dim conv_size kda_chunk d_ffn n_experts "

@@ -12,7 +12,3 @@ from __future__ import annotations
 class UserError(Exception):
     """A refusal whose message names the cause, the measured fact and the escape."""
 
-
-def is_user_error(e: BaseException) -> bool:
-    """True for a UserError: the CLI prints it as one line (exit 2)."""
-    return isinstance(e, UserError)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import torch
 import torch.distributed as dist
 
 from gates.harness import FleetSpec, Record, environment, fixture_run, work_dir
@@ -10,12 +11,12 @@ from gates.harness import FleetSpec, Record, environment, fixture_run, work_dir
 CUDA = False
 
 CLAIM = "NCCL missing on a CUDA fleet: loud refusal, never gloo"
-INSTRUMENT = ("choose_backend('cuda', nccl_available=False) and init_parallel on a simulated "
+INSTRUMENT = ("choose_backend('cuda', nccl_available=False) and fleet.join on a simulated "
               "2-rank CUDA fleet without NCCL; controls: cuda+NCCL -> nccl, cpu -> gloo")  # fmt: skip
 
 
 def run(cuda: bool = False) -> Record:
-    from dormouse.train.distributed import DistError, choose_backend, init_parallel
+    from dormouse.train.fleet import DistError, choose_backend, join
 
     notes, ok = [], True
     try:
@@ -31,12 +32,12 @@ def run(cuda: bool = False) -> Record:
     env = {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
            "MASTER_PORT": "1"}  # fmt: skip
     try:
-        init_parallel(run_cfg, "cuda", nccl_available=False, env=env, log=lambda _l: None)
+        join(run_cfg, torch.device("cuda", 0), nccl_available=False, env=env)
         ok = False
-        notes.append("init_parallel started a fleet")
+        notes.append("fleet.join started a fleet")
     except DistError as e:
         ok &= "NCCL" in str(e) and not dist.is_initialized()
-        notes.append("init_parallel refused before any process group existed"
+        notes.append("fleet.join refused before any process group existed"
                      if not dist.is_initialized() else "a process group was created")
     controls = (choose_backend("cuda", nccl_available=True), choose_backend("cpu"))
     ok &= controls == ("nccl", "gloo")

@@ -25,7 +25,7 @@ def run(cuda: bool = False) -> Record:
     steps = sum(1 for line in ranks[0]["lines"] if line.startswith("step="))
     quiet = all(len(r["lines"]) == 1 and r["lines"][0].startswith(f"dist rank={i}/{P} ")
                 for i, r in enumerate(ranks[1:], start=1))  # fmt: skip
-    announce = ranks[0]["lines"][0].startswith(f"dist rank=0/{P} ")
+    announce = sum(line.startswith(f"dist rank=0/{P} ") for line in ranks[0]["lines"]) == 1
     passed = main_ok and others_ok and evals_ok and quiet and announce and steps == spec.steps
     return Record(
         "g08_rank0", CLAIM, INSTRUMENT,

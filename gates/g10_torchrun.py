@@ -37,9 +37,8 @@ def _torchrun() -> list[str]:
 def reference(data: Path, device: str) -> dict:
     """One process, tiny preset at the global batch 8; the probe records rank 0's own loss."""
     from dormouse.config import apply_sets, preset, validate
-    from dormouse.train.seams import RankShape
-    from gates.harness import _recorder_classes
     from dormouse.train.data import open_data
+    from gates.harness import Recorder
     from references.single import global_run, run_single
 
     out = work_dir("torchrun-ref")
@@ -51,7 +50,7 @@ def reference(data: Path, device: str) -> dict:
     # (which owns the block order); the claim itself is checked against the one-process run.
     T = run.train.seq_len
     stride = sum(BATCHES) * (T + 1)
-    opened = open_data(fleet_run.train, log=lambda _l: None)
+    opened = open_data(fleet_run.train)
     streams = [opened.train_stream(b, T, offset=sum(BATCHES[:r]) * (T + 1), stride=stride)
                for r, b in enumerate(BATCHES)]  # fmt: skip
 
@@ -71,12 +70,10 @@ def reference(data: Path, device: str) -> dict:
         from gates.harness import exact_fp32
 
         exact_fp32()
-    _, Single = _recorder_classes()
-    seams = Single([RankShape(run.train.batch, run.train.seq_len)])
-    seams.probe = rank_losses
+    recorder = Recorder(probe=rank_losses)
     with threads(1):
-        run_single(run, seams=seams)
-    return seams.finish()
+        run_single(run, callbacks=recorder.callbacks())
+    return recorder.finish()
 
 
 def run(cuda: bool = False) -> Record:

@@ -29,7 +29,7 @@ TOL_OPT = 2e-9
 
 def run(cuda: bool = False) -> Record:
     from dormouse.model import DormouseModel
-    from dormouse.train.checkpoint import load_model_state, read_checkpoint
+    from dormouse.train.checkpoint import load_model, read_checkpoint
     from references.fingerprint import fingerprint
 
     spec = on(FSDP_RUN, cuda)
@@ -37,7 +37,7 @@ def run(cuda: bool = False) -> Record:
     first = Path(ranks[0]["out"]) / "first.pt"
     ck = read_checkpoint(first)  # weights_only=True: plain tensors only, no DTensor
     model = DormouseModel(ck["run"].model)
-    load_model_state(model, ck, first)
+    load_model(model, ck, first)
     same = fingerprint(model) == ranks[0]["rec"]["final_fingerprint"]
     plain = all(not hasattr(v, "placements") for v in ck["model"].values())
     resumed = ranks[0]["resumed"]["rec"]

@@ -1,12 +1,18 @@
 """Gate 13: the device policy decides dtype and kernels per card, as the hand-written table says.
 
 No fleet: `policy_for` and `resolve_dtype` over synthetic DeviceRecords, compared cell by cell
-with `references/policy_table.py` (typed rows, not computed from dormouse's thresholds), then
-one real `probe()` of this machine checked against the table's rule, then the two loud
+with `references/policy_table.py` (typed rows, not computed from dormouse's thresholds); the
+arms a KDA mixer and a MoE of the model pick on each card described to them, through the
+`arm` method their forward calls, for every torch era; one real `probe()` of this machine and
+the model's arms on its devices checked against the table's rule; then the two loud
 refusals. Any differing cell fails the gate and is named in the measured text.
 """
 
 from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
 
 import torch
 
@@ -20,9 +26,10 @@ CUDA = False
 CLAIM = "the device policy decides dtype and kernels per card"
 INSTRUMENT = ("policy_for + resolve_dtype('auto') on 8 synthetic DeviceRecords (sm_120, 89, 86, "
               "80, 75, 70, 61, 52; grouped_mm for torch <2.8, 2.8, >=2.9 and the running torch) "
-              "vs references/policy_table.py; the KDA and MoE arms the model itself picks on each "
-              "simulated card; one real probe() vs the table's rule; explicit bf16 and fp16 on "
-              "the sm_75 record")  # fmt: skip
+              "vs references/policy_table.py; the arms a KDA mixer and a MoE pick (the `arm` "
+              "method their forward calls) on each card described to them, every torch era; one "
+              "real probe() and the model's arms on it vs the table's rule; explicit bf16 and "
+              "fp16 on the sm_75 record")  # fmt: skip
 TOLERANCE = ("exact: every cell equals the hand-written row; each refusal is a DtypeError naming "
              "the card, sm_75, sm_80 and the escape (fp16: the missing fp16 forward)")  # fmt: skip
 
@@ -36,6 +43,23 @@ def _record(row: Row):
     return DeviceRecord(index=0, name=row.example, kind="cuda", sm=row.sm, total_mem=16 * GiB,
                         free_mem=12 * GiB, pcie_gen_max=4, pcie_width_max=16,
                         multiprocessors=64)  # fmt: skip
+
+
+@contextlib.contextmanager
+def _logged(name: str):
+    """The lines logger `name` emits at INFO inside the block."""
+    lines: list[str] = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = lambda r: lines.append(r.getMessage())
+    logger = logging.getLogger(name)
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        yield lines
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
 
 
 def _cells(record, row: Row) -> tuple[list[str], int]:
@@ -53,7 +77,7 @@ def _cells(record, row: Row) -> tuple[list[str], int]:
             bad.append(f"{where} {name}: policy {got!r}, table {want!r}")
 
     now = policy_for(record)  # the running torch
-    for name in ("bf16", "fp16", "rung", "auto", "fla_kda", "triton_moe"):
+    for name in ("bf16", "fp16", "rung", "auto", "fla_kda"):
         cell(name, getattr(now, name), getattr(row, name))
     cell("fp32 fallback", bool(now.fallback), row.fp32_fallback)
     era = era_of(torch.__version__)
@@ -64,8 +88,8 @@ def _cells(record, row: Row) -> tuple[list[str], int]:
         p = policy_for(record, torch_version=version)
         cell(f"grouped_mm (torch {era})", p.grouped_mm, row.grouped_mm[era])
         cell(f"grouped_mm_fused (torch {era})", p.grouped_mm_fused, row.grouped_mm_fused[era])
-    lines: list[str] = []
-    dtype, line = resolve_dtype("auto", record, log=lines.append)
+    with _logged("dormouse.train.device") as lines:
+        dtype, line = resolve_dtype("auto", record)
     cell("auto resolves to", dtype, _DTYPE[row.auto])
     reading = f"bf16={int(row.bf16)} fp16={int(row.fp16)}"
     cell("auto logs its reading", lines == [line] and reading in line and record.name in line,
@@ -85,41 +109,57 @@ def _reference_consistent() -> list[str]:
     return out
 
 
-def _model_arms() -> tuple[list[str], int]:
-    """The arms the MODEL picks (the KDA mixer's and the MoE's own choice functions, the code
-    a forward runs) on each synthetic CUDA card, vs the table: fla_kda, and grouped_mm for the
-    running torch. The card is simulated by answering torch.cuda's capability and name
-    queries with the row's, and fla's import as a success, so only the sm can decide."""
-    from dormouse.model import kda, moe
+def _models():
+    """A KDA mixer and a MoE of the tiny preset, both `auto`: the modules whose forward asks
+    `arm(device, dtype)` which kernel to run."""
+    from dormouse.config import preset
+    from dormouse.model.kda import KDAMixer
+    from dormouse.model.moe import MoE
 
-    bad, n = [], 0
-    era = era_of(torch.__version__)
-    real = (torch.cuda.get_device_capability, torch.cuda.get_device_name, kda._fla_import_error)
+    cfg = dataclasses.replace(preset("tiny").model, kda_impl="auto", moe_impl="auto")
+    return KDAMixer(cfg), MoE(cfg)
+
+
+def _arm_cells(models, device, row: Row, era: str, where: str) -> list[tuple[str, bool, bool]]:
+    """(cell, model, table) for the model's arms on `device`: the mixer's auto arm in the
+    card's auto dtype (fla_kda), the MoE pinned to grouped (grouped_mm[era]) and the MoE's
+    auto arm in bf16 (grouped_mm_fused[era] on CUDA; the CPU takes grouped wherever it runs)."""
+    from dormouse.model.arms import ArmError
+
+    mixer, moe = models
+    fla = mixer.arm(device, _DTYPE[row.auto]).name == "fla"
+    moe.impl = "grouped"
     try:
-        for row in ROWS + EXTRA_ROWS:
-            if row.sm is None:
-                continue
-            torch.cuda.get_device_capability = lambda _d=None, sm=row.sm: sm
-            torch.cuda.get_device_name = lambda _d=None, name=row.example: name
-            kda._fla_import_error = lambda: None
-            dev = torch.device("cuda", 0)
-            dtype = _DTYPE[row.auto]
-            where = f"sm_{row.sm[0]}{row.sm[1]}"
-            arm, _ = kda.choose_kda_impl("auto", dev, dtype, head_dim=16)
-            n += 1
-            if (arm == "fla") != row.fla_kda:
-                bad.append(f"{where} model KDA arm {arm!r}, table fla_kda={row.fla_kda}")
-            grouped = moe._grouped_support(dev, dtype, 64, 128) is None
-            n += 1
-            if grouped != row.grouped_mm[era]:
-                bad.append(f"{where} model MoE grouped arm runs={grouped}, table "
-                           f"grouped_mm={row.grouped_mm[era]}")  # fmt: skip
-    finally:
-        torch.cuda.get_device_capability, torch.cuda.get_device_name, kda._fla_import_error = real
-    return bad, n
+        runs = moe.arm(device, torch.float32).name == "grouped"
+    except ArmError:
+        runs = False
+    moe.impl = "auto"
+    auto = moe.arm(device, torch.bfloat16).name == "grouped"
+    want_auto = row.grouped_mm_fused[era] if row.sm else row.grouped_mm[era]
+    return [(f"{where} model KDA arm is fla", fla, row.fla_kda),
+            (f"{where} model MoE grouped runs", runs, row.grouped_mm[era]),
+            (f"{where} model MoE auto bf16 is grouped", auto, want_auto)]  # fmt: skip
+
+
+def _model_arms() -> tuple[list[str], int]:
+    """The arms the MODEL picks on each card of the table described to it (sm, name, torch
+    release; fla-core taken as installed: the table is about the card), every torch era."""
+    from dormouse.model.arms import Card
+
+    models = _models()
+    cells = []
+    for row in ROWS + EXTRA_ROWS + (CPU_ROW,):
+        for version in (*ERAS.values(), torch.__version__):
+            tv = tuple(int(p) for p in version.split("+")[0].split(".")[:2])
+            card = Card("cuda" if row.sm else "cpu", row.sm, row.example, torch_version=tv)
+            where = f"{'sm_%d%d' % row.sm if row.sm else 'cpu'} torch {version}"
+            cells += _arm_cells(models, card, row, era_of(version), where)
+    bad = [f"{name}: {got}, table {want}" for name, got, want in cells if got != want]
+    return bad, len(cells)
 
 
 def _real_probe() -> tuple[list[str], str, str]:
+    from dormouse.model.arms import card_of
     from dormouse.train.device import probe
 
     cuda = torch.cuda.is_available()
@@ -134,10 +174,17 @@ def _real_probe() -> tuple[list[str], str, str]:
             bad.append(f"{r.label}: memory reading total={r.total_mem} free={r.free_mem}")
         if (r.kind == "cuda") != cuda or (r.sm is None) != (r.kind == "cpu"):
             bad.append(f"{r.label}: kind {r.kind} sm {r.sm} on a machine with cuda={cuda}")
-        wrong, n = _cells(r, rule(r.sm))
+        want = rule(r.sm)
+        wrong, n = _cells(r, want)
+        # the model on the real device: fla runs where the card has it AND fla-core imports
+        dev = torch.device(r.label)
+        if card_of(dev).fla is not None:
+            want = dataclasses.replace(want, fla_kda=False)
+        arms = _arm_cells(_models(), dev, want, era_of(torch.__version__), r.label)
+        wrong += [f"{name}: {got}, rule {w}" for name, got, w in arms if got != w]
+        n += len(arms)
         bad += [f"real {r.label} ({r.name}): {w}" for w in wrong]
-        auto = rule(r.sm).auto
-        said.append(f"{r.label} {r.name!r} sm={r.sm_text} -> auto {auto}, "
+        said.append(f"{r.label} {r.name!r} sm={r.sm_text} -> auto {want.auto}, "
                     f"{n - len(wrong)}/{n} cells = rule")  # fmt: skip
     device = "cpu" if not cuda else f"{len(records)}x {records[0].name}"
     return bad, "; ".join(said), device
@@ -155,7 +202,7 @@ def _refusals() -> tuple[list[str], int, bool]:
     bad, loud = [], 0
     for name, (dtype, must) in cases.items():
         try:
-            got = resolve_dtype(dtype, turing, log=lambda _l: None)
+            got = resolve_dtype(dtype, turing)
             bad.append(f"refusal {name}: accepted ({got[0]})")
         except DtypeError as e:
             missing = [m for m in must if m not in str(e)]
@@ -167,8 +214,7 @@ def _refusals() -> tuple[list[str], int, bool]:
     ampere = _record(next(r for r in ROWS if r.sm == (8, 0)))
     maxwell = _record(next(r for r in ROWS if r.sm == (5, 2)))
     try:
-        controls = (resolve_dtype("bf16", ampere, log=lambda _l: None)[0],
-                    resolve_dtype("fp32", maxwell, log=lambda _l: None)[0])  # fmt: skip
+        controls = (resolve_dtype("bf16", ampere)[0], resolve_dtype("fp32", maxwell)[0])
     except DtypeError as e:
         controls = (f"refused: {e}",)
     ok = controls == (torch.bfloat16, torch.float32)
@@ -198,8 +244,8 @@ def run(cuda: bool = False) -> Record:
     bad += arm_bad
     extra = ", ".join(f"sm_{r.sm[0]}{r.sm[1]}" for r in EXTRA_ROWS)
     measured = (f"{rows_equal}/{len(ROWS)} rows equal ({cells_equal}/{cells} cells); extra rows "
-                f"{extra} {'equal' if not extra_bad else 'DIFFER'}; the model's own arm choice "
-                f"on the simulated cards: {arms - len(arm_bad)}/{arms} = table; real probe: "
+                f"{extra} {'equal' if not extra_bad else 'DIFFER'}; the model's own arms on the "
+                f"described cards: {arms - len(arm_bad)}/{arms} = table; real probe: "
                 f"{probe_text}; "
                 f"{loud}/2 refusals loud; controls (bf16 on sm_80, fp32 on sm_52) "
                 f"{'accepted' if controls_ok else 'REFUSED'}")  # fmt: skip

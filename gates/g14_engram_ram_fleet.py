@@ -1,6 +1,6 @@
 """Gate 14: host-RAM Engram tables (engram_ram) stay fleet-correct under DDP.
 
-The host tables are no parameters, so DDP never reduces their rows; `Parallel.after_backward`
+The host tables are no parameters, so DDP never reduces their rows; `DPContext.reduce_host_grads`
 all-gathers every rank's touched rows and installs their rank-ordered mean on every rank. The
 gate holds a 2-rank fleet with unequal capacity (the loss-scale weighting matters) against one
 process at the global batch, also with engram_ram, and checks that the ranks' tables are the

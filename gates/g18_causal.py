@@ -103,17 +103,17 @@ def probe(model, x, xp, train: bool, spread: bool) -> dict:
 def _arms(cuda: bool) -> list[str]:
     if not cuda:
         return ["torch"]
-    from dormouse.model.kda import choose_kda_impl
+    from dormouse.model.arms import choose_arm
 
-    return ["torch"] + (["fla"] if choose_kda_impl("auto", "cuda")[0] == "fla" else [])
+    return ["torch"] + (["fla"] if choose_arm("kda", "auto", "cuda").name == "fla" else [])
 
 
 def _dispatch(device: str) -> list[str]:
-    from dormouse.model.moe import _grouped_support
+    from dormouse.model.arms import why_not
 
     cfg = __import__("dormouse.config", fromlist=["preset"]).preset("tiny").model
-    why = _grouped_support(torch.device(device), torch.float32, cfg.d_model, cfg.d_ffn)
-    return [d for d in DISPATCH if d != "grouped" or not why]
+    shape = {"d_model": cfg.d_model, "d_ffn": cfg.d_ffn}
+    return [d for d in DISPATCH if not why_not("moe", d, torch.device(device), shape=shape)]
 
 
 def cases(cuda: bool):

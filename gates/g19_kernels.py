@@ -164,10 +164,10 @@ def moe_errors(arm: str, capacity: float, device: str, seed: int = 13) -> dict:
 
 
 def _moe_arms(device: str) -> list[str]:
-    from dormouse.model.moe import _grouped_support
+    from dormouse.model.arms import why_not
 
-    why = _grouped_support(torch.device(device), torch.float32, D, FF)
-    return [a for a in ("grouped", "batched") if a != "grouped" or not why]
+    shape = {"d_model": D, "d_ffn": FF}
+    return [a for a in ("grouped", "batched") if not why_not("moe", a, device, shape=shape)]
 
 
 # ---- the gate ------------------------------------------------------------------------------
@@ -181,7 +181,8 @@ def run(cuda: bool = False) -> Record:
 
 
 def _run(cuda: bool) -> Record:
-    from dormouse.model.kda import choose_kda_impl, kda_fla, kda_torch
+    from dormouse.model.arms import choose_arm
+    from dormouse.model.kda import kda_fla, kda_torch
 
     device = "cuda" if cuda else "cpu"
     bad, parts = [], []
@@ -203,7 +204,7 @@ def _run(cuda: bool) -> Record:
                 bad.append(f"kda torch fp64 gradients {fmt(eg)} > {fmt(KDA_FP64_GRAD_TOL)}")
             parts.append(f"fp64 grads {fmt(eg)}")
         else:
-            impl, reason = choose_kda_impl("auto", "cuda")
+            impl, reason = choose_arm("kda", "auto", "cuda")
             if impl == "fla":
                 # test_kda's fla case: 2 x 100 steps, 2 heads of 64, fp32 inputs
                 eo, eS = kda_forward_err(kda_fla, device, (2, 100, 2, 64, 64), 7)

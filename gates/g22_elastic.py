@@ -4,7 +4,7 @@ a 2-rank run resumed by one process at the same global batch continues its traje
 
 It found a real fault: torchrun keeps its store across an elastic restart with no prefix per
 attempt, so about half the restarts failed in gloo's connectFullMesh ("Connection refused" to
-a dead attempt's address); init_parallel now gives each attempt its own key prefix.
+a dead attempt's address); fleet.join now gives each attempt its own key prefix.
 """
 
 from __future__ import annotations
@@ -60,12 +60,12 @@ def _step_of(path: Path) -> int:
 
 def _fingerprint(path: Path) -> str:
     from dormouse.model import DormouseModel
-    from dormouse.train.checkpoint import load_model_state, read_checkpoint
+    from dormouse.train.checkpoint import load_model, read_checkpoint
     from references.fingerprint import fingerprint
 
     ck = read_checkpoint(path)
     model = DormouseModel(ck["run"].model)
-    load_model_state(model, ck, path)
+    load_model(model, ck, path)
     return fingerprint(model)
 
 

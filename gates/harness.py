@@ -6,13 +6,13 @@ A gate pairs a FLEET run with a REFERENCE and turns the comparison into a `Recor
 * the fixture: the `tiny` preset (dropless MoE, fp32) on a deterministic text corpus,
   exact fp32 gradient reduce, log every step;
 * `fleet(spec)`: spawn `spec.world` ranks with torch.multiprocessing (gloo on the CPU, or
-  one process per card on nccl with cuda=True), each calling `train_dist` exactly as the CLI
-  does, with a `Parallel` subclass that only RECORDS what passes through the seams (losses,
+  one process per card on nccl with cuda=True), each calling `train_run` exactly as the CLI
+  does, with a `Recorder` on the loop's callbacks that only RECORDS what passes (losses,
   fingerprints, LFB biases, the parameters before and after step 1); results are cached per process (and
   per pytest session across xdist workers through $DORMOUSE_GATE_CACHE with a file lock),
   so one fleet run feeds every claim that reads it;
 * `single(spec)`: the reference at the global batch (`references/single.py`) with the same
-  recorder on the one-process seams.
+  recorder on the same callbacks.
 
 Children start from a forkserver that has imported torch and dormouse once, so a 2-rank
 spawn costs a fork, not two interpreter starts. Every rank sets the NCCL safety variables,
@@ -210,7 +210,7 @@ def fixture_run(spec: FleetSpec, out_dir: Path, *, dist: bool):
     return validate(apply_sets(preset("tiny"), sets))
 
 
-# ---- recording seams --------------------------------------------------------------------------
+# ---- recording a run -------------------------------------------------------------------------------
 
 
 def lfb_biases(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -275,64 +275,66 @@ def state_hash(model: torch.nn.Module, opt) -> dict[str, str]:
         "parameters": _digest([(n, p) for n, p in params]),
         "gradients": _digest([(n, "none" if p.grad is None else p.grad) for n, p in params]),
         "buffers": _digest(sorted(model.named_buffers(), key=lambda kv: kv[0])),
-        "host tables": _digest([[m.table, m.exp_avg, m.exp_avg_sq, m.row_step] for m in hosts]),
+        "host tables": _digest([m.table for m in hosts]),
         "host row gradients": _digest([[leaf.grad for _, leaf in m._leaves
                                         if leaf.grad is not None] for m in hosts]),  # fmt: skip
         "optimizer": _digest(opt.state_dict()) if opt is not None else "",
     }
 
 
-class Recording:
-    """Mixin over a seams class: records what passes through the seams, changes nothing.
+class Recorder:
+    """Records a run through the loop's callbacks (`dormouse.train.loop.Callbacks`); changes
+    nothing.
 
-    all_finite is called once per step after backward, the reducer and the clip, and before
-    the optimizer, so the parameters it sees are those after the previous step: call k
-    records the state after k steps (and, at the snap steps, step k's reduced gradient).
-    after_step is called at the end of every step, taken or skipped: it records the pre-clip
-    global gradient norm and a hash of this rank's whole training state. (A fingerprint under
-    FSDP2 is a collective; every rank records at the same point.)
+    after_backward runs once per step after backward, the reductions, the clip and the
+    agreed finiteness verdict, before the optimizer, so the parameters it sees are those after
+    the previous step: call k records the state after k steps (and, at the snap steps, step
+    k's reduced gradient). after_step runs at the end of every step, taken or skipped: it
+    records the pre-clip global gradient norm and a hash of this rank's whole training state.
+    (A fingerprint under FSDP2 is a collective; every rank records at the same point.)
     """
 
     snap_steps = (0, 1)
 
-    def _rec(self) -> dict:
-        if not hasattr(self, "rec"):
-            self.rec = {"fingerprints": [], "decisions": [], "losses": [], "local_losses": [],
-                        "lfb": [], "params": {}, "grads": {}, "probe": [],
-                        "host_fingerprints": [], "host": {}, "gnorms": [],
-                        "states": []}  # fmt: skip
-        return self.rec
+    def __init__(self, journal: Path | None = None, probe=None):
+        #: a file each step's verdict and state hash are appended to as they happen, so a
+        #: rank that dies mid-run (a C++ abort cannot be caught) still leaves its evidence
+        self.journal, self.probe = journal, probe
+        self.model = self.net = self.opt = self.ctx = None
+        self.rec = {"fingerprints": [], "decisions": [], "losses": [], "local_losses": [],
+                    "lfb": [], "params": {}, "grads": {}, "probe": [],
+                    "host_fingerprints": [], "host": {}, "gnorms": [], "states": []}  # fmt: skip
 
-    def wrap(self, model):
-        self.model = model
-        self.opt = None
-        return super().wrap(model)
+    def callbacks(self):
+        from dormouse.train.loop import Callbacks
 
-    def all_finite(self, finite: bool) -> bool:
+        return Callbacks(after_backward=self.after_backward, after_step=self.after_step,
+                         on_log=self.on_log)  # fmt: skip
+
+    def _seen(self, info: dict) -> None:
+        self.model, self.net, self.opt, self.ctx = (info["model"], info["net"], info["opt"],
+                                                    info["ctx"])  # fmt: skip
+
+    def after_backward(self, info: dict) -> None:
         from references.fingerprint import (
             fingerprint, fingerprint_params, plain_grads, plain_params,
         )
 
-        rec = self._rec()
+        self._seen(info)
+        rec, model = self.rec, self.model
         k = len(rec["decisions"])
-        rec["fingerprints"].append(fingerprint(self.model))
-        rec["lfb"].append(lfb_biases(self.model))
-        host = host_tables(self.model)
+        rec["fingerprints"].append(fingerprint(model))
+        rec["lfb"].append(lfb_biases(model))
+        host = host_tables(model)
         rec["host_fingerprints"].append(fingerprint_params(host) if host else None)
         if k in self.snap_steps:
-            rec["params"][k] = plain_params(self.model)
+            rec["params"][k] = plain_params(model)
             rec["host"][k] = host
-            rec["grads"][k] = plain_grads(self.model)
-        if getattr(self, "probe", None) is not None:
-            rec["probe"].append(self.probe(k, self.model))
-        ok = super().all_finite(finite)
-        rec["decisions"].append((bool(finite), bool(ok)))
-        self._journal({"k": k, "local": bool(finite), "agreed": bool(ok)})
-        return ok
-
-    #: a file each step's verdict and state hash are appended to as they happen, so a rank
-    #: that dies mid-run (a C++ abort cannot be caught) still leaves its evidence
-    journal: Path | None = None
+            rec["grads"][k] = plain_grads(model)
+        if self.probe is not None:
+            rec["probe"].append(self.probe(k, model))
+        rec["decisions"].append((bool(info["local"]), bool(info["agreed"])))
+        self._journal({"k": k, "local": bool(info["local"]), "agreed": bool(info["agreed"])})
 
     def _journal(self, row: dict) -> None:
         if self.journal is not None:
@@ -341,25 +343,21 @@ class Recording:
             with open(self.journal, "a") as f:
                 f.write(json.dumps(row) + "\n")
 
-    def after_step(self, net, opt, info: dict) -> None:
-        rec = self._rec()
-        self.opt = opt
-        rec["gnorms"].append(float(info.get("gnorm", float("nan"))))
-        rec["states"].append(state_hash(self.model, opt))
-        self._journal({"state": rec["states"][-1]})
-        super().after_step(net, opt, info)
+    def after_step(self, info: dict) -> None:
+        self._seen(info)
+        self.rec["gnorms"].append(float(info["gnorm"]))
+        self.rec["states"].append(state_hash(self.model, self.opt))
+        self._journal({"state": self.rec["states"][-1]})
 
-    def fleet_loss(self, loss) -> float:
-        v = super().fleet_loss(loss)
-        rec = self._rec()
-        rec["losses"].append(v)
-        rec["local_losses"].append(float(loss))
-        return v
+    def on_log(self, info: dict) -> None:
+        self.rec["losses"].append(info["loss"])
+        self.rec["local_losses"].append(info["local_loss"])
 
     def finish(self) -> dict:
+        from dormouse.train.checkpoint import optimizer_state
         from references.fingerprint import fingerprint, fingerprint_params, plain_params
 
-        rec = self._rec()
+        rec = self.rec
         rec["final_fingerprint"] = fingerprint(self.model)
         rec["final_params"] = plain_params(self.model)
         rec["final_lfb"] = lfb_biases(self.model)
@@ -368,25 +366,33 @@ class Recording:
                                          if rec["final_host"] else None)  # fmt: skip
         # The full optimizer state as a checkpoint would hold it (a collective under FSDP2;
         # rank 0 holds it, other ranks may get {}).
-        rec["final_opt"] = self.optimizer_state(self.opt) if self.opt is not None else {}
+        rec["final_opt"] = optimizer_state(self.net, self.opt) if self.opt is not None else {}
         return rec
 
 
-def _recorder_classes():
-    from dormouse.train.distributed import Parallel
-    from dormouse.train.seams import Seams
+@contextlib.contextmanager
+def captured_lines(lines: list):
+    """Append every line the `dormouse` logger would print on this rank to `lines` (the CLI's
+    rank filter: INFO from rank 0 only, warnings and every-rank lines from all)."""
+    import logging
 
-    class FleetRecorder(Recording, Parallel):
-        current = None
+    from dormouse.cli import _RankFilter
 
-        def __init__(self, *a, **kw):
-            super().__init__(*a, **kw)
-            FleetRecorder.current = self
+    class ToList(logging.Handler):
+        def emit(self, record):
+            lines.append(self.format(record))
 
-    class SingleRecorder(Recording, Seams):
-        pass
-
-    return FleetRecorder, SingleRecorder
+    handler = ToList(logging.INFO)
+    handler.addFilter(_RankFilter())
+    logger = logging.getLogger("dormouse")
+    old = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        yield lines
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(old)
 
 
 # ---- the fleet --------------------------------------------------------------------------------
@@ -462,7 +468,7 @@ def _signal_during(model: torch.nn.Module, at: int) -> None:
 
 
 def _rank_main(rank: int, spec: FleetSpec, out: str, port: int) -> None:
-    from dormouse.train.distributed import NCCL_SAFE_ENV
+    from dormouse.train.fleet import NCCL_SAFE_ENV
 
     os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
                        "WORLD_SIZE": str(spec.world), "LOCAL_RANK": str(rank),
@@ -491,11 +497,9 @@ def _rank_body(rank: int, spec: FleetSpec, out: Path) -> dict:
 
     import torch.distributed as dist
 
-    from dormouse.train.distributed import train_dist
+    from dormouse.train.run import train_run
     from references.single import build_model
 
-    FleetRecorder, _ = _recorder_classes()
-    FleetRecorder.journal = out / f"rank{rank}.journal"
     run_dir = out / (f"rank{rank}" if spec.per_rank_out else "run")
     run = fixture_run(spec, run_dir, dist=True)
     model = build_model(run)
@@ -505,30 +509,29 @@ def _rank_body(rank: int, spec: FleetSpec, out: Path) -> dict:
         _inject_nan(model, spec.nan_step)
     if rank == spec.signal_rank:
         _signal_during(model, spec.signal_step)
+    recorder = Recorder(journal=out / f"rank{rank}.journal")
     lines: list[str] = []
+    timeout = MUTANT_TIMEOUT_S if spec.mutation else COLLECTIVE_TIMEOUT_S
+    device = "cuda" if spec.cuda else "cpu"
     t0 = time.perf_counter()
     stopped = False
     try:
-        report = train_dist(run, log=lines.append, device_type="cuda" if spec.cuda else "cpu",
-                            model=model, close=False,
-                            timeout_s=MUTANT_TIMEOUT_S if spec.mutation else COLLECTIVE_TIMEOUT_S,
-                            rate=spec.rates[rank] if spec.rates else None,
-                            parallel_cls=FleetRecorder)  # fmt: skip
+        with captured_lines(lines):
+            report = train_run(run, device_type=device, model=model, close=False,
+                               timeout_s=timeout, rate=spec.rates[rank] if spec.rates else None,
+                               callbacks=recorder.callbacks())  # fmt: skip
     except KeyboardInterrupt:  # a stop on a signal: the loop wrote its checkpoint first
         if spec.signal_rank < 0:
             raise
         stopped = True
         report = {"checkpoint": str(Path(run.train.out_dir) / f"{run.train.ckpt_name}.pt")}
     except Exception:  # noqa: BLE001 - what this rank recorded before it failed is evidence
-        p = FleetRecorder.current
-        rec = p._rec() if p is not None else {}
         with contextlib.suppress(Exception):
             dist.destroy_process_group()
-        return {"rank": rank, "rec": rec, "error": traceback.format_exc()[-3000:],
+        return {"rank": rank, "rec": recorder.rec, "error": traceback.format_exc()[-3000:],
                 "lines": lines, "run_dir": str(run_dir)}  # fmt: skip
-    p = FleetRecorder.current
-    rec = p.finish()
-    shapes = [s.line() for s in p.shapes]
+    rec = recorder.finish()
+    shapes = [s.line() for s in recorder.ctx.shapes] if recorder.ctx else report.get("shapes")
     elapsed = time.perf_counter() - t0
     resumed = None
     if spec.resume_steps:
@@ -537,14 +540,13 @@ def _rank_body(rank: int, spec: FleetSpec, out: Path) -> dict:
             shutil.copy(ck, out / "first.pt")
         dist.barrier()
         run2 = fixture_run(dataclasses.replace(spec, steps=spec.resume_steps), run_dir, dist=True)
-        FleetRecorder.journal = out / f"rank{rank}.resume.journal"
+        again = Recorder(journal=out / f"rank{rank}.resume.journal")
         model2 = build_model(run2)  # its values are replaced by the checkpoint's
         lines2: list[str] = []
-        train_dist(run2, log=lines2.append, device_type="cuda" if spec.cuda else "cpu",
-                   model=model2, close=False, resume=True,
-                   timeout_s=MUTANT_TIMEOUT_S if spec.mutation else COLLECTIVE_TIMEOUT_S,
-                   parallel_cls=FleetRecorder)  # fmt: skip
-        resumed = {"rec": FleetRecorder.current.finish(), "lines": lines2}
+        with captured_lines(lines2):
+            train_run(run2, device_type=device, model=model2, close=False, resume=True,
+                      timeout_s=timeout, callbacks=again.callbacks())  # fmt: skip
+        resumed = {"rec": again.finish(), "lines": lines2}
     dist.barrier()  # before teardown: without it gloo aborts intermittently
     dist.destroy_process_group()
     return {"rank": rank, "rec": rec, "report": report, "lines": lines, "shapes": shapes,
@@ -574,7 +576,8 @@ def _context():
                                     "torch.distributed.fsdp",
                                     "torch.distributed.checkpoint.state_dict",
                                     "dormouse.model.model",
-                                    "dormouse.train.loop", "dormouse.train.distributed",
+                                    "dormouse.train.loop", "dormouse.train.run",
+                                    "dormouse.train.fleet", "dormouse.train.parallelize",
                                     "gates.harness", "references.single",
                                     "references.fingerprint", "matplotlib.pyplot"])  # fmt: skip
         _forkserver_ready = True
@@ -735,7 +738,6 @@ def cli_reference(sets: tuple[str, ...], batches: list[int], steps: int) -> dict
     tag = "cli-ref-" + hashlib.sha256(repr((sets, batches, steps)).encode()).hexdigest()[:16]
 
     def compute():
-        from dormouse.train.seams import RankShape
         from references.single import global_run, run_single
 
         out = work_dir("cli-ref")
@@ -744,11 +746,10 @@ def cli_reference(sets: tuple[str, ...], batches: list[int], steps: int) -> dict
         run = global_run(fleet_run, batches)
         if run.train.device == "cuda":
             exact_fp32()
-        _, Single = _recorder_classes()
-        seams = Single([RankShape(run.train.batch, run.train.seq_len)])
+        recorder = Recorder()
         with threads(1):
-            run_single(run, seams=seams)
-        return seams.finish()
+            run_single(run, callbacks=recorder.callbacks())
+        return recorder.finish()
 
     return cached(tag, compute)
 
@@ -855,16 +856,11 @@ def single(spec: FleetSpec, batches: list[int] | None = None, *, probe=None,
 
         from references.single import build_model, global_run, run_single
 
-        _, SingleRecorder = _recorder_classes()
         out = work_dir(f"single-{spec.name}")
         run = global_run(fixture_run(spec, out, dist=False), batches)
         if steps is not None:
             run = dataclasses.replace(run, train=dataclasses.replace(run.train, steps=steps))
-        from dormouse.train.seams import RankShape
-
-        seams = SingleRecorder([RankShape(run.train.batch, run.train.seq_len)])
-        if probe is not None:
-            seams.probe = probe
+        recorder = Recorder(probe=probe)
         if resume_from:
             shutil.copy(resume_from, Path(run.train.out_dir) / f"{run.train.ckpt_name}.pt")
         if spec.cuda:
@@ -874,10 +870,11 @@ def single(spec: FleetSpec, batches: list[int] | None = None, *, probe=None,
             model = build_model(run)
             inputs: list = []
             record_inputs(model, inputs)
-            _, report = run_single(run, seams=seams, model=model, resume=bool(resume_from),
+            _, report = run_single(run, callbacks=recorder.callbacks(), model=model,
+                                   resume=bool(resume_from),
                                    drop_steps=drop_steps,
                                    split_rows=tuple(batches) if split_rows else ())  # fmt: skip
-            rec = seams.finish()
+            rec = recorder.finish()
         return {"rec": rec, "report": report, "elapsed": time.perf_counter() - t0,
                 "run": run.to_json(), "out": str(out), "inputs": inputs}  # fmt: skip
 

@@ -166,7 +166,7 @@ def _merge_in_rank_order_of(orig):
 
 def _ignore_seq(orig):
     def parse(spec, world_size, batch, seq_len, max_seq_len, rates=None):
-        from dormouse.train.seams import RankShape
+        from dormouse.train.context import RankShape
 
         shapes = orig(spec, world_size, batch, seq_len, max_seq_len, rates=rates)
         return [RankShape(s.batch, seq_len) for s in shapes]
@@ -192,7 +192,7 @@ def _unweighted_fleet_loss(_orig):
 
         x = loss.detach().to(device=self.device, dtype=torch.float64).reshape(1)
         dist.all_reduce(x)
-        return float(x.item()) / self.world_size
+        return float(x.item()) / self.world
 
     return fleet_loss
 
@@ -252,18 +252,18 @@ MUTATIONS: list[Mutation] = [
     Mutation("loss_scale_world_squared",
              "the loss scale is world_size^2 * t_r / sum(t): every fleet gradient is world_size "
              "times too large (the clip used to rescale it away)",
-             (("dormouse.train.distributed:Parallel.loss_scale",
-               _prop(lambda self, v: v * self.world_size)),),
+             (("dormouse.train.context:DPContext.loss_scale",
+               _prop(lambda self, v: v * self.world)),),
              ("g01_trajectory", "g03_unequal", "g04_fsdp", "g14_engram_ram_fleet", "g16_clip")),
     Mutation("loss_scale_unweighted",
              "every rank's loss scaled by 1: the reducer's mean is the mean of the ranks' means, "
              "not the token-weighted mean",
-             (("dormouse.train.distributed:Parallel.loss_scale", _prop(lambda self, v: 1.0)),),
+             (("dormouse.train.context:DPContext.loss_scale", _prop(lambda self, v: 1.0)),),
              ("g03_unequal", "g14_engram_ram_fleet")),
     Mutation("ranks_read_the_same_bytes",
              "every rank's window starts at the fleet block's first byte (offset 0): the ranks "
              "train on copies of one window",
-             (("dormouse.train.seams:Seams.offset", _prop(lambda self, v: 0)),),
+             (("dormouse.train.context:DPContext.offset", _prop(lambda self, v: 0)),),
              ("g01_trajectory", "g20_data")),
     Mutation("mixture_source_per_rank",
              "the mixture's source for a step is drawn with a rank-dependent key: ranks read "
@@ -273,15 +273,15 @@ MUTATIONS: list[Mutation] = [
              ("g20_data",)),
     Mutation("bf16_reduce_without_division",
              "the bf16 comm hook all-reduces the SUM: the gradient is world_size times too large",
-             (("dormouse.train.distributed:_compress_hook", _hook_without_division),),
+             (("dormouse.train.parallelize:compress_hook", _hook_without_division),),
              ("g17_bf16_reduce",)),
     Mutation("own_verdict_off_rank0",
              "ranks other than 0 act on their local finiteness verdict instead of the agreed one",
-             (("dormouse.train.distributed:Parallel.all_finite", _own_verdict_off_rank0),),
+             (("dormouse.train.context:DPContext.all_finite", _own_verdict_off_rank0),),
              ("g05_nonfinite",)),
     Mutation("own_verdict_everywhere",
              "every rank acts on its local finiteness verdict (the collective's result unused)",
-             (("dormouse.train.distributed:Parallel.all_finite", _own_verdict),),
+             (("dormouse.train.context:DPContext.all_finite", _own_verdict),),
              ("g02_identical", "g05_nonfinite")),
     Mutation("skip_keeps_gradient",
              "zero_grad only after a taken step: a skipped step's gradient leaks into the next",
@@ -296,55 +296,55 @@ MUTATIONS: list[Mutation] = [
     Mutation("host_rows_rank_order",
              "host Engram rows merged starting from the rank's own rows (a rank-dependent "
              "summation order: equal at world 2, a+b == b+a)",
-             (("dormouse.train.distributed:merge_row_grads", _merge_in_rank_order_of),),
+             (("dormouse.train.context:merge_row_grads", _merge_in_rank_order_of),),
              ("g14_engram_ram_fleet",)),
     Mutation("host_rows_not_reduced",
              "the host Engram rows are never reduced: each rank steps its own rows",
-             (("dormouse.train.distributed:Parallel.after_backward",
+             (("dormouse.train.context:DPContext.reduce_host_grads",
                lambda orig: lambda self, model: None),),
              ("g14_engram_ram_fleet",)),
     Mutation("capacity_ignores_window_length",
              "--capacity B x T: the per-rank window length T is dropped (every rank gets seq_len)",
-             (("dormouse.train.distributed:parse_capacity", _ignore_seq),),
+             (("dormouse.train.fleet:parse_capacity", _ignore_seq),),
              ("g09_capacity",), scope="process"),
     Mutation("capacity_remainder_to_rank0",
              "capacity auto: floor shares, the whole remainder to rank 0",
-             (("dormouse.train.distributed:split_by_rates", _remainder_to_rank0),),
+             (("dormouse.train.fleet:split_by_rates", _remainder_to_rank0),),
              ("g09_capacity",), scope="process"),
     Mutation("fleet_loss_unweighted",
              "the logged fleet loss is the plain mean of the ranks' losses (not token-weighted)",
-             (("dormouse.train.distributed:Parallel.fleet_loss", _unweighted_fleet_loss),),
+             (("dormouse.train.context:DPContext.fleet_loss", _unweighted_fleet_loss),),
              ("g10_torchrun", "g21_multinode")),
     Mutation("one_rank_gradient_1pct",
              "rank 1's gradient 1% too large (a per-rank scale slightly off)",
-             (("dormouse.train.distributed:Parallel.loss_scale",
+             (("dormouse.train.context:DPContext.loss_scale",
                _prop(lambda self, v: v * 1.01 if self.rank == 1 else v)),),
              ("g12_fsdp_checkpoint",)),
     Mutation("fsdp_reduces_in_bf16",
              "dist_reduce=fp32 maps to a bf16 reduce dtype in FSDP2's mixed-precision policy: the "
              "'exact' reduce rounds every gradient to bf16",
-             (("dormouse.train.distributed:_REDUCE_DTYPES", _fp32_reduce_in_bf16),),
+             (("dormouse.train.parallelize:REDUCE_DTYPES", _fp32_reduce_in_bf16),),
              ("g04_fsdp", "g16_clip")),
     Mutation("nccl_falls_back_to_gloo",
              "a CUDA fleet without NCCL quietly runs on gloo",
-             (("dormouse.train.distributed:choose_backend", _gloo_when_nccl_missing),),
+             (("dormouse.train.fleet:choose_backend", _gloo_when_nccl_missing),),
              ("g06_nccl",), scope="process"),
     Mutation("dist_without_fleet_accepted",
              "--dist with WORLD_SIZE unset or 1 is accepted (a one-rank 'fleet')",
-             (("dormouse.train.distributed:check_launch", _accept_dist_without_fleet),),
+             (("dormouse.train.fleet:check_launch", _accept_dist_without_fleet),),
              ("g07_launch",), scope="process"),
     Mutation("every_rank_is_main",
              "every rank believes it is rank 0: all write checkpoints, metrics and log lines",
-             (("dormouse.train.seams:Seams.is_main", _prop(lambda self, v: True)),),
+             (("dormouse.train.context:DPContext.is_main", _prop(lambda self, v: True)),),
              ("g08_rank0",)),
     Mutation("lfb_counts_not_reduced",
              "each rank moves its LFB bias by its own counts (no all-reduce)",
-             (("dormouse.train.distributed:Parallel.lfb_reduce", _prop(lambda self, v: None)),),
+             (("dormouse.train.context:DPContext.lfb_reduce", _prop(lambda self, v: None)),),
              ("g11_lfb",)),
     Mutation("kda_fla_from_sm70",
              "the KDA arm's minimum sm set to (7, 0): fla's Triton kernel chosen on cards that "
              "cannot run it",
-             (("dormouse.model.kda:_FLA_MIN_SM", lambda orig: (7, 0)),),
+             (("dormouse.model.arms:FLA_MIN_SM", lambda orig: (7, 0)),),
              ("g13_policy",), scope="process"),
     Mutation("checkpoint_step_off_by_one",
              "the checkpoint records step + 1: a resume skips a step",

@@ -6,7 +6,7 @@ GLOBAL batch's tokens:
     g = sum_r (t_r / sum_t) * g_r,     g_r = d(mean loss over rank r's own window)/d(params)
 
 This module computes each g_r with a plain forward/backward on rank r's bytes (read from the
-corpus by the layout of DESIGN §3 with the block order unshuffled: step 0's block starts at
+corpus by dormouse.train.data's layout, block order unshuffled: step 0's block starts at
 byte 0 and rank r's window at sum_{i<r} b_i (T_i + 1)), forms the weighted sum, clips it by
 its global norm as the loop does, and applies it with the optimizer constructor the trainer
 uses (`MixOptimizer.from_config`), so the post-step parameters are what a correct fleet's
@@ -86,8 +86,7 @@ def token_weighted_step(model: torch.nn.Module, corpus: bytes, shapes: list[tupl
                 p.grad.mul_(coef)
     if reverse:
         local.reverse()
-    opt = MixOptimizer.from_config(model, train_cfg, torch.device(device).type,
-                                   log=lambda _line: None)  # fmt: skip
+    opt = MixOptimizer.from_config(model, train_cfg, torch.device(device).type)
     opt.set_lr_factor(1.0)
     opt.step()
     opt.zero_grad(set_to_none=True)

@@ -5,26 +5,25 @@ that union is exactly the block one process with batch sum(b_r) reads at step s 
 layout of DESIGN §3). So "the fleet trains correctly" is the claim "the fleet reproduces one
 process at the global batch", and this module runs that one process.
 
-It drives `dormouse.train.loop.train` with the one-process seams (`Seams`): the single-process
-loop IS the behaviour the fleet must reproduce, so using it here is the point, not a shortcut.
-What this reference must not share with the fleet is the distributed layer, and it does not:
-nothing here imports `dormouse.train.distributed`. The model is built from the run's seed,
-the same way every fleet rank builds it before wrapping.
+It drives `dormouse.train.run.train_run` with no `--dist`: a world of one, whose context is
+the identity. The single-process loop IS the behaviour the fleet must reproduce, so using it
+here is the point, not a shortcut. What this reference must not share with the fleet is the
+distributed layer, and it does not: nothing here imports dormouse's fleet modules (fleet,
+watchdog, parallelize), and a world of one never calls them. The model is built from the
+run's seed, the same way every fleet rank builds it before wrapping.
 """
 
 from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import replace
-from typing import Callable
-
 import torch
 
 from dormouse.config import RunConfig
 from dormouse.model import DormouseModel
 from dormouse.train import loop
-from dormouse.train.loop import train
-from dormouse.train.seams import RankShape, Seams
+from dormouse.train.loop import Callbacks
+from dormouse.train.run import train_run
 
 
 def build_model(run: RunConfig) -> DormouseModel:
@@ -42,17 +41,16 @@ def global_run(run: RunConfig, batches: list[int]) -> RunConfig:
 def run_single(
     run: RunConfig,
     *,
-    seams: Seams | None = None,
+    callbacks: Callbacks | None = None,
     model: torch.nn.Module | None = None,
-    log: Callable[[str], None] | None = None,
     resume: bool = False,
     drop_steps: tuple[int, ...] = (),
     split_rows: tuple[int, ...] = (),
 ) -> tuple[torch.nn.Module, dict]:
     """Train `run` (already at the global batch) in this process; returns (model, report).
 
-    `seams` may be a one-process `Seams` subclass that records what passes through the
-    loop's seams (losses, fingerprints); it must not change what the loop does.
+    `callbacks` may record what passes through the loop (losses, fingerprints); they must
+    not change what the loop does.
     `drop_steps`: at these 0-based steps the batch is read and thrown away: no forward, no
     backward, no optimizer call (the loop counts the step as skipped). That is what a
     fleet's agreed skip must amount to, reached without the fleet's skip path.
@@ -62,16 +60,12 @@ def run_single(
     fleet's ranks have: the reference's own round-off spread, which a CUDA gate measures on
     the card instead of assuming the CPU's.
     """
-    cfg = run.train
-    if seams is None:
-        seams = Seams([RankShape(cfg.batch, cfg.seq_len)])
     if model is None:
         model = build_model(run)
     if split_rows:
         _split_forward(model, split_rows)
-    lines: list[str] = []
     with _dropping(drop_steps):
-        report = train(model, run, log=log or lines.append, parallel=seams, resume=resume)
+        report = train_run(run, model=model, callbacks=callbacks, resume=resume)
     return model, report
 
 
@@ -98,12 +92,12 @@ def _dropping(drop: tuple[int, ...]):
     calls = [0]
     real = loop.train_step
 
-    def train_step(net, opt, parallel, x, y, *args, **kwargs):
+    def train_step(*args, **kwargs):
         k = calls[0]
         calls[0] += 1
         if k in drop:
             return torch.tensor(float("nan")), {}, False
-        return real(net, opt, parallel, x, y, *args, **kwargs)
+        return real(*args, **kwargs)
 
     loop.train_step = train_step
     try:

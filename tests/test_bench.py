@@ -43,7 +43,7 @@ def test_tiny_on_cpu_prints_the_table_and_writes_it(tmp_path, capsys):
     assert row["MFU"].startswith("n/a")
     assert row["peak memory"].endswith("RSS")
     assert row["KDA arm"] == "torch"
-    assert row["dtype"] == "fp32"  # tiny has bf16=False and dtype=none: the loop's fp32
+    assert row["dtype"] == "fp32"  # tiny has dtype=fp32
     assert "Machine: CPU" in printed
     assert "torch threads" in printed and torch.__version__ in printed
     command = next(ln for ln in printed.splitlines() if ln.startswith("- Command: `"))

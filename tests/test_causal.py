@@ -13,6 +13,7 @@ import torch
 from dormouse.config import apply_sets, preset
 from dormouse.model import DormouseModel
 from dormouse.model import moe as moe_mod
+from dormouse.model.arms import why_not
 from gates.g18_causal import wake
 
 ARMS = ["grouped", "batched"]
@@ -21,9 +22,9 @@ MODES = [0.0, 0.5, 1.0]
 
 def skip_unless_arm(arm: str):
     cfg = preset("tiny").model
-    why = moe_mod._grouped_support(torch.device("cpu"), torch.float32, cfg.d_model, cfg.d_ffn)
-    if arm == "grouped" and why:
-        pytest.skip(f"grouped arm unavailable here: {why}")
+    why = why_not("moe", arm, "cpu", torch.float32, {"d_model": cfg.d_model, "d_ffn": cfg.d_ffn})
+    if why:
+        pytest.skip(f"{arm} arm unavailable here: {why}")
 
 
 def model_of(capacity: float, arm: str, seed: int = 3) -> DormouseModel:

@@ -1,8 +1,11 @@
-"""Checkpoints: atomic writes, safe loads, loud shape mismatches."""
+"""Checkpoints: atomic writes, safe loads, loud shape mismatches, the format version, and the
+state functions on a plain module, a DDP-wrapped one and an FSDP2 one (two gloo ranks)."""
 
 from __future__ import annotations
 
+import io
 import os
+from dataclasses import replace
 
 import pytest
 import torch
@@ -10,6 +13,7 @@ import torch
 from dormouse.config import apply_sets, preset
 from dormouse.model import DormouseModel
 from dormouse.train import checkpoint as ckpt
+from dormouse.train.optim import MixOptimizer
 
 
 def _save(tmp_path, run=None, **kw):
@@ -24,8 +28,9 @@ def test_round_trip_and_contents(tmp_path):
     path, model = _save(tmp_path, data_state={"kind": "stream", "step": 3})
     ck = ckpt.read_checkpoint(path)
     assert ck["step"] == 3 and ck["run"] == preset("tiny") and ck["data"]["step"] == 3
+    assert ck["format"] == ckpt.FORMAT == 2
     fresh = DormouseModel(preset("tiny").model)
-    ckpt.load_model_state(fresh, ck, path)
+    ckpt.load_model(fresh, ck, path)
     for (n, a), (_, b) in zip(model.state_dict().items(), fresh.state_dict().items()):
         assert torch.equal(a, b), n
     assert any("lfb_bias" in k for k in ck["model"])  # LFB buffers are in the file
@@ -75,7 +80,7 @@ def test_shape_mismatch_names_the_fields(tmp_path):
     other = apply_sets(preset("tiny"), ["d_ffn=256", "n_experts=2", "moe_topk=1"])
     model = DormouseModel(other.model)
     with pytest.raises(ckpt.CheckpointError) as e:
-        ckpt.load_model_state(model, ckpt.read_checkpoint(path), path)
+        ckpt.load_model(model, ckpt.read_checkpoint(path), path)
     msg = str(e.value)
     assert "d_ffn: checkpoint 128 vs this run 256" in msg and "n_experts" in msg
 
@@ -97,3 +102,177 @@ def test_a_truncated_checkpoint_is_refused(tmp_path):
     path.write_bytes(raw[: len(raw) // 2])
     with pytest.raises(ckpt.CheckpointError, match="may be truncated"):
         ckpt.read_checkpoint(path)
+
+
+# ---- the state functions: format 1, a plain module, DDP, FSDP2 ------------------------------
+
+
+def _tiny(ram: bool = False, seed: int = 0) -> DormouseModel:
+    """The tiny preset (host-RAM tables with `ram`), its conv opened so that the Engram rows get
+    a gradient from the first step."""
+    torch.manual_seed(seed)
+    model = DormouseModel(replace(preset("tiny").model, engram_ram=ram))
+    with torch.no_grad():
+        model.engram.conv.weight.normal_(0, 0.05)
+    return model
+
+
+def _step(net, opt, seed: int = 0) -> None:
+    x = torch.randint(0, 256, (2, 17), generator=torch.Generator().manual_seed(seed))
+    net(x[:, :-1], x[:, 1:])[1].backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def _leaves(obj, path: str = "") -> dict:
+    """{path: value} of every leaf of a nested state (a tuple and a list alike)."""
+    if isinstance(obj, dict):
+        return {k: v for key, val in obj.items() for k, v in _leaves(val, f"{path}/{key}").items()}
+    if isinstance(obj, (list, tuple)):
+        return {k: v for i, val in enumerate(obj) for k, v in _leaves(val, f"{path}/{i}").items()}
+    return {path: obj}
+
+
+def _assert_same(a: dict, b: dict) -> None:
+    """Every leaf equal: tensors bit for bit (plain ones, never a DTensor), the rest by value."""
+    la, lb = _leaves(a), _leaves(b)
+    assert la.keys() == lb.keys() and la
+    for k, x in la.items():
+        y = lb[k]
+        if torch.is_tensor(x):
+            assert type(x) is torch.Tensor and type(y) is torch.Tensor, k
+            assert x.dtype == y.dtype and x.shape == y.shape, k
+            assert torch.equal(x.reshape(-1).view(torch.uint8), y.reshape(-1).view(torch.uint8)), k
+        else:
+            assert x == y, k
+
+
+def _snapshot(net, opt) -> dict:
+    blob = io.BytesIO()  # what a file holds: the live tensors of a CPU run, frozen
+    torch.save({"model": ckpt.model_state(net), "optimizer": ckpt.optimizer_state(net, opt)}, blob)
+    blob.seek(0)
+    return torch.load(blob, weights_only=True)
+
+
+def test_a_format_1_optimizer_state_is_refused_and_its_model_still_loads(tmp_path):
+    path, model = _save(tmp_path)
+    ck = ckpt.read_checkpoint(path)
+    ck["format"] = 1  # the model state of format 1 is format 2's
+    fresh = DormouseModel(preset("tiny").model)
+    ckpt.load_model(fresh, ck, path)
+    old = {"format": "dormouse.MixOptimizer/2", "opt": "mix", "muon": [], "adamw": None}
+    with pytest.raises(ckpt.CheckpointError, match="format 1.*format 2 only.*--overwrite"):
+        ckpt.load_optimizer_state(fresh, MixOptimizer(fresh, lr=1e-3), old, path)
+
+
+def test_a_state_with_other_keys_is_refused():
+    model = _tiny()
+    state = ckpt.model_state(model)
+    del state["head.weight"]
+    state["head.bias"] = torch.zeros(1)
+    with pytest.raises(ckpt.CheckpointError, match=r"missing \['head.weight'\], unexpected "
+                                                    r"\['head.bias'\]"):  # fmt: skip
+        ckpt.load_model_state(_tiny(), state)
+
+
+@pytest.mark.parametrize("ram", [False, True])
+def test_one_process_round_trip_needs_no_process_group(ram):
+    import torch.distributed as dist
+
+    assert not dist.is_initialized()
+    model = _tiny(ram)
+    opt = MixOptimizer(model, lr=0.01, opt="mix")
+    _step(model, opt)
+    saved = _snapshot(model, opt)
+    fresh = _tiny(ram, seed=1)
+    opt2 = MixOptimizer(fresh, lr=0.01, opt="mix")
+    ckpt.load_model_state(fresh, saved["model"])
+    ckpt.load_optimizer_state(fresh, opt2, saved["optimizer"])
+    _assert_same(_snapshot(fresh, opt2), saved)
+    _step(model, opt, seed=1)
+    _step(fresh, opt2, seed=1)
+    _assert_same(_snapshot(fresh, opt2), _snapshot(model, opt))
+
+
+def test_ddp_wrapped_model_uses_the_same_functions_and_names(one_rank_group):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    model = _tiny(ram=True)
+    net = DDP(model)
+    opt = MixOptimizer(net, lr=0.01, opt="mix")
+    _step(net, opt)
+    saved = _snapshot(net, opt)
+    assert saved["model"].keys() == model.state_dict().keys()  # no `module.` prefix
+    assert "engram.store.table" in saved["model"] and "engram.store.table" in saved["optimizer"]["state"]
+    fresh = _tiny(ram=True, seed=1)
+    net2 = DDP(fresh)
+    opt2 = MixOptimizer(net2, lr=0.01, opt="mix")
+    ckpt.load_model_state(net2, saved["model"])
+    ckpt.load_optimizer_state(net2, opt2, saved["optimizer"])
+    _assert_same(_snapshot(net2, opt2), saved)
+    # and into one plain process
+    plain = _tiny(ram=True, seed=2)
+    opt3 = MixOptimizer(plain, lr=0.01, opt="mix")
+    ckpt.load_model_state(plain, saved["model"])
+    ckpt.load_optimizer_state(plain, opt3, saved["optimizer"])
+    _assert_same(_snapshot(plain, opt3), saved)
+
+
+def _fsdp_rank(rank: int, tmp: str) -> None:
+    """One rank of a 2-rank gloo fleet: FSDP2 (per block, then the root, as the trainer wraps),
+    AdamW (FSDP2 runs no Muon), one step on this rank's bytes; rank 0 saves the full state;
+    then a fresh fleet loads that file on every rank and rank 0 saves what it gathers again."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", store=dist.FileStore(f"{tmp}/store", 2), rank=rank,
+                            world_size=2)  # fmt: skip
+    mesh = init_device_mesh("cpu", (2,))  # a CPU mesh on a machine with cards too
+    try:
+        for ram in (False, True):
+
+            def build(seed):
+                model = _tiny(ram, seed)
+                for block in model.blocks:
+                    fully_shard(block, mesh=mesh)
+                fully_shard(model, mesh=mesh)
+                return model, MixOptimizer(model, lr=0.01, opt="adamw")
+
+            model, opt = build(0)
+            _step(model, opt, seed=rank)
+            full = {"model": ckpt.model_state(model), "optimizer": ckpt.optimizer_state(model, opt)}
+            if rank == 0:
+                torch.save(full, f"{tmp}/full-{ram}.pt")
+            else:
+                assert full == {"model": {}, "optimizer": {}}, "the full state is rank 0's"
+            dist.barrier()
+            model, opt = build(1)
+            saved = torch.load(f"{tmp}/full-{ram}.pt", weights_only=True)
+            ckpt.load_model_state(model, saved["model"])
+            ckpt.load_optimizer_state(model, opt, saved["optimizer"])
+            again = {"model": ckpt.model_state(model), "optimizer": ckpt.optimizer_state(model, opt)}
+            if rank == 0:
+                torch.save(again, f"{tmp}/again-{ram}.pt")
+            dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.skipif(not torch.distributed.is_available(), reason="torch built without distributed")
+def test_fsdp2_full_state_loads_into_one_process(tmp_path):
+    import torch.multiprocessing as mp
+
+    mp.start_processes(_fsdp_rank, args=(str(tmp_path),), nprocs=2, start_method="spawn")
+    for ram in (False, True):
+        full = torch.load(tmp_path / f"full-{ram}.pt", weights_only=True)
+        # the fleet reloads its own file: what it gathers again is the file
+        _assert_same(torch.load(tmp_path / f"again-{ram}.pt", weights_only=True), full)
+        model = _tiny(ram, seed=2)
+        opt = MixOptimizer(model, lr=0.01, opt="adamw")
+        ckpt.load_model_state(model, full["model"])
+        ckpt.load_optimizer_state(model, opt, full["optimizer"])
+        _assert_same(_snapshot(model, opt), full)
+        moved = full["optimizer"]["state"]["engram.store.table"]["step"]
+        assert moved.any() and not moved.all()  # the row state was gathered, not made afresh

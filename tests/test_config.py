@@ -1,6 +1,7 @@
 """Config: presets, --set typing and suggestions, validation refusals, JSON round trip."""
 
 import dataclasses
+import json
 
 import pytest
 
@@ -117,3 +118,45 @@ def test_json_fields_of_the_wrong_type_are_refused():
         RunConfig.from_dict(d)
     with pytest.raises(ConfigError, match="not valid JSON"):
         RunConfig.from_json("{")
+
+
+def test_choices_come_from_the_literal_annotations():
+    from dormouse.config import _CHOICES
+
+    assert _CHOICES["kda_impl"] == ("auto", "torch", "fla")
+    assert _CHOICES["dtype"] == ("auto", "fp32", "bf16", "fp16")  # one dtype knob, no "none"
+    assert "bf16" not in {f.name for f in dataclasses.fields(ModelConfig)}
+    with pytest.raises(ConfigError, match="dtype='none' is not one of"):
+        validate(apply_sets(preset("tiny"), ["dtype=none"]))
+    d = preset("tiny").to_dict()
+    d["train"]["schedule"] = 3
+    with pytest.raises(ConfigError, match="field schedule: expected str"):
+        RunConfig.from_dict(d)
+
+
+def test_presets_dtype():
+    # tiny computes fp32 everywhere; the rest follow the device policy (fp32 on the CPU)
+    assert preset("tiny").train.dtype == "fp32"
+    assert {preset(n).train.dtype for n in ("small", "medium", "b1")} == {"auto"}
+
+
+@pytest.mark.parametrize("bf16, dtype, want", [
+    (True, "none", "auto"),
+    (False, "none", "fp32"),
+    (True, "bf16", "bf16"),  # an explicit dtype always won over the flag
+    (False, "auto", "auto"),
+    (True, None, "auto"),  # older still: no dtype field at all (it meant none)
+])  # fmt: skip
+def test_old_configs_with_the_bf16_flag_load(bf16, dtype, want, caplog):
+    import logging
+
+    d = preset("small").to_dict()
+    d["model"]["bf16"] = bf16
+    if dtype is None:
+        del d["train"]["dtype"]
+    else:
+        d["train"]["dtype"] = dtype
+    with caplog.at_level(logging.INFO, logger="dormouse.config"):
+        run = validate(RunConfig.from_json(json.dumps(d)))
+    assert run.train.dtype == want and run.model == preset("small").model
+    assert any(f"-> dtype={want}" in r.getMessage() for r in caplog.records)  # said, not silent

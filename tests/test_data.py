@@ -25,6 +25,7 @@ from dormouse.train.data import (
     val_length,
     windows,
 )
+from trainlog import lines_to
 
 
 def _file(tmp_path, n, name="c.bin", seed=0):
@@ -37,17 +38,13 @@ def _cfg(*paths, **kw):
     return replace(TrainConfig(), data=tuple(str(p) for p in paths), **kw)
 
 
-def _quiet(*_a, **_k):
-    pass
-
-
 # ---- bad input ------------------------------------------------------------------------
 
 
 def test_missing_file(tmp_path):
     p = tmp_path / "nope.txt"
     with pytest.raises(DataError, match="does not exist") as e:
-        open_data(_cfg(p), log=_quiet)
+        open_data(_cfg(p))
     assert str(p) in str(e.value) and "--data" in str(e.value)
 
 
@@ -61,7 +58,7 @@ def test_empty_file(tmp_path):
     p = tmp_path / "empty.txt"
     p.write_bytes(b"")
     with pytest.raises(DataError, match=r"is empty \(0 bytes\)") as e:
-        open_data(_cfg(p), log=_quiet)
+        open_data(_cfg(p))
     assert str(p) in str(e.value)
 
 
@@ -75,7 +72,7 @@ def test_not_a_regular_file(tmp_path):
 def test_shorter_than_one_window(tmp_path):
     p = _file(tmp_path, 10)
     with pytest.raises(DataError) as e:
-        open_data(_cfg(p, batch=2, seq_len=8), log=_quiet)
+        open_data(_cfg(p, batch=2, seq_len=8))
     msg = str(e.value)
     assert str(p) in msg and "has 10 bytes" in msg
     assert "batch*(seq_len+1) = 2*(8+1) = 18 bytes" in msg
@@ -97,7 +94,7 @@ def test_unreadable_file(tmp_path, monkeypatch):
         monkeypatch.setattr(np, "memmap", deny)
     try:
         with pytest.raises(DataError, match="not readable by this user") as e:
-            open_data(_cfg(p, batch=1, seq_len=8, val_frac=0.0), log=_quiet)
+            open_data(_cfg(p, batch=1, seq_len=8, val_frac=0.0))
         assert str(p) in str(e.value) and "chmod a+r" in str(e.value)
     finally:
         p.chmod(stat.S_IRUSR | stat.S_IWUSR)
@@ -106,7 +103,7 @@ def test_unreadable_file(tmp_path, monkeypatch):
 def test_val_split_too_big_for_file(tmp_path):
     p = _file(tmp_path, 30)
     with pytest.raises(DataError, match="has 30 bytes: too few") as e:
-        open_data(_cfg(p, batch=2, seq_len=8), log=_quiet)  # window 18, val raised to 18
+        open_data(_cfg(p, batch=2, seq_len=8))  # window 18, val raised to 18
     assert "val_frac=0" in str(e.value)
 
 
@@ -284,9 +281,9 @@ def test_mixture_exact_resume():
 def test_mixture_weight_refusal(tmp_path):
     p, q = _file(tmp_path, 500, "a"), _file(tmp_path, 500, "b")
     with pytest.raises(DataError, match="at least one > 0"):
-        open_data(_cfg(p, q, batch=2, seq_len=8, data_weights=(0.0, 0.0)), log=_quiet)
+        open_data(_cfg(p, q, batch=2, seq_len=8, data_weights=(0.0, 0.0)))
     with pytest.raises(DataError, match="1 data_weights for 2 corpora"):
-        open_data(_cfg(p, q, batch=2, seq_len=8, data_weights=(1.0,)), log=_quiet)
+        open_data(_cfg(p, q, batch=2, seq_len=8, data_weights=(1.0,)))
 
 
 # ---- open_data and val batches -----------------------------------------------------------------
@@ -295,7 +292,8 @@ def test_mixture_weight_refusal(tmp_path):
 def test_open_data_single_file_and_val_batches(tmp_path):
     p = _file(tmp_path, 2000)
     lines = []
-    ds = open_data(_cfg(p, batch=2, seq_len=8, val_frac=0.1, shuffle=False), log=lines.append)
+    with lines_to(lines.append):
+        ds = open_data(_cfg(p, batch=2, seq_len=8, val_frac=0.1, shuffle=False))
     assert "train 1800 + val 200" in lines[-1]
     st = ds.train_stream(2, 8)
     assert isinstance(st, ByteStream) and np.array_equal(st.read(0), np.frombuffer(
@@ -306,7 +304,7 @@ def test_open_data_single_file_and_val_batches(tmp_path):
     first, last = v1[0], v1[-1]
     assert torch.equal(first[0], windows(raw[1800:1818], 2, 8)[0])  # starts the val split
     assert torch.equal(last[1], windows(raw[-18:], 2, 8)[1])  # ends it
-    no_val = open_data(_cfg(p, batch=2, seq_len=8, val_frac=0.0), log=_quiet)
+    no_val = open_data(_cfg(p, batch=2, seq_len=8, val_frac=0.0))
     with pytest.raises(DataError, match="no validation split"):
         no_val.val_batches(4, 2, 8)
 
@@ -314,7 +312,8 @@ def test_open_data_single_file_and_val_batches(tmp_path):
 def test_open_data_mixture(tmp_path):
     p, q = _file(tmp_path, 900, "a", 1), _file(tmp_path, 300, "b", 2)
     lines = []
-    ds = open_data(_cfg(p, q, batch=2, seq_len=8, val_frac=0.1), log=lines.append)
+    with lines_to(lines.append):
+        ds = open_data(_cfg(p, q, batch=2, seq_len=8, val_frac=0.1))
     assert "weights by train size" in lines[-1]
     st = ds.train_stream(2, 8, offset=0, stride=27)  # a fleet of [2, 1]
     assert isinstance(st, Mixture) and len(st.streams) == 2
@@ -329,14 +328,16 @@ _CAP = 200_000  # a prefix of the stdlib keeps the test fast; the rule is the sa
 
 def test_default_corpus_deterministic_and_cached(tmp_path, monkeypatch):
     logs = []
-    a = default_corpus(tmp_path / "one", log=logs.append, cap_bytes=_CAP)
-    monkeypatch.setenv("DORMOUSE_CACHE", str(tmp_path / "two"))
-    b = default_corpus(log=logs.append, cap_bytes=_CAP)
+    with lines_to(logs.append):
+        a = default_corpus(tmp_path / "one", cap_bytes=_CAP)
+        monkeypatch.setenv("DORMOUSE_CACHE", str(tmp_path / "two"))
+        b = default_corpus(cap_bytes=_CAP)
     assert a.parent == tmp_path / "one" and b.parent == tmp_path / "two"
     assert a.name == b.name and a.read_bytes() == b.read_bytes()
     assert "built in" in logs[0] and str(a) in logs[0] and "cap 0.2 MiB" in logs[0]
     mtime = b.stat().st_mtime_ns
-    assert default_corpus(log=logs.append, cap_bytes=_CAP) == b
+    with lines_to(logs.append):
+        assert default_corpus(cap_bytes=_CAP) == b
     assert "reused from the cache" in logs[-1] and b.stat().st_mtime_ns == mtime
     text = a.read_bytes()
     assert 0 < len(text) <= _CAP
@@ -350,8 +351,9 @@ def test_default_corpus_deterministic_and_cached(tmp_path, monkeypatch):
 def test_default_corpus_is_used_without_data(tmp_path, monkeypatch):
     monkeypatch.setattr(D, "DEFAULT_CORPUS_CAP", _CAP)
     lines = []
-    ds = open_data(replace(TrainConfig(), batch=2, seq_len=16, shuffle=False), log=lines.append,
-                   cache_dir=tmp_path)  # fmt: skip
+    with lines_to(lines.append):
+        ds = open_data(replace(TrainConfig(), batch=2, seq_len=16, shuffle=False),
+                       cache_dir=tmp_path)  # fmt: skip
     assert ds.is_default and "no --data given" in lines[0] and "default corpus" in lines[1]
     x, _ = ds.train_stream(2, 16).next()
     assert bytes(x[0].tolist()).startswith(b"# file: ")
@@ -370,13 +372,13 @@ def test_default_corpus_selection_rule(tmp_path, monkeypatch):
         (root / rel).write_bytes(body)
     (root / "gone.py").symlink_to(root / "missing")  # unreadable: skipped
     monkeypatch.setattr(D.sysconfig, "get_paths", lambda: {"stdlib": str(root)})
-    p = default_corpus(tmp_path / "cache", log=_quiet, cap_bytes=80)
+    p = default_corpus(tmp_path / "cache", cap_bytes=80)
     assert p.read_bytes() == b"# file: a.py\nA\n# file: b.py\nB\n# file: pkg/__init__.py\nP\n"
     empty = tmp_path / "nolib"
     empty.mkdir()
     monkeypatch.setattr(D.sysconfig, "get_paths", lambda: {"stdlib": str(empty)})
     with pytest.raises(DataError, match="no standard-library .py sources found .* --data"):
-        default_corpus(tmp_path / "cache", log=_quiet)
+        default_corpus(tmp_path / "cache")
 
 
 def test_shuffled_blocks_keep_the_fleet_layout_and_cover_each_pass(tmp_path):
@@ -402,7 +404,7 @@ def test_a_shrunken_file_is_refused_before_it_is_read(tmp_path):
     path = tmp_path / "c.bin"
     path.write_bytes(bytes(range(256)) * 40)
     cfg = TrainConfig(data=(str(path),), batch=2, seq_len=16, val_frac=0.0)
-    stream = D.open_data(cfg, log=lambda _l: None).train_stream(2, 16)
+    stream = D.open_data(cfg).train_stream(2, 16)
     stream.next()
     os.truncate(path, 100)
     with pytest.raises(D.DataError, match="shrank from 10240 to 100 bytes.*before step 1"):

@@ -1,5 +1,5 @@
 """Unit tests of the distributed layer that need no fleet: capacity, launch, backend, refusals,
-the seams' arithmetic, the reducer's dtype, and a hypothesis fuzz of parse_capacity.
+the context's arithmetic, the reducer's dtype, and a hypothesis fuzz of parse_capacity.
 
 The fleet claims themselves are gates (tests/test_gates.py, `pytest -m gate`).
 """
@@ -15,11 +15,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dormouse.config import apply_sets, preset
-from dormouse.train.distributed import (
+from dormouse.train.context import DPContext, RankShape
+from dormouse.train.fleet import (
     NCCL_SAFE_ENV,
     DistError,
     LaunchError,
-    Parallel,
     RefusedError,
     check_launch,
     choose_backend,
@@ -28,8 +28,6 @@ from dormouse.train.distributed import (
     refuse_incompatible,
     split_by_rates,
 )
-from dormouse.train.seams import RankShape
-
 
 
 TORCHRUN = {"RANK": "0", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
@@ -295,12 +293,13 @@ def test_the_mixture_is_rank_consistent():
     assert len(set(picks)) == 3
 
 
-# ---- the seams' arithmetic and the reducer ------------------------------------------------------
+# ---- the context's arithmetic and the reducer ------------------------------------------------------
 
 
 def test_loss_scale_lands_on_the_token_weighted_mean():
     shapes = [RankShape(4, 64), RankShape(2, 64), RankShape(2, 32)]
-    parts = [Parallel(r, 3, torch.device("cpu"), shapes, backend="gloo") for r in range(3)]
+    parts = [DPContext(torch.device("cpu"), tuple(shapes), rank=r, world=3, backend="gloo")
+             for r in range(3)]  # fmt: skip
     total = sum(s.tokens for s in shapes)
     # DDP averages: (1/P) sum_r scale_r g_r must equal sum_r (t_r / total) g_r.
     for p, s in zip(parts, shapes):
@@ -317,19 +316,19 @@ def test_measure_rate_is_positive():
 
 def test_the_unused_parameter_probe_leaves_no_trace():
     from dormouse.model import DormouseModel
-    from dormouse.train.distributed import _params_without_grad
+    from dormouse.train.parallelize import params_without_grad
 
     torch.manual_seed(0)
     model = DormouseModel(replace(preset("tiny").model, moe_lb_coef=0.01))
     counts = [m.moe.lfb_counts.clone() for m in model.blocks]
-    assert _params_without_grad(model, torch.device("cpu")) == []
+    assert params_without_grad(model, torch.device("cpu")) == []
     assert all(p.grad is None for p in model.parameters())
     assert all(torch.equal(c, m.moe.lfb_counts) for c, m in zip(counts, model.blocks))
     model.embed.weight.requires_grad_(True)
     model.head.weight.register_hook(lambda g: g)  # no effect: the head is used
     frozen = torch.nn.Parameter(torch.zeros(3))
     model.register_parameter("orphan", frozen)
-    assert _params_without_grad(model, torch.device("cpu")) == ["orphan"]
+    assert params_without_grad(model, torch.device("cpu")) == ["orphan"]
 
 
 @pytest.mark.parametrize("reduce", ["fp32", "bf16"])
@@ -340,26 +339,43 @@ def test_reduce_dtype_reaches_the_gradients(one_rank_group, reduce):
 
     torch.manual_seed(0)
     model = DormouseModel(preset("tiny").model)
-    par = Parallel(0, 1, torch.device("cpu"), [RankShape(2, 16)], backend="gloo", reduce=reduce,
-                   log=lambda _l: None)  # fmt: skip
-    net = par.wrap(model)
+    from dormouse.train.parallelize import parallelize, unwrap
+
+    ctx = DPContext(torch.device("cpu"), (RankShape(2, 16), RankShape(2, 16)), world=2,
+                    backend="gloo", reduce=reduce)  # fmt: skip
+    # a world of 2 wraps; the one-rank process group runs its collectives (rank 0 of 1)
+    net = parallelize(model, ctx)
     x = torch.randint(0, 256, (2, 17), generator=torch.Generator().manual_seed(1))
     _, loss, _ = net(x[:, :-1], x[:, 1:])
     loss.backward()
     grads = [p.grad for p in model.parameters() if p.grad is not None and p.grad.abs().sum() > 0]
     rounded = all(torch.equal(g, g.bfloat16().float()) for g in grads)
     assert rounded == (reduce == "bf16")
-    assert par.unwrap(net) is model and par.find_unused is False
+    assert unwrap(net) is model and net.find_unused_parameters is False
 
 
-def test_fleet_seams_on_one_rank(one_rank_group):
-    par = Parallel(0, 1, torch.device("cpu"), [RankShape(2, 8)], backend="gloo")
-    assert par.all_finite(True) is True and par.all_finite(False) is False
-    assert par.fleet_loss(torch.tensor(2.5)) == pytest.approx(2.5)
+def test_fleet_collectives_on_one_rank(one_rank_group):
+    # world=2 takes the collective path; the process group has one rank, so each
+    # collective returns this rank's own value
+    ctx = DPContext(torch.device("cpu"), (RankShape(2, 8), RankShape(2, 8)), world=2,
+                    backend="gloo")  # fmt: skip
+    assert ctx.all_finite(True) is True and ctx.all_finite(False) is False
+    assert ctx.any_rank(True) is True and ctx.any_rank(False) is False
+    assert ctx.fleet_loss(torch.tensor(2.5)) == pytest.approx(1.25)  # half the fleet's tokens
     counts = torch.tensor([1.0, 2.0])
-    assert par.lfb_reduce(counts) is None and counts.tolist() == [1.0, 2.0]
-    par.barrier()
-    assert par.line().startswith("dist rank=0/1 backend=gloo device=cpu shape=2x8 dtype=fp32")
+    ctx.lfb_reduce(counts)
+    assert counts.tolist() == [1.0, 2.0]
+    ctx.barrier()
+    assert ctx.line().startswith("dist rank=0/2 backend=gloo device=cpu shape=2x8 dtype=fp32")
+
+
+def test_a_world_of_one_never_touches_torch_distributed():
+    ctx = DPContext.single(torch.device("cpu"), 2, 8)  # no process group exists here
+    assert ctx.all_finite(False) is False and ctx.any_rank(True) is True
+    assert ctx.fleet_loss(torch.tensor(2.5)) == 2.5 and ctx.lfb_reduce is None
+    assert ctx.loss_scale == 1.0 and ctx.offset == 0 and ctx.stride == 2 * 9
+    ctx.barrier()
+    ctx.reduce_host_grads(torch.nn.Linear(1, 1))
 
 
 # ---- the heartbeat, on an in-process store ---------------------------------------------------
@@ -377,7 +393,7 @@ def _beat(store, rank: int, n: int, step: int, state: str = "alive") -> None:
 def _heartbeat(timeout: float = 0.5):
     import torch.distributed as dist
 
-    from dormouse.train.distributed import Heartbeat
+    from dormouse.train.watchdog import Heartbeat
 
     store = dist.HashStore()
     hb = Heartbeat(0, 2, timeout, lambda: store, "t")

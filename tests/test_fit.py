@@ -4,6 +4,7 @@ refusal and the CLI line. Everything runs on the meta device."""
 from __future__ import annotations
 
 import importlib.util
+import logging
 import re
 import resource
 from dataclasses import replace
@@ -28,7 +29,7 @@ SPLIT = ParamSplit(
 
 def _run(**model) -> RunConfig:
     m = ModelConfig(d_model=8, n_heads=2, head_dim=4, d_ffn=16, n_layers=2, max_iter=2,
-                    moe_topk=2, kda_impl="fla", bf16=True, max_seq_len=64)  # fmt: skip
+                    moe_topk=2, kda_impl="fla", max_seq_len=64)  # fmt: skip
     return RunConfig("hand", replace(m, **model), TrainConfig(batch=2, seq_len=16))
 
 
@@ -91,7 +92,7 @@ def test_each_mechanism_removes_what_it_claims(hand_split):
     b8 = estimate(replace(run, train=replace(run.train, optim_8bit=True)))
     assert (b8.adamw, b8.engram) == (2 * 100, base.engram)  # Engram moments are not 8-bit
 
-    fp32 = estimate(replace(run, model=replace(run.model, bf16=False)))
+    fp32 = estimate(replace(run, train=replace(run.train, dtype="fp32")))
     assert fp32.casts == 0
 
 
@@ -201,9 +202,10 @@ def test_medium_on_4gb_needs_mechanisms_because_of_activations():
 # ---- the CLI and train --fit ------------------------------------------------------------
 
 
-def test_cli_plan_prints_the_line(capsys):
-    assert cli_main(["plan", "medium", "--fit", "4"]) == 0
-    out = capsys.readouterr().out
+def test_cli_plan_prints_the_line(capsys, caplog):
+    with caplog.at_level(logging.INFO, logger=fit.__name__):
+        assert cli_main(["plan", "medium", "--fit", "4"]) == 0
+    out = "\n".join(r.getMessage() for r in caplog.records if r.name == fit.__name__)
     line = [ln for ln in out.splitlines() if ln.startswith("fit=4GB")]
     assert line, out
     assert "usable=3.60GiB" in line[0] and "est_peak=" in line[0] and "engaged=" in line[0]
@@ -216,12 +218,26 @@ def test_cli_plan_prints_the_line(capsys):
     assert err.startswith("dormouse: --fit 4GB:") and "opt_work=" in err
 
 
-def test_apply_fit_sets_the_mechanisms_and_logs_the_same_line():
+def test_apply_fit_sets_the_mechanisms_and_logs_the_same_line(caplog):
     run = replace(preset("medium"), train=replace(preset("medium").train, fit_gb=8.0, device="cpu"))
-    lines: list[str] = []
-    planned = fit.apply_fit(run, log=lines.append)
+    with caplog.at_level(logging.INFO, logger=fit.__name__):
+        planned = fit.apply_fit(run)
     _, est, engaged = plan_fit(run, 8.0)
-    assert lines[-1] == fit.format_fit_line(8.0, est, engaged)
+    assert caplog.records[-1].getMessage() == fit.format_fit_line(8.0, est, engaged)
     assert engaged and all(fit.mechanism_on(planned, m) for m in engaged)
     unset = replace(run, train=replace(run.train, fit_gb=0.0))
-    assert fit.apply_fit(unset, log=lines.append) is unset
+    assert fit.apply_fit(unset) is unset
+
+
+def test_the_kda_arm_is_the_models_rule():
+    """Pinned arms as pinned; auto as the model's rule decides: torch on a CPU run, and on a
+    run for an unseen CUDA card whatever this machine's fla-core allows."""
+    run = preset("small")
+    assert fit.kda_arm(_run()).name == "fla"
+    cpu = replace(run, train=replace(run.train, device="cpu"))
+    assert fit.kda_arm(cpu).name == "torch"
+    if not torch.cuda.is_available():
+        installed = importlib.util.find_spec("fla") is not None
+        assert fit.kda_arm(run).name == ("fla" if installed else "torch")
+        wide = replace(run, model=replace(run.model, n_heads=1, head_dim=512, d_model=512))
+        assert fit.kda_arm(wide).name == "torch"  # beyond chunk_kda's head_dim limit

@@ -1,6 +1,6 @@
 """Faults on a fleet: nothing hung, nothing silently wrong. Each case injects its fault into
 a real 2-rank CPU fleet (torchrun and the CLI, or ranks spawned by torch.multiprocessing
-calling `train_dist` as the CLI does) and fails if the old behaviour comes back: a silent
+calling `train_run` as the CLI does) and fails if the old behaviour comes back: a silent
 wait until torch's 30-minute timeout, workers outliving their launcher, ranks that disagree
 on a setting or on the data training on regardless, a rank-0-only refusal leaving the others
 waiting. Every hang case runs with a dist_timeout of seconds and asserts a time bound.
@@ -24,10 +24,11 @@ import torch
 
 from dormouse.config import apply_sets, preset, validate
 from dormouse.train import checkpoint as ckpt
-from dormouse.train.distributed import (
-    PER_RANK_FIELDS, WATCHDOG_EXIT, agreement_fields, disagreement, disagreement_message,
+from dormouse.train.context import RankShape
+from dormouse.train.fleet import (
+    PER_RANK_FIELDS, agreement_fields, disagreement, disagreement_message,
 )  # fmt: skip
-from dormouse.train.seams import RankShape
+from dormouse.train.watchdog import WATCHDOG_EXIT
 
 ROOT = Path(__file__).resolve().parents[1]
 #: The hang cases' dist_timeout: short, yet far above a heartbeat interval (0.4 s) on a
@@ -211,16 +212,18 @@ def _tiny(out: Path, data: Path | str, *sets: str):
         *sets]))  # fmt: skip
 
 
-def _nan_on_rank0(base):
-    class NanOnRank0(base):
-        def model_state(self, net):
-            sd = super().model_state(net)
-            if self.rank == 0 and sd:  # rank 0's gathered state holds a NaN
-                k = next(k for k, v in sd.items() if v.is_floating_point())
-                sd[k] = torch.full_like(sd[k], float("nan"))
-            return sd
+def _nan_on_rank0(rank: int) -> None:
+    """Rank 0's gathered checkpoint state holds a NaN (a fault planted in this rank)."""
+    real = ckpt.model_state
 
-    return NanOnRank0
+    def model_state(net):
+        sd = real(net)
+        if rank == 0 and sd:
+            k = next(k for k, v in sd.items() if v.is_floating_point())
+            sd[k] = torch.full_like(sd[k], float("nan"))
+        return sd
+
+    ckpt.model_state = model_state
 
 
 #: The long-work case's dist_timeout, and how long each of its one-rank waits lasts.
@@ -228,17 +231,17 @@ LONG_TIMEOUT_S = 3
 LONG_WORK_S = 2.2 * LONG_TIMEOUT_S
 
 
-def _slow_save_on_rank0(base):
-    class SlowSave(base):
-        slow = True
+def _slow_save_on_rank0(rank: int) -> None:
+    """Rank 0's first checkpoint gathers for LONG_WORK_S (a large one on a slow disk)."""
+    real, slow = ckpt.model_state, [rank == 0]
 
-        def model_state(self, net):
-            if self.rank == 0 and SlowSave.slow:
-                SlowSave.slow = False
-                time.sleep(LONG_WORK_S)  # a large checkpoint on a slow disk
-            return super().model_state(net)
+    def model_state(net):
+        if slow[0]:
+            slow[0] = False
+            time.sleep(LONG_WORK_S)
+        return real(net)
 
-    return SlowSave
+    ckpt.model_state = model_state
 
 
 def _slow_first_forward(model, seconds: float) -> None:
@@ -255,9 +258,8 @@ def _slow_first_forward(model, seconds: float) -> None:
 
 
 def _case(name: str, rank: int, tmp: Path) -> tuple:
-    """(run, train_dist keyword arguments) of `name` for `rank`."""
+    """(run, train_run keyword arguments) of `name` for `rank`."""
     from dormouse.model import DormouseModel
-    from dormouse.train.distributed import Parallel
 
     out = tmp / "run"
     if name == "schedules":
@@ -271,8 +273,8 @@ def _case(name: str, rank: int, tmp: Path) -> tuple:
         os.chdir(tmp / f"node{rank}")
         return _tiny(out, "corpus.txt"), {}
     if name == "nan":
-        return _tiny(out, tmp / "corpus.txt", "ckpt_every=2"), {"parallel_cls":
-                                                               _nan_on_rank0(Parallel)}
+        _nan_on_rank0(rank)
+        return _tiny(out, tmp / "corpus.txt", "ckpt_every=2"), {}
     if name == "shrink":
         if rank == 1:  # this rank alone finds the file shrunk (another node's copy job)
             from dormouse.train.data import ByteStream, DataError
@@ -293,7 +295,8 @@ def _case(name: str, rank: int, tmp: Path) -> tuple:
         model = DormouseModel(run.model)
         if rank == 1:
             _slow_first_forward(model, LONG_WORK_S)
-        return run, {"model": model, "parallel_cls": _slow_save_on_rank0(Parallel)}
+        _slow_save_on_rank0(rank)
+        return run, {"model": model}
     raise AssertionError(name)
 
 
@@ -302,13 +305,13 @@ def _rank_main(rank: int, world: int, port: int, tmp: str, name: str) -> None:
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank))  # fmt: skip
     torch.set_num_threads(1)
     from dormouse.errors import UserError
-    from dormouse.train.distributed import train_dist
+    from dormouse.train.run import train_run
 
     res: dict = {"rank": rank}
     t0 = time.monotonic()
     try:
         run, kw = _case(name, rank, Path(tmp))
-        train_dist(run, log=lambda _line: None, device_type="cpu", **kw)
+        train_run(run, device_type="cpu", **kw)
         res["ok"] = True
     except Exception as e:  # noqa: BLE001 - the test judges what was raised
         res.update(ok=False, error=type(e).__name__, message=str(e), user=isinstance(e, UserError))

@@ -11,8 +11,9 @@ import torch
 import torch.nn.functional as F
 
 from dormouse.config import preset
-from dormouse.model import kda as kda_mod
-from dormouse.model.kda import KDAMixer, choose_kda_impl, kda_fla, kda_torch
+from dormouse.model import arms
+from dormouse.model.arms import ArmError, Card, choose_arm
+from dormouse.model.kda import KDAMixer, kda_fla, kda_torch
 from references.kda_naive import kda_naive
 
 # fp32 round-off: outputs and states are O(1) and each entry is a sum of at most a few
@@ -238,34 +239,48 @@ def test_params_ndim_for_the_optimizer():
 # ---- (e) choosing the arm -------------------------------------------------------------
 
 
-def test_choose_impl_on_cpu():
-    impl, reason = choose_kda_impl("auto", "cpu", torch.float32)
-    assert impl == "torch" and "cpu" in reason and "not CUDA" in reason
-    assert choose_kda_impl("torch", "cpu")[0] == "torch"
-    with pytest.raises(RuntimeError, match="--set kda_impl=torch") as e:
-        choose_kda_impl("fla", "cpu", torch.float32)
-    assert "not CUDA" in str(e.value)
+def test_choose_arm_on_cpu():
+    arm, reason = choose_arm("kda", "auto", "cpu", torch.float32)
+    assert arm == "torch" and "cpu" in reason and "not CUDA" in reason
+    assert choose_arm("kda", "torch", "cpu").name == "torch"
+    with pytest.raises(ArmError, match="--set kda_impl=torch") as e:
+        choose_arm("kda", "fla", "cpu", torch.float32)
+    assert "not CUDA" in str(e.value) and isinstance(e.value, RuntimeError)
     with pytest.raises(ValueError, match="kda_impl"):
-        choose_kda_impl("triton", "cpu")
-    with pytest.raises(RuntimeError, match="head_dim=512"):
-        choose_kda_impl("fla", "cpu", torch.float32, head_dim=512)
+        choose_arm("kda", "triton", "cpu")
+    with pytest.raises(ArmError, match="head_dim=512"):
+        choose_arm("kda", "fla", "cpu", torch.float32, {"head_dim": 512})
+
+
+@pytest.mark.parametrize("sm, dtype, head_dim, fla", [
+    ((8, 0), torch.float32, 64, True),
+    ((9, 0), torch.bfloat16, 256, True),
+    ((7, 5), torch.float32, 64, False),  # Triton kernels need sm_80+
+    ((9, 0), torch.float64, 64, False),
+    ((9, 0), torch.bfloat16, 512, False),  # chunk_kda's head_dim limit
+])  # fmt: skip
+def test_mixer_arm_on_described_cards(sm, dtype, head_dim, fla):
+    """The mixer's own arm choice (what its forward asks) on cards this machine lacks."""
+    m = KDAMixer(_cfg(kda_impl="auto", n_heads=1, head_dim=head_dim, d_model=head_dim))
+    assert m.arm(Card("cuda", sm, "card"), dtype).name == ("fla" if fla else "torch")
+    assert m.arm(Card("cuda", sm, "card", fla="fla-core is not installed"), dtype).name == "torch"
 
 
 def test_mixer_refuses_explicit_fla_on_cpu():
     m = KDAMixer(_cfg(kda_impl="fla"))
-    with pytest.raises(RuntimeError, match="kda_impl=torch"):
+    with pytest.raises(ArmError, match="kda_impl=torch"):
         m(torch.randn(1, 4, 64))
 
 
 def test_mixer_logs_its_arm_once(caplog, monkeypatch):
-    monkeypatch.setattr(kda_mod, "_LOGGED", set())
+    monkeypatch.setattr(arms, "_SAID", set())
     cfg = replace(_cfg(), kda_impl="auto")
     mixers = [KDAMixer(cfg), KDAMixer(cfg)]
-    with caplog.at_level(logging.INFO, logger="dormouse.model"):
+    with caplog.at_level(logging.INFO, logger="dormouse.model.arms"):
         for m in mixers:
             m(torch.randn(1, 3, 64))
             m(torch.randn(1, 3, 64))
-    lines = [r.getMessage() for r in caplog.records if r.name == "dormouse.model"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "dormouse.model.arms"]
     assert len(lines) == 1 and "-> torch" in lines[0] and "kda_impl=auto" in lines[0]
     assert all(m.impl == "torch" for m in mixers)
 
@@ -274,7 +289,7 @@ def test_mixer_logs_its_arm_once(caplog, monkeypatch):
 
 
 def _fla_ready() -> bool:
-    return torch.cuda.is_available() and choose_kda_impl("auto", "cuda")[0] == "fla"
+    return torch.cuda.is_available() and choose_arm("kda", "auto", "cuda").name == "fla"
 
 
 # slow: on a cold Triton cache fla autotunes each kernel on first use; measured on an H200,

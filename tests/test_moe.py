@@ -18,7 +18,8 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from dormouse.config import ModelConfig
-from dormouse.model import moe as moe_mod
+from dormouse.model import arms
+from dormouse.model.arms import ArmError, Card, why_not
 from dormouse.model.moe import MoE
 from references.moe_capacity import moe_capacity
 from references.moe_dense import moe_dense
@@ -47,10 +48,9 @@ def make(seed: int = 0, **kw) -> MoE:
 
 
 def skip_unless_arm(arm: str, device="cpu", dtype=torch.float32, d=D, f=FF):
-    if arm == "grouped":
-        why = moe_mod._grouped_support(torch.device(device), dtype, d, f)
-        if why:
-            pytest.skip(f"grouped arm unavailable here: {why}")
+    why = why_not("moe", arm, device, dtype, {"d_model": d, "d_ffn": f})
+    if why:
+        pytest.skip(f"{arm} arm unavailable here: {why}")
 
 
 def leaves(m: MoE, dtype=torch.float64, device=None):
@@ -172,37 +172,41 @@ def test_grouped_refusal_and_auto_fallback(caplog):
     d = 6  # 6 fp32 = 24 bytes: not a multiple of the grouped kernels' 16-byte rows
     m = make(moe_impl="grouped", d_model=d, n_heads=1, head_dim=d)
     x = torch.randn(4, d)
-    with pytest.raises(RuntimeError, match="moe_impl=batched"):
+    with pytest.raises(ArmError, match="moe_impl=batched"):
         m(x)
     m.impl = "auto"
-    moe_mod._logged.clear()
-    with caplog.at_level(logging.INFO, logger="dormouse.model"):
+    with caplog.at_level(logging.INFO, logger="dormouse.model.arms"):
+        arms._SAID.clear()
         m(x)
         m(x)
-    lines = [r.getMessage() for r in caplog.records if r.name == "dormouse.model"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "dormouse.model.arms"]
     assert len(lines) == 1, lines  # the verdict is logged once, not per forward
-    assert "batched arm" in lines[0] and "16 bytes" in lines[0]
+    assert lines[0].endswith("-> batched") and "16 bytes" in lines[0]
 
 
 @pytest.mark.parametrize(
-    "cap, dtype, grouped",
+    "sm, dtype, grouped",
     [
         ((9, 0), torch.bfloat16, True),
+        ((10, 0), torch.bfloat16, True),
         ((9, 0), torch.float32, False),
         ((8, 6), torch.bfloat16, False),
+        ((12, 0), torch.bfloat16, False),  # no fused kernel on sm_120
     ],
 )
-def test_auto_policy_on_cuda(monkeypatch, cap, dtype, grouped):
-    """auto takes grouped on CUDA only where the fused kernel exists (bf16, sm_90+)."""
-    skip_unless_arm("grouped")
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: cap)
+def test_auto_policy_on_cuda(sm, dtype, grouped):
+    """auto takes grouped on CUDA only where the fused kernel exists (bf16, sm_90/sm_100)."""
     m = make(moe_impl="auto")
-    assert m._arm(torch.device("cuda"), dtype) == ("grouped" if grouped else "batched")
-    assert m._arm(torch.device("cpu"), torch.float32) == "grouped"
+    assert m.arm(Card("cuda", sm, "card"), dtype).name == ("grouped" if grouped else "batched")
+    assert m.arm(Card("cpu", name="cpu"), torch.float32).name == "grouped"
+    m.impl = "grouped"  # pinned: runs wherever the grouped matmul does (sm_80+ on torch 2.9+)
+    assert m.arm(Card("cuda", sm, "card", torch_version=(2, 9)), dtype).name == "grouped"
+    with pytest.raises(ArmError, match="sm_75"):
+        m.arm(Card("cuda", (7, 5), "card"), dtype)
 
 
 def test_triton_refused_with_escape():
-    with pytest.raises(NotImplementedError, match="moe_impl=grouped.*moe_impl=batched"):
+    with pytest.raises(ArmError, match="moe_impl=grouped.*moe_impl=batched"):
         make(moe_impl="triton")
 
 

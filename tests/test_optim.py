@@ -1,18 +1,22 @@
 """MixOptimizer: batched Muon vs the one-matrix reference, vs torch.optim.Muon, routing,
-bit-exact resume, the AdamW control arm and the 8-bit refusal."""
+torch-standard state (torch.distributed.checkpoint's state_dict functions read it without
+stepping, and it round-trips), bit-exact resume, the AdamW control arm and the 8-bit refusal."""
 
 from __future__ import annotations
 
 import copy
 import io
 import sys
+from dataclasses import replace
 
 import pytest
 import torch
 from torch import nn
 
 from dormouse.config import ConfigError, TrainConfig
-from dormouse.train.optim import MixOptimizer, format_routes, route_params, strip_name
+from dormouse.train import checkpoint as ckpt
+from dormouse.train.optim import MixOptimizer
+from dormouse.train.routing import format_routes, route_params, strip_name
 from references.muon_single import muon_single_step
 
 D = 32
@@ -161,16 +165,16 @@ def test_parameter_without_grad_does_not_move_and_keeps_its_momentum():
     _set_grads(model, _grads(model, 0))
     opt.step()
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    bufs = [st["momentum_buffer"].clone() for st in opt.muon_state]
+    bufs = {n: opt.state[p]["momentum_buffer"].clone() for n, p in model.named_parameters()
+            if "momentum_buffer" in opt.state[p]}  # fmt: skip
     _set_grads(model, _grads(model, 1, drop=("blocks.0.w1",)))
     opt.step()
     after = dict(model.named_parameters())
     assert torch.equal(after["blocks.0.w1"], before["blocks.0.w1"])
     assert not torch.equal(after["blocks.1.w1"], before["blocks.1.w1"])
-    g = next(i for i, grp in enumerate(opt._muon_groups) if "blocks.0.w1" in grp["names"])
-    k = opt._muon_groups[g]["names"].index("blocks.0.w1")
-    s, c = opt.muon_state[g]["starts"][k], opt.muon_state[g]["counts"][k]
-    assert torch.equal(opt.muon_state[g]["momentum_buffer"][s:s + c], bufs[g][s:s + c])
+    momentum = {n: opt.state[p]["momentum_buffer"] for n, p in after.items() if n in bufs}
+    assert torch.equal(momentum["blocks.0.w1"], bufs["blocks.0.w1"])
+    assert not torch.equal(momentum["blocks.1.w1"], bufs["blocks.1.w1"])
 
 
 def test_adamw_side_is_torch_adamw_with_the_documented_groups():
@@ -305,41 +309,130 @@ def test_routing_of_preset_models_on_meta(preset_name):
     print(format_routes(routes))
 
 
-# ---- (d) bit-exact resume ----------------------------------------------------------------
+# ---- (d) torch-standard state, read by torch.distributed.checkpoint; bit-exact resume ------
+
+_VARIANTS = [dict(ns_kind="quintic", muon_state_dtype="fp32"),
+             dict(ns_kind="polar_express", muon_state_dtype="bf16", ns_dtype="bf16"),
+             dict(opt="adamw")]  # fmt: skip
+# optim_8bit has no CPU variant: bitsandbytes steps CUDA tensors only (refused below).
 
 
-@pytest.mark.parametrize(
-    "kw",
-    [dict(ns_kind="quintic", muon_state_dtype="fp32"),
-     dict(ns_kind="polar_express", muon_state_dtype="bf16", ns_dtype="bf16")],
-)  # fmt: skip
-def test_resume_is_bit_exact(kw):
+def _run(model, opt, steps):
+    for step in steps:
+        opt.set_lr_factor(0.5 + 0.1 * step)  # a schedule, so lr is restored from base_lr
+        _set_grads(model, _grads(model, step, _DROPS.get(step, ())))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+
+def _tensors(obj, path: str = "") -> dict[str, torch.Tensor]:
+    """{path: copy} of every tensor in a nested state."""
+    if torch.is_tensor(obj):
+        return {path: obj.detach().clone()}
+    items = (obj.items() if isinstance(obj, dict)
+             else enumerate(obj) if isinstance(obj, (list, tuple)) else ())  # fmt: skip
+    return {k: t for key, v in items for k, t in _tensors(v, f"{path}/{key}").items()}
+
+
+def _assert_bitwise(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys() and a
+    for k in a:
+        assert a[k].dtype == b[k].dtype and a[k].shape == b[k].shape, k
+        assert torch.equal(a[k].reshape(-1).view(torch.uint8),
+                           b[k].reshape(-1).view(torch.uint8)), k  # fmt: skip
+
+
+def _full_optimizer_state(model, opt) -> dict:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return get_optimizer_state_dict(model, opt, options=opts)
+
+
+def test_state_is_torch_standard_and_made_at_construction():
+    model = StandIn()
+    opt = MixOptimizer(model, lr=0.01)
+    assert all(opt.state[p] for p in model.parameters())
+    assert opt.adamw.state is opt.state  # torch's AdamW steps the entries made here
+    group = next(g for g in opt._muon_groups if len(g["params"]) > 1)
+    bufs = [opt.state[p]["momentum_buffer"] for p in group["params"]]
+    assert len({b.untyped_storage().data_ptr() for b in bufs}) == 1  # views of one stack
+    assert [tuple(b.shape) for b in bufs] == [tuple(p.shape) for p in group["params"]]
+
+
+@pytest.mark.parametrize("steps", [0, 3])
+@pytest.mark.parametrize("kw", _VARIANTS)
+def test_reading_the_state_twice_changes_nothing(kw, steps):
+    # torch's reader takes a zero-gradient step() when the state is empty (decaying every
+    # moment, counting a step): the state is never empty, so it only reads
+    torch.manual_seed(0)
+    model = StandIn()
+    opt = MixOptimizer(model, lr=0.01, wd=0.1, **kw)
+    _run(model, opt, range(steps))
+    state, params = _tensors(opt.state_dict()), _tensors(dict(model.named_parameters()))
+    first = _tensors(_full_optimizer_state(model, opt))
+    second = _tensors(_full_optimizer_state(model, opt))
+    _assert_bitwise(first, second)
+    _assert_bitwise(_tensors(opt.state_dict()), state)
+    _assert_bitwise(_tensors(dict(model.named_parameters())), params)
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_host_tables_state_is_read_unchanged_and_travels_by_name():
+    cls, cfg = _dormouse_model("tiny")
+    torch.manual_seed(0)
+    model = cls(replace(cfg, engram_ram=True))
+    opt = MixOptimizer(model, lr=0.02, ns_dtype="fp32")
+    with torch.no_grad():
+        model.engram.conv.weight.normal_(0, 0.05)  # a zero conv leaves the table without grad
+    x = torch.randint(0, 256, (2, 17), generator=torch.Generator().manual_seed(0))
+    for _ in range(2):
+        model(x[:, :-1], x[:, 1:])[1].backward()
+        opt.step()
+        opt.zero_grad()
+    assert opt.host_state["engram.store.table"]["step"].any()  # rows were stepped
+    state = _tensors(opt.state_dict())
+    assert any(k.startswith("/host/engram.store.table/") for k in state)
+    first, second = ckpt.optimizer_state(model, opt), ckpt.optimizer_state(model, opt)
+    _assert_bitwise(_tensors(first), _tensors(second))
+    _assert_bitwise(_tensors(opt.state_dict()), state)
+    # in the file the host table's state sits under its name, as a VRAM table's would
+    assert first["state"]["engram.store.table"].keys() == {"step", "exp_avg", "exp_avg_sq"}
+
+
+@pytest.mark.parametrize("via", ["state_dict", "checkpoint functions"])
+@pytest.mark.parametrize("kw", _VARIANTS)
+def test_resume_is_bit_exact(kw, via):
     torch.manual_seed(0)
     kw = {"lr": 0.01, "wd": 0.1, **kw}
-
-    def run(model, opt, steps):
-        for step in steps:
-            opt.set_lr_factor(0.5 + 0.1 * step)  # a schedule, so lr is restored from base_lr
-            _set_grads(model, _grads(model, step, _DROPS.get(step, ())))
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-
     straight = StandIn()
-    resumed = copy.deepcopy(straight)
     opt = MixOptimizer(straight, **kw)
-    run(straight, opt, range(3))
+    _run(straight, opt, range(3))
     blob = io.BytesIO()
-    torch.save({"model": straight.state_dict(), "opt": opt.state_dict()}, blob)
-    run(straight, opt, range(3, 6))
+    if via == "state_dict":
+        torch.save({"model": straight.state_dict(), "opt": opt.state_dict()}, blob)
+    else:
+        torch.save({"model": ckpt.model_state(straight),
+                    "opt": ckpt.optimizer_state(straight, opt)}, blob)  # fmt: skip
+    _run(straight, opt, range(3, 6))
 
     blob.seek(0)
     ck = torch.load(blob, weights_only=True)
-    resumed.load_state_dict(ck["model"])
+    torch.manual_seed(1)  # another init: only the load can make the runs agree
+    resumed = StandIn()
     opt2 = MixOptimizer(resumed, **kw)
-    opt2.load_state_dict(ck["opt"])
-    run(resumed, opt2, range(3, 6))
-    for (n, a), (_, b) in zip(straight.named_parameters(), resumed.named_parameters()):
-        assert torch.equal(a, b), f"{n} differs after resume"
+    if via == "state_dict":
+        resumed.load_state_dict(ck["model"])
+        opt2.load_state_dict(ck["opt"])
+    else:
+        ckpt.load_model_state(resumed, ck["model"])
+        ckpt.load_optimizer_state(resumed, opt2, ck["opt"])
+    muon = [opt2.state[p]["momentum_buffer"] for g in opt2._muon_groups for p in g["params"]]
+    assert all(b._base is not None for b in muon)  # loaded into the views, not replacing them
+    _run(resumed, opt2, range(3, 6))
+    _assert_bitwise(_tensors(dict(resumed.named_parameters())),
+                    _tensors(dict(straight.named_parameters())))  # fmt: skip
+    _assert_bitwise(_tensors(opt2.state_dict()), _tensors(opt.state_dict()))
 
 
 def test_load_refuses_a_state_from_another_model():
@@ -358,7 +451,7 @@ def test_opt_adamw_puts_every_parameter_on_adamw():
     routes = _assert_owned_once(model, "adamw")
     assert all(r.owner in ("adamw", "engram") for r in routes)
     opt = MixOptimizer(model, lr=0.01, opt="adamw")
-    assert not opt._muon_groups and not opt.muon_state
+    assert not opt._muon_groups
     adam = {id(p) for g in opt.adamw.param_groups for p in g["params"]}
     # The Engram table keeps its row-sparse Adam in both arms; everything else is AdamW.
     assert [g["kind"] for g in opt.param_groups if g["kind"] == "engram"] == ["engram"]
@@ -378,14 +471,14 @@ def test_optim_8bit_without_bitsandbytes_is_loud(monkeypatch):
 
 def test_from_config_resolves_ns_dtype_auto(caplog):
     cfg = TrainConfig(ns_dtype="auto", lr=0.01, muon_momentum=0.9)
-    with caplog.at_level("INFO", logger="dormouse.train"):
+    with caplog.at_level("INFO", logger="dormouse.train.optim"):
         opt = MixOptimizer.from_config(StandIn(), cfg, "cpu")
-    assert {g["ns_dtype"] for g in opt._muon_groups} == {"fp32"}
-    assert {g["momentum"] for g in opt._muon_groups} == {0.9}
-    assert "ns_dtype=auto -> fp32" in caplog.text
-    said = []
-    opt = MixOptimizer.from_config(StandIn(), cfg, "cuda", log=said.append)
-    assert {g["ns_dtype"] for g in opt._muon_groups} == {"bf16"} and "bf16" in said[0]
+        assert {g["ns_dtype"] for g in opt._muon_groups} == {"fp32"}
+        assert {g["momentum"] for g in opt._muon_groups} == {0.9}
+        assert "ns_dtype=auto -> fp32" in caplog.text
+        opt = MixOptimizer.from_config(StandIn(), cfg, "cuda")
+    assert {g["ns_dtype"] for g in opt._muon_groups} == {"bf16"}
+    assert "ns_dtype=auto -> bf16" in caplog.text
 
 
 def test_unknown_knob_is_refused():

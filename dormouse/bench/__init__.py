@@ -2,123 +2,21 @@
 
 Owns the command and what its sub-benchmarks (step.py, optim.py, memory.py: each adds its
 flags and returns its report; no sub-command means step) share: the machine lines, the
-timer, the table, --out, and a preset's model and training step built as `train` builds them.
+timer, the table, --out, and a preset's model and training step built as `train` builds them
+(common.py).
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
-import os
-import platform
-import re
-import shlex
+import logging
 import sys
-import time
-from datetime import datetime, timezone
 from pathlib import Path
 
-import torch
-
-from ..config import RunConfig, apply_sets, preset, validate
 from ..errors import UserError
+from .common import command_line
 
-GiB = 1 << 30
-
-
-class BenchError(UserError, ValueError):
-    """A benchmark request that cannot be honoured; names cause and escape."""
-
-
-def resolve_device(name: str, say) -> torch.device:
-    if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", name):
-        raise BenchError(f"--device {name!r} is not auto, cpu, cuda or cuda:N")
-    from ..train.loop import resolve_device
-
-    return resolve_device(name, say)
-
-
-def configure(name: str, sets, batch: int | None = None, seq: int | None = None) -> RunConfig:
-    """A preset with --set, --batch and --seq applied, validated before anything is timed."""
-    sets = [*sets, *([f"batch={batch}"] if batch else []), *([f"seq_len={seq}"] if seq else [])]
-    return validate(apply_sets(preset(name), sets))
-
-
-def build(run: RunConfig, device: torch.device, say):
-    """(model, step, dtype): the seeded model and optimizer as `dormouse train` builds them;
-    step(i, window) is the loop's own step on a [batch, seq+1] window (False: skipped as
-    non-finite); dtype is the forward's compute dtype (None = fp32)."""
-    from ..model import DormouseModel
-    from ..train.loop import lr_factor, resolve_autocast, train_step
-    from ..train.optim import MixOptimizer
-    from ..train.seams import RankShape, Seams
-
-    t = run.train
-    torch.manual_seed(t.seed)
-    model = DormouseModel(run.model).to(device).train()
-    opt = MixOptimizer.from_config(model, t, device.type, log=say)
-    dtype = resolve_autocast(run, device, say)
-    seams = Seams([RankShape(t.batch, t.seq_len)])
-
-    def step(i: int, w: torch.Tensor) -> bool:
-        return train_step(model, opt, seams, w[:, :-1], w[:, 1:], t, lr_factor(i, t), device,
-                          dtype)[2]  # fmt: skip
-
-    return model, step, dtype
-
-
-def windows(run: RunConfig, n: int) -> list[torch.Tensor]:
-    """n random byte windows, drawn before any clock starts."""
-    g = torch.Generator().manual_seed(run.train.seed)
-    return [torch.randint(0, 256, (run.train.batch, run.train.seq_len + 1), generator=g)
-            for _ in range(n)]  # fmt: skip
-
-
-def timed(fn, steps: int, warmup: int, device: torch.device) -> list[float]:
-    """ms per call of fn(i): `warmup` untimed calls, then `steps` timed ones, the device
-    synchronised around each so a CUDA call is timed to its end."""
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda _d: None)
-    out = []
-    for i in range(warmup + steps):
-        sync(device)
-        t0 = time.perf_counter()
-        fn(i)
-        sync(device)
-        out.append(1000 * (time.perf_counter() - t0))
-    return out[warmup:]
-
-
-def machine_lines(device: torch.device, command: str) -> list[str]:
-    """Who measured: the device, torch, the CPU and its threads, the date, the command."""
-    from ..train.device import probe_device
-
-    rec, cpu = probe_device(device), probe_device("cpu")
-    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    dev = (f"{rec.name} ({rec.label}, sm_{rec.sm[0]}{rec.sm[1]}, {rec.total_mem / GiB:.1f} GiB), "
-           f"CUDA {torch.version.cuda}" if rec.kind == "cuda" else f"CPU ({rec.name})")  # fmt: skip
-    return [f"Machine: {dev}; torch {torch.__version__}; float32 matmul precision "
-            f"{torch.get_float32_matmul_precision()}",
-            f"CPU: {cpu.name}, {os.cpu_count()} logical cores ({usable} usable), torch threads "
-            f"{torch.get_num_threads()}; {platform.system()} {platform.machine()}, Python "
-            f"{platform.python_version()}",
-            f"Date: {datetime.now(timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}",
-            f"Command: `{command}`"]  # fmt: skip
-
-
-def command_line(argv: list[str]) -> str:
-    env = [f"{k}={os.environ[k]}" for k in ("OMP_NUM_THREADS", "CUDA_VISIBLE_DEVICES")
-           if k in os.environ]  # fmt: skip
-    return " ".join([*env, "python -m dormouse bench", shlex.join(argv)])
-
-
-def table(header, rows) -> str:
-    lines = [header, ["---"] * len(header), *rows]
-    return "\n".join("| " + " | ".join(map(str, r)) + " |" for r in lines)
-
-
-def report(title: str, machine: list[str], body: str, notes: list[str]) -> str:
-    bullets = lambda lines: [f"- {line}" for line in lines]  # noqa: E731
-    return "\n".join([f"## {title}", "", *bullets(machine), "", body, "", *bullets(notes)]) + "\n"
+log = logging.getLogger(__name__)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -149,9 +47,8 @@ def main_bench(argv: list[str]) -> int:
         argv = ["step", *argv]  # the default sub-benchmark
     args = _parser().parse_args(argv)
 
-    say = functools.partial(print, file=sys.stderr, flush=True)  # progress; the table: stdout
-    try:
-        text = args.run(args, command_line(argv), say)
+    try:  # progress through the logger (stderr); the table on stdout
+        text = args.run(args, command_line(argv))
     except UserError as e:
         print(f"bench: {e}", file=sys.stderr)
         return 2
@@ -159,5 +56,5 @@ def main_bench(argv: list[str]) -> int:
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(text)
-        say(f"written to {args.out}")
+        log.info(f"written to {args.out}")
     return 0

@@ -12,12 +12,16 @@ adds rows with no mechanism and with act_ckpt alone. An OOM is a row, not the en
 from __future__ import annotations
 
 import gc
+import logging
 
 import torch
 
+
 from ..train import fit
-from . import BenchError, GiB, build, configure, machine_lines, report, resolve_device, table
-from . import windows
+from .common import BenchError, GiB, build, configure, machine_lines, report, resolve_device, table
+from .common import windows
+
+log = logging.getLogger(__name__)
 
 HEADER = ["preset", "budget GB", "engaged", "peak phase (model)", "estimate GiB",
           "measured GiB", "error %", "implied K", "notes"]  # fmt: skip
@@ -90,8 +94,8 @@ def row_for(name: str, budget, args, device, cache: dict) -> list[str]:
             "; ".join(notes)]  # fmt: skip
 
 
-def run(args, command: str, say) -> str:
-    device = torch.device("cpu") if args.dry else resolve_device(args.device, say)
+def run(args, command: str) -> str:
+    device = torch.device("cpu") if args.dry else resolve_device(args.device)
     if device.type != "cuda" and not args.dry:
         raise BenchError(f"bench memory measures CUDA peaks (max_memory_allocated) and this "
                          f"run's device is {device}; use --device cuda, or --dry for the "
@@ -102,7 +106,7 @@ def run(args, command: str, say) -> str:
     for name in presets:
         for budget in (["none", "act_ckpt"] if args.calibrate else []) + budgets:
             rows.append(row_for(name, budget, args, device, cache))
-            say("| " + " | ".join(rows[-1]) + " |")
+            log.info("| " + " | ".join(rows[-1]) + " |")
     arms = sorted({fit.kda_arm(configure(p, args.set))[1] for p in presets})
     notes = [
         f"Shape: batch {args.batch} x seq {args.seq}; the estimate assumes {'; '.join(arms)}; "

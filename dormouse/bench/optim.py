@@ -10,14 +10,14 @@ shape), the same math one [R, C] matrix at a time, and the full step (Muon, Adam
 
 from __future__ import annotations
 
+import logging
 import statistics
 
 import torch
 
-from . import configure, machine_lines, report, resolve_device, table, timed
+from .common import configure, machine_lines, report, resolve_device, table, timed
 
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-
+log = logging.getLogger(__name__)
 
 def add_args(ap) -> None:
     ap.add_argument("--preset", default="medium", help="whose parameter set (default medium)")
@@ -31,7 +31,7 @@ def add_args(ap) -> None:
 def per_matrix_muon(opt):
     """(step, matrices): the batched arm's Muon math, one polar per [R, C] matrix (a 3-D
     expert stack: one per expert), with its own momentum; read from MixOptimizer's groups."""
-    from ..train.optim import muon_scale, newton_schulz
+    from ..train.muon import DTYPES, muon_scale, newton_schulz
 
     items = [(g, p, k, torch.zeros(g["matrix"], device=p.device))
              for g in opt.param_groups if g["kind"] == "muon" for p in g["params"]
@@ -44,19 +44,19 @@ def per_matrix_muon(opt):
             view, grad = p.view(-1, R, C)[k], p.grad.view(-1, R, C)[k]
             m.mul_(g["momentum"]).add_(grad)
             u = grad.add(m, alpha=g["momentum"]) if g["nesterov"] else m
-            o = newton_schulz(u[None], g["ns_steps"], g["ns_kind"], _DTYPES[g["ns_dtype"]])[0]
+            o = newton_schulz(u[None], g["ns_steps"], g["ns_kind"], DTYPES[g["ns_dtype"]])[0]
             view.mul_(1 - g["lr"] * g["weight_decay"])
             view.add_(o.to(view.dtype), alpha=-g["lr"] * muon_scale(g["muon_sf"], R, C))
 
     return step, len(items)
 
 
-def run(args, command: str, say) -> str:
+def run(args, command: str) -> str:
     from ..model import DormouseModel
     from ..train.optim import MixOptimizer
 
     cfg = configure(args.preset, args.set).model
-    device = resolve_device(args.device, say)
+    device = resolve_device(args.device)
     cuda = device.type == "cuda"
     # One CPU step of `medium` is ~2 TFLOP of fp32 polar (~15 s on 2 idle cores): one warm-up
     # (first-touch allocation would otherwise land on whichever arm runs first) and one timed
@@ -76,7 +76,7 @@ def run(args, command: str, say) -> str:
     for label, muon_only, fn in arms:
         for p, g in grads.items():
             p.grad = None if muon_only and id(p) not in muon else g
-        say(f"timing {label} ...")
+        log.info(f"timing {label} ...")
         rows.append((label, timed(lambda _i, fn=fn: fn(), steps, warmup, device)))
     base = statistics.median(rows[1][1])
     cells = [[label, f"{statistics.median(ts):.1f}", f"{min(ts):.1f}",

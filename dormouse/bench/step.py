@@ -10,6 +10,7 @@ steps, then timed steps on random byte windows.
 from __future__ import annotations
 
 import gc
+import logging
 import re
 import resource
 import statistics
@@ -17,9 +18,12 @@ import sys
 
 import torch
 
+
 from ..config import preset_names
-from . import BenchError, GiB, build, configure, machine_lines, report, resolve_device, table
-from . import timed, windows
+from .common import BenchError, GiB, build, configure, machine_lines, report, resolve_device, table
+from .common import timed, windows
+
+log = logging.getLogger(__name__)
 
 #: Dense peak tensor throughput (TFLOP/s, no 2:4 sparsity) of the cards MFU is quoted for,
 #: by the compute dtype the step ran in. Matched on the CUDA device name: (a substring the
@@ -81,7 +85,7 @@ def active_params_per_token(model) -> float:
     return total
 
 
-def bench_preset(run, device: torch.device, steps: int, warmup: int, say) -> tuple[list, int]:
+def bench_preset(run, device: torch.device, steps: int, warmup: int) -> tuple[list, int]:
     """(the table row of `run` on `device`, timed steps skipped as non-finite)."""
     from ..model import count_params
     from ..train.device import probe_device
@@ -91,7 +95,7 @@ def bench_preset(run, device: torch.device, steps: int, warmup: int, say) -> tup
     if cuda:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
-    model, step, dtype = build(run, device, say)
+    model, step, dtype = build(run, device)
     data, taken = windows(run, warmup + steps), []
     ms = timed(lambda i: taken.append(step(i, data[i])), steps, warmup, device)
     if cuda:
@@ -108,17 +112,17 @@ def bench_preset(run, device: torch.device, steps: int, warmup: int, say) -> tup
            else f"{100 * tflops / top:.1f}%")  # fmt: skip
     return [run.source.removeprefix("preset:"), f"{count_params(run.model) / 1e6:.2f}",
             f"{active / 1e6:.2f}", f"{run.train.batch} x {run.train.seq_len}",
-            model.blocks[0].mixer.impl, model.blocks[0].moe._arm(device, dtype or torch.float32),
+            model.blocks[0].mixer.impl, model.blocks[0].moe.arm(device, dtype or torch.float32).name,
             dt, f"{med:.1f}", f"{min(ms):.1f}", f"{tok_s:,.0f}", f"{tflops:.3g}", mfu,
             peak], taken[warmup:].count(False)  # fmt: skip
 
 
-def run(args, command: str, say) -> str:
-    from ..model.kda import choose_kda_impl
+def run(args, command: str) -> str:
+    from ..model.arms import require_arms
 
     sets = args.set + ([f"kda_impl={args.kda_impl}"] if args.kda_impl else [])
     runs = [configure(n, sets, args.batch, args.seq) for n in args.presets or ["small"]]
-    device = resolve_device(args.device, say)
+    device = resolve_device(args.device)
     cuda = device.type == "cuda"
     steps = args.steps if args.steps is not None else (20 if cuda else 5)
     warmup = args.warmup if args.warmup is not None else (5 if cuda else 1)
@@ -127,18 +131,18 @@ def run(args, command: str, say) -> str:
                          f"(steps >= 1) after zero or more warm-up steps")  # fmt: skip
     for r in runs:  # a pinned kda_impl=fla that cannot run here, refused before any timing
         try:
-            choose_kda_impl(r.model.kda_impl, device, torch.float32, r.model.head_dim)
+            require_arms(r.model, device)
         except RuntimeError as e:
             raise BenchError(str(e)) from None
     if any(r.train.fit_gb for r in runs):  # --set fit_gb=GB plans as train --fit does
         from ..train.fit import apply_fit
 
-        runs = [apply_fit(r, log=say) for r in runs]
+        runs = [apply_fit(r) for r in runs]
     machine, rows, skipped = machine_lines(device, command), [], []
     for k, r in enumerate(runs, 1):
-        say(f"[{k}/{len(runs)}] {r.source}: batch {r.train.batch} x seq {r.train.seq_len} on "
+        log.info(f"[{k}/{len(runs)}] {r.source}: batch {r.train.batch} x seq {r.train.seq_len} on "
             f"{device}, {warmup} warm-up + {steps} timed step(s)")  # fmt: skip
-        row, skips = bench_preset(r, device, steps, warmup, say)
+        row, skips = bench_preset(r, device, steps, warmup)
         rows.append(row)
         skipped += [f"{row[0]}: {skips}/{steps}"] if skips else []
     notes = [f"Method: {warmup} untimed warm-up step(s), then {steps} timed step(s) per preset, "

@@ -1,14 +1,15 @@
-"""Engram: hashed n-gram memory added to the residual stream (DESIGN.md §2).
+"""Engram: hashed n-gram memory added to the residual stream.
 
-Owns three things:
+Owns:
 
 * `engram_indices` — the hash. It maps each position's last n bytes to one row
   per table, from the input bytes alone, so a host-RAM store can fetch exactly
   these rows before the forward runs.
 * `TableStore` / `VramTables` / `HostTables` — where the table rows live (device
-  Parameter, or host RAM with `engram_ram`), behind one `gather`.
-* `row_adam_` — the row-sparse Adam both stores are updated with (the optimizer calls
-  it for a VRAM table, `HostTables.step` for host rows), so the two stores train alike.
+  Parameter, or host RAM with `engram_ram`), behind one `gather`; a host store also keeps
+  its pending row gradient. The tables' optimizer (row-sparse Adam and its state) is the
+  trainer's: `dormouse.train.rowadam`.
+* `touched_rows` — which rows of a table gradient a step may move.
 * `Engram` — the module: gather, project to key/value, gate by similarity with
   the hidden state, zero-initialised causal depthwise conv, residual add.
 
@@ -142,64 +143,14 @@ def engram_indices(x_bytes: torch.Tensor, cfg, prev: torch.Tensor | None = None)
     return _mix32(acc ^ salt) % cfg.engram_rows
 
 
-def row_adam_(
-    param: torch.Tensor,
-    exp_avg: torch.Tensor,
-    exp_avg_sq: torch.Tensor,
-    row_step: torch.Tensor,
-    rows: torch.Tensor,
-    grad: torch.Tensor,
-    lr: float,
-    betas: tuple[float, float],
-    eps: float,
-) -> None:
-    """Adam on the listed rows only, in place; every other row and its moments stay as they are.
-
-    param, exp_avg, exp_avg_sq: [R, dim]; row_step: [R] int32 (Adam steps each row has
-    taken); rows: LongTensor [U] of distinct row numbers on param's device; grad: [U, dim],
-    the summed gradient of those rows. No weight decay (a decayed table would erase the
-    n-grams a batch did not see).
-
-    Lazy semantics, as torch.optim.SparseAdam: a row's moments move only on the steps
-    that touch it. Unlike SparseAdam, the bias correction uses the ROW's own step count,
-    not the global one: a row first touched at global step 1000 gets the full first-step
-    update (m_hat = g), as it would in a fresh Adam, instead of one damped by
-    (1 - beta1) / sqrt(1 - beta2). The per-row count costs 4 B per row.
-
-    This is the one hand-written Adam in dormouse: torch has no lazy row Adam on dense
-    gradients (SparseAdam wants sparse grads and a global step; AdamW decays every row's
-    moments and moves rows the batch never touched through their momentum). Each
-    operation mirrors torch.optim.AdamW's foreach path (lerp for m, mul + addcmul for v,
-    step size and sqrt of the bias correction in float64, then one addcdiv-shaped
-    update), so a table whose every row is touched every step follows torch AdamW
-    (weight_decay=0) exactly.
-    """
-    b1, b2 = betas
-    p = param.index_select(0, rows)
-    m = exp_avg.index_select(0, rows)
-    v = exp_avg_sq.index_select(0, rows)
-    k = row_step.index_select(0, rows) + 1
-    g = grad.to(p.dtype)
-    m.lerp_(g, 1 - b1)
-    v.mul_(b2).addcmul_(g, g, value=1 - b2)
-    kd = k.to(torch.float64)
-    step_size = (lr / (1 - torch.pow(b1, kd))).to(p.dtype).unsqueeze(1)
-    bc2_sqrt = (1 - torch.pow(b2, kd)).sqrt().to(p.dtype).unsqueeze(1)
-    denom = (v.sqrt() / bc2_sqrt).add_(eps)
-    p.add_((-step_size) * m / denom)  # addcdiv's order: (value * m) / denom
-    param.index_copy_(0, rows, p)
-    exp_avg.index_copy_(0, rows, m)
-    exp_avg_sq.index_copy_(0, rows, v)
-    row_step.index_copy_(0, rows, k.to(row_step.dtype))
-
-
 def touched_rows(grad: torch.Tensor) -> torch.Tensor:
     """Row numbers (LongTensor, ascending) of a [R, dim] gradient whose row is not all zero.
 
     "Touched" is read from the gradient, not from the gather, in both stores: a row a batch
     gathered but whose gradient is exactly zero (every row at step 0, when the Engram conv
     is still zero) does not step. Under DDP the reduced gradient is the same on every rank,
-    so every rank picks the same rows.
+    so every rank picks the same rows. One rule for both: a host store's pending gradient
+    holds these rows only, and the optimizer picks them from a VRAM table's dense gradient.
     """
     # any() reduces the float gradient in place of a full-size `grad != 0` mask (1 B per
     # table entry: 0.4 GB of transient on b1). NaN counts as non-zero, -0.0 as zero.
@@ -217,9 +168,9 @@ class TableStore(nn.Module):
       * `model.state_dict()` holds the rows as `<prefix>table` [n_tables, rows, dim] fp32,
         so a checkpoint loads into either store.
 
-    Two stores exist: `VramTables` (a device Parameter, stepped by the optimizer's
-    row-sparse Adam) and `HostTables` (engram_ram: host RAM, not a parameter, stepped
-    through its own `step` hook with the same `row_adam_`).
+    Two stores exist: `VramTables` (a device Parameter) and `HostTables` (engram_ram: host
+    RAM, not a parameter; the optimizer reads its `pending` gradient). The optimizer steps
+    both with the same row-sparse Adam, so the two stores train alike.
     """
 
     n_tables: int
@@ -258,39 +209,35 @@ class VramTables(TableStore):
 
 
 class HostTables(TableStore):
-    """engram_ram: the tables and their Adam state in host RAM, outside the parameter set.
+    """engram_ram: the tables in host RAM, outside the parameter set, and their pending
+    row gradient.
 
-    Held as plain tensor attributes, not parameters or buffers, so `model.to(device)`,
-    dtype casts, DDP/FSDP and the dense optimizer never see or move them:
-
-        table       [n_tables, rows, dim] fp32   the rows (the fp32 masters)
-        exp_avg     [n_tables, rows, dim] fp32   Adam's first moment
-        exp_avg_sq  [n_tables, rows, dim] fp32   Adam's second moment
-        row_step    [n_tables, rows]      int32  Adam steps taken by each row
+    `table` [n_tables, rows, dim] fp32 (the rows, the fp32 masters) is a plain tensor
+    attribute, not a parameter or buffer, so `model.to(device)`, dtype casts, DDP/FSDP and
+    the dense optimizer never see or move it. Its Adam state is the optimizer's
+    (MixOptimizer.host_state), in host RAM too.
 
     One cycle is gather -> backward -> step. `gather(idx)` copies the distinct rows idx
     names (once each, however often they repeat) to idx's device as a leaf that requires
     grad, and returns them per index (an embedding lookup into the leaf, so autograd sums
     the gradients of repeated rows). A cycle may gather several times (gradient
-    accumulation, several forwards before one backward): each gather adds a leaf.
-    `step(lr, betas, eps)` (MixOptimizer.step calls it) sums the leaves' gradients per
-    row, applies `row_adam_` to the rows whose gradient is non-zero, writes them back to
-    host RAM and ends the cycle. Between backward and step, `pending()` reads the cycle's
-    gradient as (rows, grad) and `replace_pending(rows, grad)` swaps in another (a fleet
-    installs the rank-averaged union of its ranks' rows there). `zero_grad()` ends the
-    cycle too, dropping every leaf a backward already reached (call it after step or
-    before the forward, as the loop does, never between a forward and its backward).
-    Gathers under torch.no_grad (evaluation, byte-by-byte decoding) record nothing.
+    accumulation, several forwards before one backward): each gather adds a leaf. After
+    backward, `pending()` reads the cycle's gradient as (rows, grad): summed per row,
+    touched rows only; `replace_pending(rows, grad)` swaps in another (a fleet installs
+    the rank-averaged union of its ranks' rows there). The optimizer's step reads
+    `pending()`, moves those rows of `table` and ends the cycle with `zero_grad()`, which
+    drops every leaf a backward already reached (the loop calls it after step or before
+    the forward, never between a forward and its backward). Gathers under torch.no_grad
+    (evaluation, byte-by-byte decoding) record nothing.
 
     Pinned memory: what crosses PCIe is the gathered rows (a contiguous staging buffer,
     pinned when the rows go to a CUDA device, copied non_blocking) and, at step, their
-    gradient. The tables and moments themselves are read row by row by the CPU (an
-    index_select into the staging buffer, Adam on the host), so pinning them would only
-    lock gigabytes of RAM without speeding any transfer; they stay pageable.
+    gradient. The table itself is read row by row by the CPU (an index_select into the
+    staging buffer, Adam on the host), so pinning it would only lock gigabytes of RAM
+    without speeding any transfer; it stays pageable.
 
     Checkpoints: `state_dict()` writes `<prefix>table`, the key and shape VramTables
-    writes, and `load_state_dict` reads it from either; the moments and row steps travel
-    in the optimizer's state (`adam_state` / `load_adam_state`).
+    writes, and `load_state_dict` reads it from either.
     """
 
     def __init__(self, n_tables: int, rows: int, dim: int, std: float):
@@ -299,11 +246,7 @@ class HostTables(TableStore):
         # The same draw as VramTables, so both stores start a seeded model alike. Built
         # under torch.device("meta") (count_params, the planner) it allocates nothing.
         init = torch.randn(n_tables, rows, dim) * std
-        home = "meta" if init.is_meta else "cpu"
-        self.table = init.to(home)
-        self.exp_avg = torch.zeros_like(self.table)
-        self.exp_avg_sq = torch.zeros_like(self.table)
-        self.row_step = torch.zeros(n_tables, rows, dtype=torch.int32, device=home)
+        self.table = init.to("meta" if init.is_meta else "cpu")
         self._leaves: list[tuple[torch.Tensor, torch.Tensor]] = []  # (host rows [U], leaf [U, dim])
 
     def host_numel(self) -> int:
@@ -333,7 +276,7 @@ class HostTables(TableStore):
 
         Returns that leaf (its .grad is [K, dim], on the compute device), or None when no
         row has a gradient. MixOptimizer.clip_grad_norm_ reads and scales it, so a clipped
-        host gradient is the same numbers as a clipped VRAM one; step calls it too.
+        host gradient is the same numbers as a clipped VRAM one.
         """
         done = [(r, leaf) for r, leaf in self._leaves if leaf.grad is not None]
         if not done:
@@ -399,42 +342,9 @@ class HostTables(TableStore):
         holder.grad = grad.detach()
         self._leaves = [(rows, holder)] + waiting
 
-    @torch.no_grad()
-    def step(self, lr: float, betas: tuple[float, float], eps: float) -> int:
-        """Apply row_adam_ to this cycle's touched rows; end the cycle. Returns rows stepped."""
-        holder = self.consolidate()
-        rows = self._leaves[0][0] if holder is not None else None
-        self._leaves = []
-        if holder is None or rows.numel() == 0:
-            return 0
-        grad = holder.grad.to("cpu", torch.float32)
-        row_adam_(self.table.view(-1, self.dim), self.exp_avg.view(-1, self.dim),
-                  self.exp_avg_sq.view(-1, self.dim), self.row_step.view(-1),
-                  rows, grad, lr, betas, eps)  # fmt: skip
-        return int(rows.numel())
-
     def zero_grad(self) -> None:
         """End the cycle: drop the leaves a backward reached (their rows are done)."""
         self._leaves = [(r, leaf) for r, leaf in self._leaves if leaf.grad is None]
-
-    # ---- checkpoints ----
-
-    def adam_state(self) -> dict[str, torch.Tensor]:
-        """The live Adam state (the optimizer's state_dict carries it)."""
-        return {"step": self.row_step, "exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq}
-
-    def load_adam_state(self, state: dict[str, torch.Tensor]) -> None:
-        """Copy a saved Adam state in (either store wrote it: the shapes are the same)."""
-        mine = self.adam_state()
-        for k, t in mine.items():
-            src = state[k]
-            if tuple(src.shape) != tuple(t.shape):
-                raise ValueError(
-                    f"Engram Adam state {k!r}: saved shape {tuple(src.shape)}, this model's "
-                    f"tables need {tuple(t.shape)}; the checkpoint is from another engram "
-                    f"shape (engram_rows / engram_dim / engram_heads / engram_orders)"
-                )
-            t.copy_(src)
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         super()._save_to_state_dict(destination, prefix, keep_vars)
@@ -457,12 +367,8 @@ class HostTables(TableStore):
             )
             return
         with torch.no_grad():
-            if self.table.is_meta:
-                # A store built on the meta device has no RAM yet: take the rows, fresh moments.
+            if self.table.is_meta:  # a store built on the meta device has no RAM yet
                 self.table = src.detach().to("cpu", torch.float32, copy=True)
-                self.exp_avg = torch.zeros_like(self.table)
-                self.exp_avg_sq = torch.zeros_like(self.table)
-                self.row_step = torch.zeros(self.table.shape[:2], dtype=torch.int32)
             else:
                 self.table.copy_(src)
 

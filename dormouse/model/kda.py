@@ -4,18 +4,15 @@ Owns:
 - `kda_torch`: the chunked pure-PyTorch form of the KDA recurrence (runs everywhere,
   autograd-friendly; the CPU path).
 - `kda_fla`: the same contract on fla-core's `chunk_kda` Triton kernel (CUDA only).
-- `choose_kda_impl`: which arm runs, with the reading that decided it.
 - `KDAMixer`: projections, short causal convs, gates, the recurrence, output gate and
   norm, per-iteration low-rank deltas, segment-wise gradient cuts and the decode cache.
+  Which arm it runs is `dormouse.model.arms`' rule.
 
 The per-step recurrence both arms must reproduce is `references/kda_naive.py`.
 """
 
 from __future__ import annotations
 
-import functools
-import importlib.util
-import logging
 import math
 
 import torch
@@ -23,16 +20,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from dormouse.config import ModelConfig
+from dormouse.model.arms import Arm, announce, check_request, choose_arm
 from dormouse.model.layers import LowRankDelta, RMSNorm
-
-log = logging.getLogger("dormouse.model")
-
-KDA_IMPLS = ("auto", "torch", "fla")
-# Triton >= 3.3 supports Ampere and newer only (tl.dot falls back below sm_80); the
-# device policy in dormouse/train/device.py states the same rule for the probe table.
-_FLA_MIN_SM = (8, 0)
-_FLA_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_FLA_MAX_HEAD_DIM = 256  # chunk_kda asserts key head dim <= 256
 
 
 # ---- the torch arm -------------------------------------------------------------------
@@ -190,78 +179,7 @@ def kda_fla(
     return o.to(q.dtype), (S if output_final_state else None)
 
 
-@functools.lru_cache(maxsize=None)
-def _fla_import_error() -> str | None:
-    """None when `from fla.ops.kda import chunk_kda` works, else why not."""
-    try:
-        from fla.ops.kda import chunk_kda  # noqa: F401
-    except Exception as e:  # ImportError, or Triton failing to initialise
-        return f"{type(e).__name__}: {e}"
-    return None
-
-
-def _fla_blockers(
-    device: torch.device, dtype: torch.dtype, head_dim: int | None
-) -> tuple[list[str], str]:
-    """(reasons fla cannot run here, the reading) for this device and compute dtype."""
-    why: list[str] = []
-    reading = [f"device={device}", f"dtype={str(dtype).replace('torch.', '')}"]
-    if device.type != "cuda":
-        # no import attempt off CUDA: importing Triton on a CPU box is slow and noisy
-        installed = importlib.util.find_spec("fla") is not None
-        reading.append(f"fla-core installed={'yes' if installed else 'no'}")
-        why.append(f"device {device} is not CUDA (fla's chunk_kda is a Triton GPU kernel)")
-        if not installed:
-            why.append("fla-core is not installed (pip install fla-core, or dormouse[gpu])")
-    else:
-        maj, mnr = torch.cuda.get_device_capability(device)
-        name = torch.cuda.get_device_name(device)
-        reading.append(f"gpu={name} sm_{maj}{mnr}")
-        if (maj, mnr) < _FLA_MIN_SM:
-            why.append(
-                f"{name} is sm_{maj}{mnr}; Triton kernels need sm_{_FLA_MIN_SM[0]}{_FLA_MIN_SM[1]}+"
-            )
-        err = _fla_import_error()
-        reading.append(f"fla import={'ok' if err is None else 'failed'}")
-        if err is not None:
-            why.append(f"`from fla.ops.kda import chunk_kda` failed ({err})")
-    if dtype not in _FLA_DTYPES:
-        why.append(f"compute dtype {dtype} is not one fla supports (fp32, bf16, fp16)")
-    if head_dim is not None and head_dim > _FLA_MAX_HEAD_DIM:
-        why.append(f"head_dim={head_dim} exceeds chunk_kda's limit of {_FLA_MAX_HEAD_DIM}")
-    return why, " ".join(reading)
-
-
-def choose_kda_impl(
-    requested: str,
-    device: torch.device | str,
-    dtype: torch.dtype = torch.float32,
-    head_dim: int | None = None,
-) -> tuple[str, str]:
-    """Resolve `kda_impl` for a device and compute dtype: (impl, the reading and verdict).
-
-    auto -> fla when it can run (fla imports, CUDA sm_80+, fp32/bf16/fp16, head_dim <= 256),
-    else torch;
-    an explicit `fla` that cannot run is refused, never quietly replaced.
-    """
-    if requested not in KDA_IMPLS:
-        raise ValueError(f"kda_impl={requested!r} is not one of {KDA_IMPLS}")
-    device = torch.device(device)
-    if requested == "torch":
-        return "torch", f"kda_impl=torch (requested) on {device}"
-    why, reading = _fla_blockers(device, dtype, head_dim)
-    if not why:
-        return "fla", f"kda_impl={requested}: {reading} -> fla"
-    if requested == "fla":
-        raise RuntimeError(
-            f"kda_impl=fla cannot run here: {'; '.join(why)} [{reading}]. Use --set "
-            f"kda_impl=torch (the chunked PyTorch arm, same math) or kda_impl=auto"
-        )
-    return "torch", f"kda_impl=auto: {reading}; {'; '.join(why)} -> torch"
-
-
 _KERNELS = {"torch": kda_torch, "fla": kda_fla}
-_LOGGED: set[tuple[str, str, str]] = set()  # one log line per distinct verdict, not per layer
 
 
 # ---- the mixer -----------------------------------------------------------------------
@@ -332,6 +250,7 @@ class KDAMixer(nn.Module):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
+        check_request("kda", cfg.kda_impl)
         self.cfg = cfg
         d, H, Dh = cfg.d_model, cfg.n_heads, cfg.head_dim
         da = H * Dh
@@ -386,16 +305,14 @@ class KDAMixer(nn.Module):
 
     # -- the arm ------------------------------------------------------------------------
 
+    def arm(self, device, dtype: torch.dtype) -> Arm:
+        """The arm this mixer runs on `device` (a torch device or a described `arms.Card`)."""
+        return choose_arm("kda", self.cfg.kda_impl, device, dtype, {"head_dim": self.head_dim})
+
     def _kernel(self, x: torch.Tensor):
         if self._impl is None or self._impl_device != x.device:
-            impl, reason = choose_kda_impl(
-                self.cfg.kda_impl, x.device, _compute_dtype(x), self.head_dim
-            )
-            self._impl, self._impl_device = impl, x.device
-            key = (self.cfg.kda_impl, str(x.device), impl)
-            if key not in _LOGGED:
-                _LOGGED.add(key)
-                log.info("KDA arm: %s", reason)
+            self._impl = announce(self.arm(x.device, _compute_dtype(x))).name
+            self._impl_device = x.device
         return _KERNELS[self._impl]
 
     @property

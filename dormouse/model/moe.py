@@ -22,9 +22,8 @@ Dispatch arms (`moe_impl`):
            works for every device and dtype (fp64 too). P = the largest expert load
            (dropless; one host sync) or rows * cap (capacity: each row owns cap slots).
   triton   not built: refused at construction, naming the arms that exist.
-  auto     grouped where it runs AND is the fast choice (CPU; CUDA bf16 on sm_90+, see
-           `_grouped_slow_here`), else batched; the verdict and its reason are logged
-           once per (device, dtype, shape).
+  auto     grouped where it runs AND is the fast choice, else batched; the rule is
+           `dormouse.model.arms`', and each distinct verdict is logged once.
 
 Capacity (`moe_capacity > 0`): a ROW (h[b] of an input [B, T, D]; a 2-D input [N, D] is one
 row) may send cap = ceil(capacity * T * k / E) assignments to each expert. They are kept
@@ -53,7 +52,6 @@ a fleet steers with the fleet's counts; this module never imports torch.distribu
 from __future__ import annotations
 
 import contextlib
-import logging
 import math
 from typing import Callable
 
@@ -62,67 +60,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from dormouse.config import ModelConfig
-
-log = logging.getLogger("dormouse.model")
+from dormouse.model.arms import Arm, announce, check_request, choose_arm
 
 #: The grouped matmul this torch provides: the public name (present in 2.11 and 2.13) or
 #: the private op it wraps. Same (mat_a, mat_b, *, offs) contract for 2D x 3D; both
 #: differentiable (checked forward + backward on 2.13 CPU and 2.11 CUDA H200).
 _GMM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
-
-_ARMS = ("grouped", "batched")
-_logged: set[tuple] = set()
-
-
-def _torch_version() -> tuple[int, int]:
-    major, minor = torch.__version__.split("+")[0].split(".")[:2]
-    return int(major), int(minor)
-
-
-def _grouped_support(device: torch.device, dtype: torch.dtype, d: int, f: int) -> str | None:
-    """None when the grouped matmul runs here; otherwise the reason it does not."""
-    if _GMM is None:
-        return f"torch {torch.__version__} has no grouped matmul (needs torch >= 2.9)"
-    if device.type == "cpu":
-        # 2.8 registered no CPU kernel; 2.9+ has a reference CPU kernel for these dtypes.
-        if _torch_version() < (2, 9):
-            return f"torch {torch.__version__} has no CPU grouped matmul (needs torch >= 2.9)"
-        if dtype not in (torch.float32, torch.bfloat16, torch.float16):
-            return f"the CPU grouped matmul takes fp32/bf16/fp16, not {dtype}"
-    elif device.type == "cuda":
-        cap = torch.cuda.get_device_capability(device)
-        if cap < (8, 0):
-            return f"the CUDA grouped matmul needs sm_80+, this card is sm_{cap[0]}{cap[1]}"
-        if dtype not in (torch.float32, torch.bfloat16, torch.float16):
-            return f"the CUDA grouped matmul takes fp32/bf16/fp16, not {dtype}"
-    else:
-        return f"no grouped matmul is known to run on device type {device.type!r}"
-    es = torch.empty((), dtype=dtype).element_size()
-    if (d * es) % 16 or (f * es) % 16:
-        # The kernels read rows with 16-byte vector loads ("strides should be multiple of
-        # 16 bytes"); measured on torch 2.13 CPU.
-        return f"d_model={d} and d_ffn={f} rows must be multiples of 16 bytes in {dtype}"
-    return None
-
-
-def _grouped_slow_here(device: torch.device, dtype: torch.dtype) -> str | None:
-    """Why `auto` should not pick a grouped matmul that does run; None when it should.
-
-    torch documents a fused grouped kernel for bf16 on sm_90+ only; other dtypes and cards
-    run its per-group fallback, which lost to the batched arm on an H200 (torch 2.11,
-    the medium MoE shape, fp32 fwd+bwd: 8.5 ms grouped vs 6.6 ms batched; bf16: 4.9 vs
-    5.2 ms). CPU has no fused kernel either way; grouped is kept there for its lack of
-    padding and host sync.
-    """
-    if device.type != "cuda":
-        return None
-    cap = torch.cuda.get_device_capability(device)
-    if dtype != torch.bfloat16 or cap < (9, 0):
-        return (
-            f"grouped runs here but only bf16 on sm_90+ has the fused kernel "
-            f"(this is {str(dtype).replace('torch.', '')} on sm_{cap[0]}{cap[1]})"
-        )
-    return None
 
 
 def _experts_grouped(xs, counts, w1, w3, w2):
@@ -161,14 +104,7 @@ class SharedExpert(nn.Module):
 class MoE(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        if cfg.moe_impl == "triton":
-            raise NotImplementedError(
-                "moe_impl=triton: this build of dormouse has no Triton MoE arm; use "
-                "--set moe_impl=grouped (torch grouped matmul: CUDA sm_80+, CPU torch >= 2.9), "
-                "moe_impl=batched (runs everywhere) or moe_impl=auto (picks between them)"
-            )
-        if cfg.moe_impl not in ("auto", *_ARMS):
-            raise ValueError(f"moe_impl={cfg.moe_impl!r} is not one of auto, grouped, batched")
+        check_request("moe", cfg.moe_impl)
         if not 1 <= cfg.moe_topk <= cfg.n_experts:
             raise ValueError(
                 f"moe_topk={cfg.moe_topk} with n_experts={cfg.n_experts}: a token picks between "
@@ -292,28 +228,10 @@ class MoE(nn.Module):
         place = torch.cat(pieces, 1).reshape(-1) if pieces else experts.new_empty(0)
         return place, width
 
-    def _arm(self, device: torch.device, dtype: torch.dtype) -> str:
-        why_not = _grouped_support(device, dtype, self.d_model, self.d_ffn)
-        if self.impl == "grouped":
-            if why_not:
-                raise RuntimeError(
-                    f"moe_impl=grouped cannot run: {why_not}; use --set moe_impl=batched "
-                    f"(runs everywhere) or moe_impl=auto"
-                )
-            return "grouped"
-        if self.impl == "batched":
-            return "batched"
-        why_not = why_not or _grouped_slow_here(device, dtype)
-        arm = "batched" if why_not else "grouped"
-        key = (device.type, dtype, self.d_model, self.d_ffn, arm)
-        if key not in _logged:
-            _logged.add(key)
-            log.info(
-                "moe_impl=auto on %s/%s (d_model=%d, d_ffn=%d): %s arm%s",
-                device.type, str(dtype).replace("torch.", ""), self.d_model, self.d_ffn,
-                arm, f" ({why_not})" if why_not else "",
-            )  # fmt: skip
-        return arm
+    def arm(self, device, dtype: torch.dtype) -> Arm:
+        """The dispatch arm on `device` (a torch device or a described `arms.Card`) at `dtype`."""
+        shape = {"d_model": self.d_model, "d_ffn": self.d_ffn}
+        return choose_arm("moe", self.impl, device, dtype, shape)
 
     # ---- forward -----------------------------------------------------------------
 
@@ -376,7 +294,7 @@ class MoE(nn.Module):
             g_sorted = torch.where(keep, g_sorted, torch.zeros((), device=dev))
 
         w1, w3, w2 = (w.to(cdt) for w in (self.w1, self.w3, self.w2))
-        if self._arm(dev, cdt) == "grouped":
+        if announce(self.arm(dev, cdt)).name == "grouped":
             ys = _experts_grouped(xs, counts, w1, w3, w2)
         else:
             if place is None:

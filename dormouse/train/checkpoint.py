@@ -1,10 +1,18 @@
-"""Single-file checkpoints: write atomically, load safely, refuse a mismatched shape.
+"""Single-file checkpoints: gather the state, write atomically, load safely, refuse a
+mismatched shape; and the run folder (fresh, resume or complete).
 
-One checkpoint = one file holding the run config, the model (fp32 masters and the
-LFB buffers, which live in the state dict), the optimizer, the data position and the
-data's fingerprint, the RNG states and the step. It is written to a temporary file, fsynced and renamed,
-so a crash mid-write never leaves a torn checkpoint behind, and loaded with
-`weights_only=True`, so nothing in a checkpoint file can execute code.
+One checkpoint = one file holding the run config, the model (fp32 masters, the LFB buffers
+and the host-RAM Engram tables, which live in its state dict), the optimizer, the data
+position and the data's fingerprint, the RNG states and the step. It is written to a
+temporary file, fsynced and renamed, so a crash mid-write never leaves a torn checkpoint
+behind, and loaded with `weights_only=True`, so nothing in a checkpoint file can execute code.
+
+The model and optimizer states are full and keyed by canonical names, whatever wraps the
+model: `model_state` / `optimizer_state` gather them and `load_model_state` /
+`load_optimizer_state` put them back through torch.distributed.checkpoint.state_dict, the same
+calls for a plain module, a DDP-wrapped one and an FSDP2 (`fully_shard`) one. Under a process
+group they are collectives: call them on every rank (the full state comes back on rank 0 only,
+which writes the file; every rank loads the whole file). One process needs no process group.
 """
 
 from __future__ import annotations
@@ -12,36 +20,102 @@ from __future__ import annotations
 import dataclasses
 import errno
 import json
+import logging
 import os
 import re
 import tempfile
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions, get_model_state_dict, get_optimizer_state_dict, set_model_state_dict,
+    set_optimizer_state_dict,
+)  # fmt: skip
 
 from ..config import ConfigError, ModelConfig, RunConfig, validate
 from ..errors import UserError
+from ..model.engram import HostTables
+from .routing import strip_name
 
-FORMAT = 1
+log = logging.getLogger(__name__)
+
+#: 2: the optimizer state is torch's (torch.distributed.checkpoint's full state, keyed by
+#: parameter name); 1 held MixOptimizer's own format. The model state is the same in both.
+FORMAT = 2
 
 
 class CheckpointError(UserError, RuntimeError):
     """A checkpoint or run folder the run cannot use or write; names cause and escape."""
 
 
-def plain_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The model's state with wrapper prefixes removed and tensors on the CPU."""
-    sd = module.state_dict()
-    out = {}
-    for k, v in sd.items():
-        for prefix in ("module.", "_orig_mod."):
-            while k.startswith(prefix):
-                k = k[len(prefix):]
-        if hasattr(v, "full_tensor"):  # a DTensor from FSDP2: gather (a collective)
-            v = v.full_tensor()
-        out[k] = v.detach().cpu().clone()
-    return out
+#: One process needs no process group for these; under one, the full state is rank 0's.
+_FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
+
+
+def model_state(net: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The full model state on the CPU, keyed by canonical names; {} on ranks other than 0
+    under a process group. On a CPU model the tensors are the live ones (as in torch's
+    state_dict): save them before stepping again."""
+    return get_model_state_dict(net, options=_FULL)
+
+
+def optimizer_state(net: torch.nn.Module, opt) -> dict:
+    """The full optimizer state on the CPU ({} on ranks other than 0 under a process group):
+    torch's format keyed by parameter name, the host tables' row state included as if those
+    tables were parameters (torch's gatherer does not see them), so it loads into either
+    store. Live tensors on a CPU run, as model_state."""
+    state = get_optimizer_state_dict(net, opt, options=_FULL)
+    host = getattr(opt, "host_state", {})
+    if state and host:
+        state["state"].update(host)
+        for g in state["param_groups"]:
+            g["params"] = g["params"] + [n for n in g["names"] if n in host]
+    return state
+
+
+def load_model_state(net: torch.nn.Module, state: dict, path: str | Path = "") -> None:
+    """Load a full model state (model_state's) into net: every rank, each with the whole state.
+
+    Refuses a state whose keys are not this model's (missing or unexpected ones), naming them.
+    """
+    mine = get_model_state_dict(net, options=StateDictOptions()).keys()  # names only, no gather
+    missing, unexpected = sorted(mine - state.keys()), sorted(state.keys() - mine)
+    if missing or unexpected:
+        raise CheckpointError(
+            f"checkpoint {path} does not match this model: missing {missing[:8]}, "
+            f"unexpected {unexpected[:8]}"
+        )
+    state = dict(state)
+    # torch puts a wrapper's prefix (DDP's `module.`) on the keys of parameters and buffers
+    # only; a host table is neither
+    for name, m in net.named_modules():
+        if isinstance(m, HostTables) and strip_name(name) != name:
+            state[name + ".table"] = state.pop(strip_name(name) + ".table")
+    set_model_state_dict(net, state, options=_FULL)
+
+
+def load_optimizer_state(net: torch.nn.Module, opt, state: dict, path: str | Path = "") -> None:
+    """Load a full optimizer state (optimizer_state's) into opt: every rank, each with the whole
+    state. A state from checkpoint format 1 is refused."""
+    if "param_groups" not in state:
+        raise CheckpointError(
+            f"checkpoint {path} holds its optimizer state in checkpoint format 1 (MixOptimizer's "
+            f"own); this dormouse resumes format {FORMAT} only. Its model still loads (eval, "
+            f"sample): train a new run (--overwrite, or another --out)"
+        )
+    host = getattr(opt, "host_state", {})
+    saved = state["state"]
+    if host:  # the tables this optimizer keeps in host RAM are no parameters here
+        state = {"state": {k: v for k, v in saved.items() if k not in host},
+                 "param_groups": [{**g, "params": [n for n in g["params"] if n not in host]}
+                                  for g in state["param_groups"]]}  # fmt: skip
+    try:
+        set_optimizer_state_dict(net, opt, state, options=_FULL)
+        if host:
+            opt.load_host_state({n: saved.get(n) for n in host})
+    except ConfigError as e:
+        raise CheckpointError(f"checkpoint {path}: {e}") from None
 
 
 def rng_state() -> dict[str, Any]:
@@ -73,8 +147,12 @@ def save_checkpoint(
     data_fingerprint: list[dict] | None = None,
     extra: dict | None = None,
 ) -> Path:
+    """Write one checkpoint file atomically. Pass the gathered states (model_state(net) and
+    optimizer_state(net, opt), called on every rank; rank 0 writes) or, in one process, the
+    model and its optimizer."""
     path = Path(path)
-    model_state = model_state if model_state is not None else plain_state(model)
+    if model is not None:
+        model_state, optimizer_state = _gather(model, optimizer)
     bad = nonfinite_entries(model_state)
     if bad:
         # a NaN checkpoint would be resumed, evaluated and sampled as if it were a model
@@ -94,8 +172,7 @@ def save_checkpoint(
         "config": run.to_json(),
         "step": int(step),
         "model": model_state,
-        "optimizer": (optimizer_state if optimizer_state is not None
-                      else optimizer.state_dict() if optimizer is not None else None),
+        "optimizer": optimizer_state,
         "data": data_state,
         # each --data file's size and sampled-block digest (data.data_fingerprint): a resume
         # on other bytes behind the same path is refused (data.fingerprint_mismatch)
@@ -133,6 +210,10 @@ def save_checkpoint(
             ) from None
         raise
     return path
+
+
+def _gather(net: torch.nn.Module, opt) -> tuple[dict, dict | None]:
+    return model_state(net), (optimizer_state(net, opt) if opt is not None else None)
 
 
 def _umask() -> int:
@@ -193,22 +274,18 @@ def shape_mismatch(saved: ModelConfig, current: ModelConfig) -> list[str]:
             for k in a if k not in irrelevant and a[k] != b[k]]  # fmt: skip
 
 
-def load_model_state(model: torch.nn.Module, ck: dict[str, Any], path: str | Path = "") -> None:
-    cfg = getattr(model, "cfg", None)
-    if cfg is not None:
-        diff = shape_mismatch(ck["run"].model, cfg)
-        if diff:
-            raise CheckpointError(
-                f"checkpoint {path} has another model shape: " + "; ".join(diff)
-                + ". Train a new run (another --out) or use the checkpoint's own preset/--set."
-            )
-    target = model.module if hasattr(model, "module") else model
-    missing, unexpected = target.load_state_dict(ck["model"], strict=False)
-    if missing or unexpected:
+def load_model(net: torch.nn.Module, ck: dict[str, Any], path: str | Path = "",
+               cfg: ModelConfig | None = None) -> None:  # fmt: skip
+    """A read_checkpoint() dict's model into net (eval, sample, resume): refuses another model
+    shape, naming the fields (cfg: this run's model config, net.cfg by default), then
+    load_model_state (every rank, under a process group)."""
+    diff = shape_mismatch(ck["run"].model, cfg or net.cfg)
+    if diff:
         raise CheckpointError(
-            f"checkpoint {path} does not match this model: missing {missing[:8]}, "
-            f"unexpected {unexpected[:8]}"
+            f"checkpoint {path} has another model shape: " + "; ".join(diff)
+            + ". Train a new run (another --out) or use the checkpoint's own preset/--set."
         )
+    load_model_state(net, ck["model"], path)
 
 
 # ---- the run folder ---------------------------------------------------------------------
@@ -324,8 +401,7 @@ def resume_changes(saved: RunConfig, now: RunConfig) -> list[str]:
     return [f"{k} {a[k]!r} -> {b[k]!r}" for k in a if a[k] != b[k]]
 
 
-def plan_run_folder(run: RunConfig, mode: str, overwrite: bool, say: Callable[[str], None],
-                    elastic_restart: int = 0) -> str:
+def plan_run_folder(run: RunConfig, mode: str, overwrite: bool, elastic_restart: int = 0) -> str:
     """Decide what training into `run`'s folder means: "fresh", "resume" or "complete".
 
     mode: never (refuse a folder holding a run), auto (resume when a checkpoint exists),
@@ -341,17 +417,17 @@ def plan_run_folder(run: RunConfig, mode: str, overwrite: bool, say: Callable[[s
         raise CheckpointError("--overwrite starts afresh and --resume must continues: pick one")
     if elastic_restart > 0:
         if overwrite or mode == "never":
-            say(f"elastic restart {elastic_restart}: resuming the run in {out} (--resume auto), "
-                f"not {'overwriting it' if overwrite else 'refusing it'}")  # fmt: skip
+            log.info(f"elastic restart {elastic_restart}: resuming the run in {out} "
+                     f"(--resume auto), not {'overwriting it' if overwrite else 'refusing it'}")
         overwrite, mode = False, ("auto" if mode != "must" else "must")
     has_ckpt = path.is_file()
     rows = metrics_rows(out / "metrics.jsonl")
     if overwrite:
         if has_ckpt or rows:
-            say(f"--overwrite: starting afresh in {out} (replacing "
-                + ", ".join(x for x in (f"{path.name}" if has_ckpt else "",
-                                        f"{rows} metrics rows" if rows else "") if x)
-                + ")")  # fmt: skip
+            log.info(f"--overwrite: starting afresh in {out} (replacing "
+                     + ", ".join(x for x in (f"{path.name}" if has_ckpt else "",
+                                             f"{rows} metrics rows" if rows else "") if x)
+                     + ")")  # fmt: skip
         return "fresh"
     if not has_ckpt:
         if mode == "must":
@@ -383,7 +459,8 @@ def plan_run_folder(run: RunConfig, mode: str, overwrite: bool, say: Callable[[s
             f"continue it, or --overwrite to start afresh"
         )
     if step == t.steps:
-        say(f"{out}: the run is already complete at step {step} ({path}); nothing to train. "
-            f"Raise --steps with --resume auto to continue it, or --overwrite to start afresh")
+        log.info(f"{out}: the run is already complete at step {step} ({path}); nothing to "
+                 f"train. Raise --steps with --resume auto to continue it, or --overwrite to "
+                 f"start afresh")
         return "complete"
     return "resume"

@@ -6,7 +6,7 @@ trains on. The loop calls one entry, `open_data(train_cfg)`, and gets a
 `DataSource`; from it each rank takes `train_stream(...)` (its own byte range of
 every step's block) and rank 0 takes the fixed `val_batches(...)`.
 
-The layout (DESIGN §3, the seeds' §3 and their known gap 6). A step of the
+The layout. A step of the
 whole fleet consumes one BLOCK of `stride = sum_r b_r * (seq_len + 1)` bytes.
 Block s starts at `(s mod n_blocks) * stride`, `n_blocks = len(view) // stride`,
 and rank r reads `[block_start + rank_byte_offset(r), + b_r * (seq_len + 1))`.
@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import bisect
 import hashlib
+import logging
 import math
 import os
 import stat
@@ -36,12 +37,14 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Sequence
 
 import numpy as np
 import torch
 
 from ..errors import UserError
+
+log = logging.getLogger(__name__)
 
 
 class DataError(UserError, ValueError):
@@ -505,7 +508,7 @@ def _stdlib_plan(root: Path, cap: int) -> list[tuple[str, Path, int]]:
     return plan
 
 
-def default_corpus(cache_dir: str | os.PathLike | None = None, log: Callable = print,
+def default_corpus(cache_dir: str | os.PathLike | None = None,
                    cap_bytes: int | None = None) -> Path:  # fmt: skip
     """The running interpreter's standard-library .py sources as one cached file.
 
@@ -531,7 +534,7 @@ def default_corpus(cache_dir: str | os.PathLike | None = None, log: Callable = p
     path = where / f"stdlib-py{v.major}.{v.minor}.{v.micro}-{tag}.txt"
     what = f"the standard-library .py sources of Python {v.major}.{v.minor}.{v.micro}"
     if path.is_file() and path.stat().st_size > 0:
-        log(f"data: default corpus = {what} ({_mib(path.stat().st_size)}, cap "
+        log.info(f"data: default corpus = {what} ({_mib(path.stat().st_size)}, cap "
             f"{_mib(cap_bytes)}), reused from the cache {path}")  # fmt: skip
         return path
     t0 = time.perf_counter()
@@ -563,7 +566,7 @@ def default_corpus(cache_dir: str | os.PathLike | None = None, log: Callable = p
         Path(tmp).unlink(missing_ok=True)
         raise
     took = time.perf_counter() - t0
-    log(f"data: default corpus = {what} ({n_files} files, {_mib(path.stat().st_size)}, cap "
+    log.info(f"data: default corpus = {what} ({n_files} files, {_mib(path.stat().st_size)}, cap "
         f"{_mib(cap_bytes)}), built in {took:.1f} s and cached at {path}")  # fmt: skip
     return path
 
@@ -644,15 +647,15 @@ def _shares(n: int, weights: Sequence[float]) -> list[int]:
     return shares
 
 
-def open_data(train_cfg, log: Callable = print, cache_dir=None) -> DataSource:
+def open_data(train_cfg, cache_dir=None) -> DataSource:
     """Resolve `train_cfg.data` (empty -> the default corpus), validate every file against
     one window of batch*(seq_len+1) bytes, split train/val, announce it, return a DataSource."""
     t = train_cfg
     paths = list(t.data)
     is_default = not paths
     if is_default:
-        log("data: no --data given; using the embedded default corpus")
-        paths = [str(default_corpus(cache_dir=cache_dir, log=log))]
+        log.info("data: no --data given; using the embedded default corpus")
+        paths = [str(default_corpus(cache_dir=cache_dir))]
     if t.data_weights and len(t.data_weights) != len(paths):
         raise DataError(
             f"{len(t.data_weights)} data_weights for {len(paths)} corpora; give one weight "
@@ -671,11 +674,11 @@ def open_data(train_cfg, log: Callable = print, cache_dir=None) -> DataSource:
     rule = (f"last val_bytes={t.val_bytes}" if t.val_bytes > 0
             else f"last val_frac={t.val_frac}" if t.val_frac > 0 else "none")  # fmt: skip
     for s in sources:
-        log(f"data: {s.name}: {len(s.corpus)} bytes -> train {len(s.train)} + val {len(s.val)} "
+        log.info(f"data: {s.name}: {len(s.corpus)} bytes -> train {len(s.train)} + val {len(s.val)} "
             f"(val = {rule}, at least one window of {window} bytes)")  # fmt: skip
     if len(sources) > 1:
         total = sum(s.weight for s in sources)
         how = "data_weights" if t.data_weights else "weights by train size"
-        log("data: mixture (" + how + "): " + ", ".join(
+        log.info("data: mixture (" + how + "): " + ", ".join(
             f"{Path(s.name).name}={s.weight / total:.3f}" for s in sources))  # fmt: skip
     return DataSource(sources, t.seed, is_default, shuffle=t.shuffle)

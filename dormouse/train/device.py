@@ -6,9 +6,10 @@ Owns three things, in order of use:
   metadata only. It never allocates a tensor and never launches a kernel; reading free
   memory does open the driver's context on the card, which is why `probe(memory=False)`
   exists for callers that only want the link.
-* the policy: which dtype rung the device can honour and which kernel arms are legal on it.
-* `dtype=` resolution: `none` never touches this module's probe, `auto` logs the reading
-  and the verdict, and an explicit rung the device cannot honour is refused loudly.
+* the policy: which dtype rung the device can honour, and which kernel arms may run on it
+  (asked of the model's own rule, `dormouse.model.arms.choose_arm`, about the card).
+* `dtype=` resolution: `auto` logs the reading and the verdict, and an explicit rung the
+  device cannot honour is refused loudly.
 
 `python -m dormouse probe` prints `format_probe_table(probe())` through `main_probe`.
 """
@@ -16,15 +17,20 @@ Owns three things, in order of use:
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import platform
 import re
+import typing
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
+from ..config import Dtype
 from ..errors import UserError
+from ..model.arms import Card, choose_arm, release, why_not
+
+log = logging.getLogger(__name__)
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -38,30 +44,7 @@ BUDGET_RESERVE = 512 * MiB
 FP16_SM = (5, 3)
 BF16_SM = (8, 0)
 
-# Kernel arms.
-# * Triton: PR triton-lang/triton#5066 (Triton 3.3) deprecated MMAv1, made tl.dot fall back
-#   to FMA below sm_80 and moved the README's supported hardware to "Compute Capability
-#   8.0+" (Turing was supported up to Triton 3.2). torch 2.11 ships a newer Triton, so
-#   every Triton arm here (the MoE arm, fla's KDA) is legal from sm_80. fla itself names no
-#   floor (fla-org/flash-linear-attention README/INSTALL) but switches its tl.dot precision
-#   to "ieee" below sm_80 (fla/utils.py IS_TF32_SUPPORTED), i.e. older cards sit outside
-#   the tuned path; the torch KDA arm is the tested twin there.
-TRITON_SM = (8, 0)
-FLA_KDA_SM = (8, 0)
-# * torch._grouped_mm: torch 2.8 admits only major == 9 on CUDA (Blas.cpp sm90_only; the
-#   "only supported on CUDA devices with compute capability = 9.0" error, e.g.
-#   huggingface/transformers#47999) and has no CPU kernel. From torch 2.9 a mm/bmm-loop
-#   fallback serves other CUDA cards, documented for SM >= 80 (pytorch/pytorch#161407,
-#   F.grouped_mm's docstring), and a CPU kernel exists (pytorch/pytorch#161717; checked per
-#   version in huggingface/transformers#46743). The fused CUTLASS kernel runs only on
-#   major 9 or 10 with bf16 operands (GroupedBlas.cpp: _scaled_mm_allowed_device(sm90_only,
-#   sm100_only)); elsewhere the fallback pays a host sync per call, so it is legal but not
-#   fast. Operands must be 16-byte aligned on every device.
-GROUPED_MM_SM = (8, 0)
-GROUPED_MM_TORCH = (2, 9)
-GROUPED_MM_FUSED_MAJORS = (9, 10)
-
-DTYPES = ("none", "auto", "fp32", "bf16", "fp16")
+DTYPES = typing.get_args(Dtype)
 _TORCH_DTYPE = {"bf16": torch.bfloat16, "fp32": torch.float32}
 _NO_FP16 = "the forward has no fp16 path (the fp16 forward is not written yet)"
 
@@ -155,8 +138,8 @@ def _probe_cuda(index: int, memory: bool = True) -> DeviceRecord:
         try:
             free, total = (int(v) for v in torch.cuda.mem_get_info(index))
         except Exception as e:  # noqa: BLE001 - any failure means "unknown", never a guess
-            # Measured (seeds §2): while another process holds the card the driver refuses a
-            # second context; get_device_properties still answers, mem_get_info does not.
+            # Measured: while another process holds the card the driver refuses a second
+            # context; get_device_properties still answers, mem_get_info does not.
             notes.append(f"free memory unreadable ({type(e).__name__}: {_first_line(e)})")
     else:
         notes.append("free memory not read (memory=False)")
@@ -293,38 +276,34 @@ class Policy:
     rung: str  # the ladder verdict: bf16 | fp16 | fp32
     auto: str  # what dtype=auto runs: bf16 | fp32
     fallback: str  # "" or why auto runs below the rung
-    fla_kda: bool
-    triton_moe: bool
-    grouped_mm: bool  # torch._grouped_mm is legal on this device and torch
-    grouped_mm_fused: bool  # ... and reaches the fused kernel (bf16 operands)
+    fla_kda: bool  # fla's KDA kernel runs on this card (given fla-core installed)
+    grouped_mm: bool  # torch's grouped matmul runs on this device and torch
+    grouped_mm_fused: bool  # ... and moe_impl=auto takes it in bf16 (the fused kernel)
     why: tuple[str, ...] = ()  # the reason for every illegal arm and every non-obvious verdict
 
 
-def _version(text: str) -> tuple[int, int]:
-    m = re.match(r"(\d+)\.(\d+)", text)
-    if not m:
-        raise ValueError(f"cannot read a torch version from {text!r}")
-    return int(m.group(1)), int(m.group(2))
-
-
 def policy_for(record: DeviceRecord, torch_version: str | None = None) -> Policy:
-    """The dtype ladder and kernel legality for `record` (under `torch_version`, default the
+    """The dtype ladder and kernel arms for `record` (under `torch_version`, default the
     running torch: grouped matmul legality moved between torch releases)."""
-    tv = _version(torch_version or torch.__version__)
-    why: list[str] = []
+    if record.kind == "cuda" and record.sm is None:
+        raise DeviceError(f"{record.label} ({record.name}) has no compute capability recorded")
+    card = Card(record.kind, record.sm, record.name, release(torch_version or torch.__version__))
+    no_fla, no_gmm = why_not("kda", "fla", card), why_not("moe", "grouped", card)
+    fused = (not no_gmm and card.type == "cuda"
+             and choose_arm("moe", "auto", card, torch.bfloat16).name == "grouped")  # fmt: skip
+    why = [f"fla_kda: {no_fla}; the torch arm runs"] if no_fla else []
+    if no_gmm:
+        why.append(f"grouped_mm: {no_gmm}; the batched arm runs")
+    elif card.type == "cuda" and not fused:
+        why.append("grouped_mm: runs through torch's mm-loop fallback (a host sync per call); "
+                   "moe_impl=auto takes the batched arm")  # fmt: skip
+    arms = dict(fla_kda=not no_fla, grouped_mm=not no_gmm, grouped_mm_fused=fused)
     if record.kind == "cpu":
-        gmm = tv >= GROUPED_MM_TORCH
-        if not gmm:
-            why.append(f"grouped_mm: torch {tv[0]}.{tv[1]} has no CPU kernel (from 2.9)")
-        why.append("fla_kda, triton_moe: Triton kernels need a CUDA device")
         # CPU autocast bf16 works, so an explicit request is honoured; auto stays fp32
         # because the CPU arm is the reference path and bf16 there is opt-in, not a default.
         why.append("auto: fp32 on the CPU (the reference arm); dtype=bf16 opts into autocast")
         return Policy(record, bf16=True, fp16=False, rung="fp32", auto="fp32", fallback="",
-                      fla_kda=False, triton_moe=False, grouped_mm=gmm, grouped_mm_fused=False,
-                      why=tuple(why))  # fmt: skip
-    if record.sm is None:
-        raise DeviceError(f"{record.label} ({record.name}) has no compute capability recorded")
+                      why=tuple(why), **arms)  # fmt: skip
     sm = record.sm
     bf16 = sm >= BF16_SM
     fp16 = sm >= FP16_SM
@@ -332,31 +311,8 @@ def policy_for(record: DeviceRecord, torch_version: str | None = None) -> Policy
     auto, fallback = rung, ""
     if rung == "fp16":
         auto, fallback = "fp32", f"fp16 is this card's rung but {_NO_FP16}"
-    fla = sm >= FLA_KDA_SM
-    triton_moe = sm >= TRITON_SM
-    if not fla:
-        why.append(f"fla_kda: needs sm_{_sm(FLA_KDA_SM)} (Triton >= 3.3 supports 8.0+); "
-                   f"the torch KDA arm runs")  # fmt: skip
-    if not triton_moe:
-        why.append(f"triton_moe: needs sm_{_sm(TRITON_SM)}; the grouped/batched arms run")
-    if tv >= GROUPED_MM_TORCH:
-        gmm = sm >= GROUPED_MM_SM
-        fused = sm[0] in GROUPED_MM_FUSED_MAJORS
-        if not gmm:
-            why.append(f"grouped_mm: documented for sm_{_sm(GROUPED_MM_SM)}+; the batched arm runs")
-        elif not fused:
-            why.append("grouped_mm: legal through torch's mm-loop fallback (a host sync per "
-                       "call); the fused kernel is sm_9x/10x only")  # fmt: skip
-    elif tv >= (2, 8):
-        gmm = fused = sm[0] == 9
-        if not gmm:
-            why.append(f"grouped_mm: torch {tv[0]}.{tv[1]} admits compute capability 9.x only")
-    else:
-        gmm = fused = False
-        why.append(f"grouped_mm: torch {tv[0]}.{tv[1]} has no torch._grouped_mm")
     return Policy(record, bf16=bf16, fp16=fp16, rung=rung, auto=auto, fallback=fallback,
-                  fla_kda=fla, triton_moe=triton_moe, grouped_mm=gmm, grouped_mm_fused=fused,
-                  why=tuple(why))  # fmt: skip
+                  why=tuple(why), **arms)  # fmt: skip
 
 
 def _sm(sm: tuple[int, int]) -> str:
@@ -390,53 +346,43 @@ def fallback_count() -> int:
     return _fallbacks
 
 
-def resolve_dtype(
-    requested: str,
-    record: DeviceRecord | None = None,
-    log: Callable[[str], None] = print,
-) -> tuple[torch.dtype | None, str]:
-    """Turn `dtype=` into the forward's compute dtype, with the line that says why.
+def resolve_dtype(requested: str, record: DeviceRecord | None = None) -> tuple[torch.dtype, str]:
+    """Turn `dtype=` into the forward's compute dtype, with the line that says why (logged).
 
-    "none" returns (None, line) without probing or logging: the preset's bf16 flag decides,
-    as it did before this module existed. Every other value logs its line. Returns
-    torch.float32 for fp32 (plain, no autocast) and torch.bfloat16 for bf16.
+    Returns torch.float32 for fp32 (plain, no autocast) and torch.bfloat16 for bf16; probes
+    the device `auto` would pick when `record` is None and the answer depends on the card.
     """
     global _fallbacks
     if requested not in DTYPES:
         raise DtypeError(f"dtype={requested!r} is not one of {DTYPES}; use --set dtype=auto")
-    if requested == "none":
-        return None, "dtype=none: the preset's bf16 flag decides (device not probed)"
     if requested == "fp16":
         raise DtypeError(_fp16_refusal(record))
     if requested == "fp32":
         where = f" device={record.name}" if record else ""
-        line = f"dtype=fp32{where} (explicit; every device honours it)"
-        log(line)
-        return torch.float32, line
-    if record is None:
-        record = probe_device(None)
-    pol = policy_for(record)
-    reading = f"device={record.name} sm={record.sm_text} bf16={int(pol.bf16)} fp16={int(pol.fp16)}"
-    if requested == "bf16":
-        if not pol.bf16:
+        dtype, line = "fp32", f"dtype=fp32{where} (explicit; every device honours it)"
+    else:
+        record = record or probe_device(None)
+        pol = policy_for(record)
+        reading = (f"device={record.name} sm={record.sm_text} bf16={int(pol.bf16)} "
+                   f"fp16={int(pol.fp16)}")  # fmt: skip
+        dtype, verdict = pol.auto, pol.auto
+        if requested == "bf16" and not pol.bf16:
             raise DtypeError(
                 f"dtype=bf16 needs sm_{_sm(BF16_SM)} (Ampere) or newer; this card "
                 f"({record.name}, {record.label}) is sm_{_sm(record.sm)}; use --set dtype=auto "
                 f"(this card's best rung that the forward runs: {pol.auto}) or --set dtype=fp32"
             )
-        line = f"dtype=bf16 {reading} -> bf16 (explicit) {budget_text(record)}"
-        log(line)
-        return torch.bfloat16, line
-    # auto
-    verdict = pol.auto
-    if pol.fallback:
-        _fallbacks += 1
-        verdict = f"{pol.rung} -> {pol.auto} (counted fp32 fallback #{_fallbacks}: {pol.fallback})"
-    elif record.kind == "cpu":
-        verdict = f"{pol.auto} (CPU: auto stays fp32; dtype=bf16 opts into CPU autocast)"
-    line = f"dtype=auto {reading} -> {verdict} {budget_text(record)}"
-    log(line)
-    return _TORCH_DTYPE[pol.auto], line
+        if requested == "bf16":
+            dtype, verdict = "bf16", "bf16 (explicit)"
+        elif pol.fallback:
+            _fallbacks += 1
+            verdict = (f"{pol.rung} -> {pol.auto} (counted fp32 fallback #{_fallbacks}: "
+                       f"{pol.fallback})")  # fmt: skip
+        elif record.kind == "cpu":
+            verdict = f"{pol.auto} (CPU: auto stays fp32; dtype=bf16 opts into CPU autocast)"
+        line = f"dtype={requested} {reading} -> {verdict} {budget_text(record)}"
+    log.info("%s", line)
+    return _TORCH_DTYPE[dtype], line
 
 
 def _fp16_refusal(record: DeviceRecord | None) -> str:
@@ -460,7 +406,7 @@ def _gib(n: int) -> str:
 def format_probe_table(records: list[DeviceRecord]) -> str:
     """One row per device: the reading, the budget and the policy's verdicts."""
     head = ("device", "name", "sm", "total", "free", "budget", "pcie max", "SMs/cores",
-            "bf16", "fp16", "auto", "fla_kda", "triton_moe", "grouped_mm")  # fmt: skip
+            "bf16", "fp16", "auto", "fla_kda", "grouped_mm")  # fmt: skip
     rows = [head]
     notes = []
     for r in records:
@@ -471,8 +417,7 @@ def format_probe_table(records: list[DeviceRecord]) -> str:
         auto = f"{p.auto} ({p.rung} rung)" if p.fallback else p.auto
         rows.append((r.label, r.name, r.sm_text, _gib(r.total_mem), _gib(r.free_mem),
                      "unknown" if budget is None else _gib(budget), link, str(r.multiprocessors),
-                     _yn(p.bf16), _yn(p.fp16), auto, _yn(p.fla_kda), _yn(p.triton_moe),
-                     gmm))  # fmt: skip
+                     _yn(p.bf16), _yn(p.fp16), auto, _yn(p.fla_kda), gmm))  # fmt: skip
         said = [r.note] + list(p.why) + [p.fallback]
         notes += [f"  {r.label}: {text}" for text in said if text]
     widths = [max(len(row[i]) for row in rows) for i in range(len(head))]

@@ -13,12 +13,17 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import logging
 import math
-from collections.abc import Callable
 from dataclasses import dataclass, replace
+
+import torch
 
 from ..config import RunConfig, preset, preset_names, validate
 from ..errors import UserError
+from ..model.arms import Arm, card_of, choose_arm
+
+log = logging.getLogger(__name__)
 
 GiB = 1 << 30
 #: The plan must fit this fraction of the stated budget (the rest: CUDA context, allocator
@@ -33,7 +38,7 @@ ACT_SCALE = 1.0
 #: with and without act_ckpt) put it at 0.5: with 1.0 the checkpointed plans were
 #: over-estimated by 11-22%, with 0.5 every measured plan came within 6%.
 BACKWARD_WORKSET = 0.5
-#: (half precision, fp32) per part; see the module docstring for what each part holds.
+#: (half precision, fp32) per part; what each part holds: docs/fit.md.
 ACT_MIXER_PROJ = (60.0, 70.0)
 ACT_KDA_FLA = (24.0, 28.0)
 ACT_KDA_TORCH = (215.0, 205.0)  # at kda_chunk=16; scales with the chunk length
@@ -84,7 +89,7 @@ class Estimate:
     casts: int
     act: int  # saved activations + the backward working set
     opt_work: int
-    # the phases (see the module docstring); total = max of the three
+    # the phases (docs/fit.md); total = max of the three
     backward: int
     midpoint: int
     step: int
@@ -129,10 +134,8 @@ def param_split(run: RunConfig) -> ParamSplit:
     Always built with the VRAM Engram store and no memory mechanism: parameters do not
     depend on them, and a host store would allocate its tables at construction.
     """
-    import torch
-
     from ..model import DormouseModel
-    from .optim import route_params
+    from .routing import route_params
 
     m = replace(run.model, engram_ram=False, moe_offload=False, act_ckpt=False,
                 act_ckpt_quant=False)  # fmt: skip
@@ -165,23 +168,23 @@ def param_split(run: RunConfig) -> ParamSplit:
     return split
 
 
-def kda_arm(run: RunConfig) -> tuple[str, str]:
-    """(arm, why) the training run's KDA mixer will use: what the activation term assumes."""
-    req = run.model.kda_impl
-    if req in ("torch", "fla"):
-        return req, f"kda_impl={req}"
-    if importlib.util.find_spec("fla") is not None:
-        return "fla", "kda_impl=auto, fla-core installed"
-    return "torch", "kda_impl=auto, fla-core not installed"
+def kda_arm(run: RunConfig) -> Arm:
+    """The KDA arm the training run will use (what the activation term assumes): pinned as
+    pinned, auto by the model's rule on the run's card (which card: docs/fit.md)."""
+    m, dev = run.model, run.train.device
+    if m.kda_impl != "auto":
+        return Arm(m.kda_impl, f"kda_impl={m.kda_impl} (pinned)")
+    if dev != "cpu" and not torch.cuda.is_available():
+        dev = replace(card_of("cpu"), type="cuda", name="the planned card")
+    elif dev == "auto":
+        dev = "cuda"
+    dtype = torch.bfloat16 if half_compute(run) else torch.float32
+    return choose_arm("kda", "auto", dev, dtype, {"head_dim": m.head_dim})
 
 
 def half_compute(run: RunConfig) -> bool:
-    """Whether the forward computes in bf16/fp16 (casts exist, saves are half width)."""
-    d = run.train.dtype
-    if d == "none":
-        return bool(run.model.bf16)  # on CUDA the preset's bf16 flag turns autocast on
-    # auto: any card from sm_53 has a half rung; an older card runs fp32 and saves more
-    return d in ("auto", "bf16", "fp16")
+    """Whether the forward computes in half precision (casts exist, saves are half width)."""
+    return run.train.dtype != "fp32"
 
 
 def act_bytes_per_token_d(run: RunConfig, arm: str, half: bool) -> tuple[float, float]:
@@ -505,33 +508,31 @@ def format_arithmetic(run: RunConfig, est: Estimate) -> list[str]:
     return lines
 
 
-def main_plan(run: RunConfig, gb: float, batch: int | None = None, seq: int | None = None,
-              log: Callable[[str], None] = print) -> RunConfig:  # fmt: skip
-    """`plan PRESET --fit GB`: print the arithmetic and the fit line; FitError when it won't fit."""
+def main_plan(run: RunConfig, gb: float, batch: int | None = None,
+              seq: int | None = None) -> RunConfig:  # fmt: skip
+    """`plan PRESET --fit GB`: log the arithmetic and the fit line; FitError when it won't fit."""
     planned, est, engaged = plan_fit(run, gb, batch=batch, seq=seq)
     for line in format_arithmetic(planned, est):
-        log(line)
-    log(format_fit_line(gb, est, engaged))
+        log.info("%s", line)
+    log.info("%s", format_fit_line(gb, est, engaged))
     return planned
 
 
-def apply_fit(run: RunConfig, log: Callable[[str], None] = print) -> RunConfig:
-    """`train --fit GB` (run.train.fit_gb): the planned run, after printing the fit line."""
+def apply_fit(run: RunConfig) -> RunConfig:
+    """`train --fit GB` (run.train.fit_gb): the planned run, after logging the fit line."""
     gb = run.train.fit_gb
     if not gb:
         return run
     planned, est, engaged = plan_fit(run, gb)
     for n in est.notes:
-        log(f"fit: {n}")
-    log(format_fit_line(gb, est, engaged))
-    _compare_with_card(run, gb, log)
+        log.info("fit: %s", n)
+    log.info("%s", format_fit_line(gb, est, engaged))
+    _compare_with_card(run, gb)
     return planned
 
 
-def _compare_with_card(run: RunConfig, gb: float, log) -> None:
+def _compare_with_card(run: RunConfig, gb: float) -> None:
     """Say so when the card in hand has less free memory than the budget the plan assumed."""
-    import torch
-
     if run.train.device == "cpu" or not torch.cuda.is_available():
         return
     from .device import memory_budget, probe_device
@@ -539,5 +540,6 @@ def _compare_with_card(run: RunConfig, gb: float, log) -> None:
     dev = run.train.device if run.train.device.startswith("cuda") else "cuda"
     budget = memory_budget(probe_device(dev))
     if budget is not None and budget < usable_bytes(gb):
-        log(f"fit: warning: --fit {gb:g} plans for {_g(usable_bytes(gb))} GiB but {dev} has "
-            f"{_g(budget)} GiB free (free - 512 MiB); lower --fit to what the card has")
+        log.warning(f"fit: warning: --fit {gb:g} plans for {_g(usable_bytes(gb))} GiB but "
+                    f"{dev} has {_g(budget)} GiB free (free - 512 MiB); lower --fit to what the "
+                    f"card has")  # fmt: skip

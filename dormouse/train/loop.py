@@ -1,9 +1,10 @@
-"""The training loop: one single-process loop with its distributed seams.
+"""The training loop, the same code in one process and on every rank of a fleet.
 
-`train(model, run, log, parallel)` owns the step: data, forward, the scaled
-backward, the non-finite decision, clipping, the optimizer and LFB update, the
-LR schedule, logging, evaluation, checkpoints and resume. What differs on a
-fleet is asked of `parallel` (see `seams.py`); everything else is shared code.
+`train(model, net, opt, ctx, run)` owns the step: data, forward, the scaled backward, the
+non-finite decision, clipping, the optimizer and LFB update, the LR schedule, logging,
+evaluation, checkpoints and resume. What differs on a fleet is asked of the data-parallel
+context (`context.DPContext`: the identity in one process); the model arrives built and
+wrapped (`run.py`). `Callbacks` are observation points: the gates record runs through them.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import threading
 import time
 from contextlib import nullcontext
 from pathlib import Path
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -24,12 +26,11 @@ import torch
 from ..config import RunConfig, validate
 from ..errors import UserError
 from . import checkpoint as ckpt
+from .context import DPContext
 from .data import DataError, fingerprint_mismatch, open_data
-from .optim import MixOptimizer
-from .seams import RankShape, Seams
 
 LN2 = math.log(2.0)
-_log = logging.getLogger("dormouse.train")
+log = logging.getLogger(__name__)
 
 
 class TrainingError(UserError, RuntimeError):
@@ -54,8 +55,7 @@ class _GracefulStop:
 
     NAMES = ("SIGINT", "SIGTERM")
 
-    def __init__(self, say: Callable[[str], None]):
-        self.say = say
+    def __init__(self):
         self.caught: str | None = None
         self._handler = self._on_signal  # one bound method, so `is` finds it again
         self._previous: dict = {}
@@ -84,7 +84,7 @@ class _GracefulStop:
             now = signal.getsignal(sig)
             if now is not self._handler:
                 if not self._told:
-                    self.say(f"note: the {signal.Signals(sig).name} handler was replaced "
+                    log.info(f"note: the {signal.Signals(sig).name} handler was replaced "
                              f"({now!r}) by something the run loaded; re-installed so a stop "
                              f"still writes a checkpoint")  # fmt: skip
                     self._told = True
@@ -114,34 +114,6 @@ def lr_factor(step: int, cfg) -> float:
         return 1.0
     progress = (step - decay_start) / max(1, cfg.steps - decay_start)
     return 1.0 - (1.0 - lo) * min(1.0, progress)
-
-
-# ---- device and precision -------------------------------------------------------------
-
-
-def resolve_device(name: str, log: Callable[[str], None]) -> torch.device:
-    if name == "auto":
-        dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        log(f"device=auto cuda_available={int(torch.cuda.is_available())} -> {dev}")
-        return dev
-    dev = torch.device(name)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise TrainingError(
-            f"--device {name} asked for CUDA but torch {torch.__version__} sees no CUDA device "
-            f"(a CPU build, or no driver); use --device cpu"
-        )
-    return dev
-
-
-def resolve_autocast(run: RunConfig, device: torch.device, log) -> torch.dtype | None:
-    """The compute dtype of the forward (None = plain fp32)."""
-    want = run.train.dtype
-    if want == "none":  # the probe is never called: the preset's bf16 flag decides
-        return torch.bfloat16 if (run.model.bf16 and device.type == "cuda") else None
-    from .device import probe_device, resolve_dtype
-
-    dtype, line = resolve_dtype(want, probe_device(device), log=log)
-    return None if dtype in (None, torch.float32) else dtype
 
 
 # ---- progress output --------------------------------------------------------------------
@@ -192,14 +164,14 @@ def _autocast(device: torch.device, dtype):
     return torch.autocast(device_type=device.type, dtype=dtype)
 
 
-def _plot(metrics_path: Path, png: Path, log) -> None:
+def _plot(metrics_path: Path, png: Path) -> None:
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        log("loss curve skipped: matplotlib is not installed (pip install matplotlib)")
+        log.info("loss curve skipped: matplotlib is not installed (pip install matplotlib)")
         return
     rows = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
     tr = [(r["step"], r["loss"]) for r in rows if r.get("kind") == "train"]
@@ -216,26 +188,51 @@ def _plot(metrics_path: Path, png: Path, log) -> None:
     fig.tight_layout()
     fig.savefig(png, dpi=110)
     plt.close(fig)
-    log(f"loss curve written to {png}")
+    log.info(f"loss curve written to {png}")
 
 
 # ---- the loop -------------------------------------------------------------------------------
 
 
-def train_step(net, opt, parallel: Seams, x, y, cfg, factor: float, device, autocast_dtype):
+@dataclass
+class Callbacks:
+    """Observation points of the loop (the gates record runs here); none may change what the
+    loop does. Each gets one dict: {"model", "net", "opt", "ctx", ...} plus what is named."""
+
+    #: after backward, the host-row reduction, the clip and the agreed finiteness verdict,
+    #: before the optimizer: + "local" (this rank's verdict), "agreed" (the fleet's)
+    after_backward: Callable[[dict], None] | None = None
+    #: at the end of every step, taken or skipped: + "stepped", "gnorm" (pre-clip, nan if
+    #: not finite)
+    after_step: Callable[[dict], None] | None = None
+    #: at each log step: + "loss" (the fleet's token-weighted loss), "local_loss"
+    on_log: Callable[[dict], None] | None = None
+    #: after each evaluation: + "step", "val" (rank 0's {loss, bpb}; {} elsewhere)
+    on_eval: Callable[[dict], None] | None = None
+
+
+def _call(hook, **info) -> None:
+    if hook is not None:
+        hook(info)
+
+
+def train_step(model, net, opt, ctx: DPContext, x, y, cfg, factor: float, autocast,
+               cb: Callbacks | None = None):
     """One optimizer step on this rank's (x, y): returns (loss, aux, stepped).
 
     The whole step lives here so the loop and `dormouse bench` time the same code:
     schedule, forward, the scaled backward, the fleet's post-backward reductions, the
     non-finite decision (ONE collective: every rank skips together), clip, step, LFB.
     """
+    cb = cb or Callbacks()
+    device = ctx.device
     opt.set_lr_factor(factor)
     x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-    with _autocast(device, autocast_dtype):
+    with _autocast(device, autocast):
         _, loss, aux = net(x, y)
-    (loss * parallel.loss_scale).backward()
+    (loss * ctx.loss_scale).backward()
     # host-RAM Engram rows are no parameters: the fleet reduces them here, before the clip
-    parallel.after_backward(net)
+    ctx.reduce_host_grads(model)
     finite = bool(torch.isfinite(loss.detach()))
     gnorm = float("nan")
     if finite:
@@ -244,17 +241,20 @@ def train_step(net, opt, parallel: Seams, x, y, cfg, factor: float, device, auto
         gnorm = float(opt.clip_grad_norm_(cfg.grad_clip if cfg.grad_clip > 0 else float("inf")))
         finite = math.isfinite(gnorm)
     aux["gnorm"] = gnorm
-    if not parallel.all_finite(finite):
+    agreed = ctx.all_finite(finite)
+    seen = dict(model=model, net=net, opt=opt, ctx=ctx)
+    _call(cb.after_backward, local=finite, agreed=agreed, **seen)
+    if not agreed:
         # A skipped step leaves no trace: no gradient carried into the next step, and the
         # routers' counts of the dropped batch do not steer the load balancer.
         opt.zero_grad(set_to_none=True)
-        parallel.unwrap(net).lfb_discard()
-        parallel.after_step(net, opt, {"stepped": False, "gnorm": gnorm})
+        model.lfb_discard()
+        _call(cb.after_step, stepped=False, gnorm=gnorm, **seen)
         return loss, aux, False
     opt.step()
     opt.zero_grad(set_to_none=True)
-    parallel.unwrap(net).lfb_update(reduce=parallel.lfb_reduce)
-    parallel.after_step(net, opt, {"stepped": True, "gnorm": gnorm})
+    model.lfb_update(reduce=ctx.lfb_reduce)
+    _call(cb.after_step, stepped=True, gnorm=gnorm, **seen)
     return loss, aux, True
 
 
@@ -274,42 +274,36 @@ def ckpt_path(run: RunConfig) -> Path:
 
 def train(
     model: torch.nn.Module,
+    net: torch.nn.Module,
+    opt,
+    ctx: DPContext,
     run: RunConfig,
-    log: Callable[[str], None] = print,
-    parallel: Seams | None = None,
     *,
+    autocast: torch.dtype | None = None,
     resume: bool = False,
     stop_at: int | None = None,
     progress: bool = False,
+    callbacks: Callbacks | None = None,
 ) -> dict:
-    """Train `model` as `run` says. Returns a report of what happened.
+    """Train `model` (wrapped as `net`, on ctx.device) as `run` says; returns a report.
 
     `stop_at` ends the run after that many steps while keeping the schedule of the
     full run (an interrupted run, for resume tests); the final checkpoint is written.
     """
     run = validate(run)
     cfg = run.train
-    if parallel is None:
-        parallel = Seams([RankShape(cfg.batch, cfg.seq_len)])
-    main = parallel.is_main
-    say = log if main else (lambda _line: None)
+    cb = callbacks or Callbacks()
+    main = ctx.is_main
+    device = ctx.device
 
-    device = resolve_device(cfg.device, say) if not hasattr(parallel, "device") else parallel.device
-    autocast_dtype = resolve_autocast(run, device, say)
-    model.to(device)
-    model.train()
-
-    data = open_data(cfg, log=say)
-    shape = parallel.shape
-    stream = data.train_stream(shape.batch, shape.seq_len, offset=parallel.offset, stride=parallel.stride)
+    data = open_data(cfg)
+    shape = ctx.shape
+    stream = data.train_stream(shape.batch, shape.seq_len, offset=ctx.offset, stride=ctx.stride)
     data_print = data.fingerprint()
-    # a fleet's watchdog (distributed.Heartbeat) hears where this rank is; one process: nothing
-    beat = getattr(parallel, "heartbeat", None) or _NoHeartbeat()
-    evaluates = (main or parallel.eval_on_all_ranks) and data.has_val
+    # a fleet's watchdog (watchdog.Heartbeat) hears where this rank is; one process: nothing
+    beat = ctx.heartbeat or _NoHeartbeat()
+    evaluates = (main or ctx.eval_on_all_ranks) and data.has_val
     val = data.val_batches(cfg.eval_batches, cfg.batch, cfg.seq_len) if evaluates else []
-
-    net = parallel.wrap(model)
-    opt = MixOptimizer.from_config(net, cfg, device.type, log=say)
 
     out = Path(cfg.out_dir)
     path = ckpt_path(run)
@@ -322,11 +316,11 @@ def train(
         if int(ck["step"]) > cfg.steps:
             raise TrainingError(f"--resume: {path} is at step {ck['step']}, beyond steps="
                                 f"{cfg.steps}; raise --steps to continue it")  # fmt: skip
-        parallel.load_model_state(net, ck, path)  # FSDP2 re-shards the full state
+        ckpt.load_model(net, ck, path, run.model)  # FSDP2 re-shards the full state
         # The file's optimizer state carries its groups' lr, wd, momentum...: put this run's
         # back, so a hyperparameter given on resume is applied, not only recorded.
         mine = [{k: g[k] for k in ckpt.RESUME_HYPER if k in g} for g in opt.param_groups]
-        parallel.load_optimizer_state(opt, ck["optimizer"])
+        ckpt.load_optimizer_state(net, opt, ck["optimizer"], path)
         for g, hyper in zip(opt.param_groups, mine, strict=True):
             g.update(hyper)
         stream.load_state_dict(ck["data"])
@@ -340,12 +334,12 @@ def train(
             )
         ckpt.set_rng_state(ck["rng"])
         start = int(ck["step"])
-        say(f"resumed from {path} at step {start}")
+        log.info(f"resumed from {path} at step {start}")
         for change in ckpt.resume_changes(ck["run"], run):
-            say(f"changed on resume: {change}")
+            log.info(f"changed on resume: {change}")
         dropped = ckpt.trim_metrics(metrics_path, start) if main else 0
         if dropped:
-            say(f"metrics.jsonl: dropped {dropped} row(s) logged after step {start} (the run "
+            log.info(f"metrics.jsonl: dropped {dropped} row(s) logged after step {start} (the run "
                 f"went on past its last checkpoint); they are logged again from here")  # fmt: skip
     if main:
         try:
@@ -356,15 +350,15 @@ def train(
         if not resume:
             metrics_path.write_text("")
         (out / "config.json").write_text(run.to_json())
-    say(f"run {run.source}: {parallel.describe()} steps={cfg.steps} lr={cfg.lr} "
-        f"dtype={'fp32' if autocast_dtype is None else str(autocast_dtype).replace('torch.', '')}")  # fmt: skip
+    log.info(f"run {run.source}: {ctx.describe()} steps={cfg.steps} lr={cfg.lr} "
+             f"dtype={'fp32' if autocast is None else str(autocast).replace('torch.', '')}")  # fmt: skip
 
     def save(step: int) -> None:
         # Every rank takes part in gathering the state (a collective under FSDP2);
         # only rank 0 writes the file.
         beat.at(step, "save")
-        model_state = parallel.model_state(net)
-        opt_state = parallel.optimizer_state(opt)
+        model_state = ckpt.model_state(net)
+        opt_state = ckpt.optimizer_state(net, opt)
         refused = None
         if main:
             try:
@@ -376,15 +370,15 @@ def train(
                 refused = e
             else:
                 beat.at(step, "save", saved=step)
-        parallel.barrier()
+        ctx.barrier()
         # rank 0's refusal is every rank's: the others would otherwise train on into a
         # collective rank 0 never joins
-        if parallel.any_rank(refused is not None):
+        if ctx.any_rank(refused is not None):
             if refused is not None:
                 raise refused
             raise ckpt.CheckpointError(
                 f"rank 0 could not write the checkpoint at step {step} (its message names the "
-                f"cause); rank {parallel.rank} stops with it"
+                f"cause); rank {ctx.rank} stops with it"
             )
         beat.at(step, "train", saved=step)
 
@@ -396,14 +390,14 @@ def train(
     def do_eval(step: int) -> dict:
         beat.at(step, "eval")
         res = {}
-        if main or parallel.eval_on_all_ranks:
-            res = evaluate(parallel.unwrap(net) if not parallel.eval_on_all_ranks else net,
-                           val, device, autocast_dtype)  # fmt: skip
+        if main or ctx.eval_on_all_ranks:
+            res = evaluate(net if ctx.eval_on_all_ranks else model, val, device, autocast)
         if main:
-            tag = f" dist={parallel.rank}/{parallel.world_size}" if parallel.world_size > 1 else ""
-            log(f"eval step={step} loss={res['loss']:.4f} bpb={res['bpb']:.4f}{tag}")
+            tag = f" dist={ctx.rank}/{ctx.world}" if ctx.world > 1 else ""
+            log.info(f"eval step={step} loss={res['loss']:.4f} bpb={res['bpb']:.4f}{tag}")
             write_metrics({"kind": "eval", "step": step, "loss": res["loss"], "bpb": res["bpb"]})
-        parallel.barrier()
+        ctx.barrier()
+        _call(cb.on_eval, step=step, val=res, model=model, net=net, opt=opt, ctx=ctx)
         return res
 
     end = cfg.steps if stop_at is None else min(cfg.steps, stop_at)
@@ -418,8 +412,8 @@ def train(
     steps_since_log = 0
     step = start
     # a fleet must stop on the same step on every rank: the ranks agree every 10 steps
-    stop_every = 1 if parallel.world_size == 1 else 10
-    stopper = _GracefulStop(say)
+    stop_every = 1 if ctx.world == 1 else 10
+    stopper = _GracefulStop()
     stopped = False
     last_saved = start if resume else None
     stopper.install()
@@ -428,10 +422,10 @@ def train(
             # here `step` steps are complete: the one place a stop leaves a resumable state
             beat.at(step, "train")
             stopper.keep_installed()
-            if (step - start) % stop_every == 0 and parallel.any_rank(stopper.caught is not None):
+            if (step - start) % stop_every == 0 and ctx.any_rank(stopper.caught is not None):
                 why = stopper.caught or "a signal on another rank"
                 bar.clear()
-                say(f"stop requested ({why}) at step {step}: writing a checkpoint so --resume "
+                log.info(f"stop requested ({why}) at step {step}: writing a checkpoint so --resume "
                     f"continues from here")  # fmt: skip
                 save(step)
                 stopped = True
@@ -443,22 +437,22 @@ def train(
             except DataError as e:  # the file shrank under the run: the model is still at `step`
                 shrunk = e
             # ranks may see the shrink a step apart: every rank stops on this step together
-            if parallel.any_rank(shrunk is not None):
+            if ctx.any_rank(shrunk is not None):
                 save(step)
-                say(f"checkpoint written at step {step}; restore the data file, then "
+                log.info(f"checkpoint written at step {step}; restore the data file, then "
                     f"--resume auto continues from there")  # fmt: skip
                 raise shrunk or DataError(
                     f"another rank found a data file shrunk under the run before step {step} "
-                    f"(its message names the file); rank {parallel.rank} stops with it"
+                    f"(its message names the file); rank {ctx.rank} stops with it"
                 )
             x, y = stream.next()
-            loss, aux, ok = train_step(net, opt, parallel, x, y, cfg, factor, device, autocast_dtype)
+            loss, aux, ok = train_step(model, net, opt, ctx, x, y, cfg, factor, autocast, cb)
             if step == start:  # the first step may be long on one rank (kernel autotune)
                 beat.settled()
             if not ok:
                 skips += 1
                 consecutive += 1
-                say(f"step={step} skipped: non-finite loss or gradient (skips={skips})")
+                log.info(f"step={step} skipped: non-finite loss or gradient (skips={skips})")
                 if consecutive >= cfg.max_skips:
                     raise TrainingError(
                         f"{consecutive} consecutive non-finite steps (max_skips={cfg.max_skips}) "
@@ -467,21 +461,23 @@ def train(
                     )
                 continue
             consecutive = 0
-            tokens_seen += parallel.global_tokens
+            tokens_seen += ctx.global_tokens
             steps_since_log += 1
             done = step + 1
             if cfg.log_every and (done % cfg.log_every == 0 or done == end):
-                fleet = parallel.fleet_loss(loss.detach())
+                fleet = ctx.fleet_loss(loss.detach())
+                _call(cb.on_log, loss=fleet, local_loss=float(loss.detach()), model=model, net=net,
+                      opt=opt, ctx=ctx)
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
                 now = time.perf_counter()
                 ms = 1000 * (now - t_log) / max(1, steps_since_log)
-                tps = parallel.global_tokens * steps_since_log / max(1e-9, now - t_log)
+                tps = ctx.global_tokens * steps_since_log / max(1e-9, now - t_log)
                 t_log, steps_since_log = now, 0
                 last_loss = fleet
                 lr_now = cfg.lr * factor
                 bar.clear()
-                say(f"step={done} loss={fleet:.4f} bpb={fleet / LN2:.4f} lr={lr_now:.3e} "
+                log.info(f"step={done} loss={fleet:.4f} bpb={fleet / LN2:.4f} lr={lr_now:.3e} "
                     f"gnorm={aux['gnorm']:.3f} tok/s={tps:.0f} ms={ms:.1f}")  # fmt: skip
                 write_metrics({"kind": "train", "step": done, "loss": fleet, "bpb": fleet / LN2,
                                "lr": lr_now, "gnorm": aux["gnorm"], "tok_s": tps, "ms": ms,
@@ -497,7 +493,7 @@ def train(
         if not stopped:
             bar.clear()
             where = f"step {last_saved}" if last_saved is not None else "none yet"
-            say(f"interrupted during step {step + 1}: no checkpoint written, since the state is "
+            log.info(f"interrupted during step {step + 1}: no checkpoint written, since the state is "
                 f"mid-step (last checkpoint: {where}; one Ctrl-C, or SIGTERM, stops cleanly)")  # fmt: skip
         raise
     finally:
@@ -506,7 +502,7 @@ def train(
     final = do_eval(end) if data.has_val else {}
     save(end)
     if main and metrics_path.exists():
-        _plot(metrics_path, out / "loss.png", say)
+        _plot(metrics_path, out / "loss.png")
     return {
         "steps": end,
         "loss": last_loss,
@@ -514,7 +510,7 @@ def train(
         "val_start": first_eval,
         "skips": skips,
         "tokens": tokens_seen,
-        "rank": parallel.rank,
-        "world_size": parallel.world_size,
+        "rank": ctx.rank,
+        "world_size": ctx.world,
         "checkpoint": str(path),
     }

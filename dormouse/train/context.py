@@ -1,0 +1,256 @@
+"""The data-parallel context: who this rank is, which bytes it reads, and the few collectives
+the loop needs. In a world of one every collective is the identity and torch.distributed is
+never imported.
+
+`DPContext` is frozen: built once (`DPContext.single` for one process, `fleet.join` for a
+rank of a fleet) and read by the loop. The loop asks it: this rank's shape and byte offset,
+the loss scale that makes the reducer's mean token-weighted, one agreed finiteness verdict,
+agreed stops, the fleet loss, the LFB counts' reduction, the host-RAM Engram rows' reduction
+(no reducer sees them), the barrier, and whether this rank does rank 0's duties.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from ..errors import UserError
+from ..model.engram import HostTables
+
+
+class DistError(UserError, RuntimeError):
+    """The fleet cannot start or cannot agree; the message names cause, fact and escape."""
+
+
+class LaunchError(DistError):
+    """--dist and the launcher disagree."""
+
+
+class RefusedError(DistError):
+    """A configuration the fleet would run incorrectly; refused rather than run."""
+
+
+@dataclass(frozen=True)
+class RankShape:
+    """One rank's micro-batch: `batch` windows of `seq_len` bytes."""
+
+    batch: int
+    seq_len: int
+
+    @property
+    def tokens(self) -> int:
+        return self.batch * self.seq_len
+
+    @property
+    def window_bytes(self) -> int:
+        return self.batch * (self.seq_len + 1)
+
+    def line(self) -> str:
+        return f"{self.batch}x{self.seq_len}"
+
+
+@dataclass(frozen=True)
+class DPContext:
+    device: torch.device
+    shapes: tuple[RankShape, ...]
+    rank: int = 0
+    world: int = 1
+    backend: str = ""  # "" in one process; gloo | nccl on a fleet
+    reduce: str = "fp32"  # the gradient reduce dtype (dist_reduce, resolved)
+    shard: str = "none"  # none (DDP) | fsdp (FSDP2)
+    bucket_mb: float = 0.0  # 0 = sized from the payload (link.bucket_mb_for)
+    compute: str = "fp32"  # the forward's dtype, for the joining line
+    #: the fleet's watchdog (watchdog.Heartbeat); None in one process
+    heartbeat: object | None = field(default=None, compare=False, repr=False)
+
+    @classmethod
+    def single(cls, device: torch.device, batch: int, seq_len: int) -> DPContext:
+        return cls(torch.device(device), (RankShape(batch, seq_len),))
+
+    def __post_init__(self):
+        if len(self.shapes) != self.world or not 0 <= self.rank < self.world:
+            raise DistError(f"rank {self.rank} of {self.world} with {len(self.shapes)} shapes")
+
+    # -- what this rank reads ----------------------------------------------------------------
+
+    @property
+    def shape(self) -> RankShape:
+        return self.shapes[self.rank]
+
+    @property
+    def is_main(self) -> bool:
+        """Rank 0: evaluates, logs, writes the run folder."""
+        return self.rank == 0
+
+    @property
+    def offset(self) -> int:
+        """Where this rank's bytes start inside the fleet's block of a step."""
+        return sum(s.window_bytes for s in self.shapes[: self.rank])
+
+    @property
+    def stride(self) -> int:
+        """Bytes the whole fleet consumes per step."""
+        return sum(s.window_bytes for s in self.shapes)
+
+    @property
+    def global_tokens(self) -> int:
+        return sum(s.tokens for s in self.shapes)
+
+    @property
+    def loss_scale(self) -> float:
+        """world * t_rank / sum(t): the reducer's mean becomes the token-weighted mean."""
+        return self.world * self.shape.tokens / self.global_tokens
+
+    @property
+    def eval_on_all_ranks(self) -> bool:
+        """FSDP2 all-gathers parameters inside forward: every rank runs the eval forward."""
+        return self.shard == "fsdp" and self.world > 1
+
+    # -- the collectives (the identity at world 1) ---------------------------------------------
+
+    def _agree(self, flag: bool, op: str) -> bool:
+        if self.world == 1:
+            return bool(flag)
+        import torch.distributed as dist
+
+        x = torch.tensor([1 if flag else 0], dtype=torch.int32, device=self.device)
+        dist.all_reduce(x, op=getattr(dist.ReduceOp, op))
+        return bool(x.item())
+
+    def all_finite(self, finite: bool) -> bool:
+        """ONE collective: a rank that skipped alone would leave its parameters behind."""
+        return self._agree(finite, "MIN")
+
+    def any_rank(self, flag: bool) -> bool:
+        """True when `flag` holds on any rank (a stop: every rank stops on the same step)."""
+        return self._agree(flag, "MAX")
+
+    def fleet_loss(self, loss: torch.Tensor) -> float:
+        """sum_r t_r * loss_r / sum_r t_r: the loss of the global batch, on every rank."""
+        if self.world == 1:
+            return float(loss)
+        import torch.distributed as dist
+
+        x = loss.detach().to(device=self.device, dtype=torch.float64).reshape(1) * self.shape.tokens
+        dist.all_reduce(x)
+        return float(x.item()) / self.global_tokens
+
+    @property
+    def lfb_reduce(self):
+        """Passed to model.lfb_update: sums the routers' counts over the fleet, in place, so
+        every rank moves its bias identically (None: one process, nothing to sum)."""
+        if self.world == 1:
+            return None
+        import torch.distributed as dist
+
+        return dist.all_reduce
+
+    def reduce_host_grads(self, model: torch.nn.Module) -> None:
+        """After backward: every rank installs the fleet's gradient of the host-RAM Engram rows
+        (no reducer sees them; without this each rank would step its own rows). The union of
+        the ranks' rows, each row's gradient summed in rank order and divided by world, in
+        fp32 whatever dist_reduce says (the exact mean; rows are small next to the payload)."""
+        if self.world == 1:
+            return
+        for store in host_stores(model):  # the same stores in the same order on every rank
+            rows, grad = store.pending()
+            store.replace_pending(*self._fleet_rows(rows, grad, store.dim))
+
+    def _fleet_rows(self, rows: torch.Tensor, grad: torch.Tensor, dim: int):
+        """All-gather every rank's (rows, grad) and merge them (`merge_row_grads`). all_gather
+        wants equal sizes: counts first, then rows and gradients padded to the largest."""
+        import torch.distributed as dist
+
+        dev, world = self.device, self.world
+        count = torch.tensor([rows.numel()], dtype=torch.int64, device=dev)
+        counts = [torch.zeros_like(count) for _ in range(world)]
+        dist.all_gather(counts, count)
+        counts = [int(c) for c in torch.cat(counts).tolist()]
+        most = max(counts)
+        if most == 0:  # no rank has a row (step 0: the Engram conv starts at zero)
+            return rows, grad
+        k = rows.numel()
+        pad_rows = torch.full((most,), -1, dtype=torch.int64, device=dev)
+        pad_rows[:k] = rows.to(dev)
+        pad_grad = torch.zeros(most, dim, dtype=torch.float32, device=dev)
+        pad_grad[:k] = grad.to(dev, torch.float32)
+        all_rows = [torch.empty_like(pad_rows) for _ in range(world)]
+        all_grad = [torch.empty_like(pad_grad) for _ in range(world)]
+        dist.all_gather(all_rows, pad_rows)
+        dist.all_gather(all_grad, pad_grad)
+        parts = [(r[:n], g[:n]) for r, g, n in zip(all_rows, all_grad, counts)]
+        return merge_row_grads(parts, world)
+
+    def barrier(self) -> None:
+        if self.world == 1:
+            return
+        import torch.distributed as dist
+
+        # First wait in the store, watched by the heartbeat: rank 0 may evaluate or write a
+        # large checkpoint for longer than dist_timeout, and that is no hang while it beats.
+        if self.heartbeat is not None:
+            self.heartbeat.gather()
+        if self.backend == "nccl":
+            dist.barrier(device_ids=[self.device.index])
+        else:
+            dist.barrier()
+
+    def describe(self) -> str:
+        if self.world == 1:
+            return f"single process, shape={self.shape.line()}"
+        shapes = ",".join(s.line() for s in self.shapes)
+        return (f"rank {self.rank}/{self.world} backend={self.backend} shapes={shapes} "
+                f"reduce={self.reduce} shard={self.shard}")  # fmt: skip
+
+    def line(self) -> str:
+        """The one line every rank of a fleet prints when it joins."""
+        return (f"dist rank={self.rank}/{self.world} backend={self.backend} "
+                f"device={self.device} shape={self.shape.line()} dtype={self.compute} "
+                f"reduce={self.reduce} shard={self.shard}")  # fmt: skip
+
+
+def host_stores(model: torch.nn.Module) -> list[HostTables]:
+    """The model's host-RAM Engram stores, in module order (the same on every rank)."""
+    return [m for m in model.modules() if isinstance(m, HostTables)]
+
+
+def merge_row_grads(
+    parts: Sequence[tuple[torch.Tensor, torch.Tensor]], world_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fleet's gradient of host-table rows from every rank's (rows, grad), in rank order.
+
+    parts[r] = (rows [K_r] distinct, grad [K_r, dim]): rank r's touched rows and their
+    gradient. Returns (union [K] ascending, mean [K, dim]): each union row's gradient summed
+    over the ranks that have it, rank 0 first, then divided by world_size -- the mean DDP
+    takes of a parameter's gradient, so with the loss scaled by world_size * t_r / sum(t) it
+    is the gradient one process sees at the global batch. The sum runs as one add per rank
+    (gather the union rows, add, put back; no atomics), so every rank that merges the same
+    parts gets the same bits, on any device.
+    """
+    if not parts:
+        raise ValueError("merge_row_grads needs at least one rank's (rows, grad)")
+    dim = parts[0][1].shape[-1]
+    for r, (rows, grad) in enumerate(parts):
+        if rows.dim() != 1 or grad.dim() != 2 or tuple(grad.shape) != (rows.numel(), dim):
+            raise ValueError(
+                f"merge_row_grads: rank {r} has rows {tuple(rows.shape)} and grad "
+                f"{tuple(grad.shape)}; each rank needs rows [K] and grad [K, {dim}]"
+            )
+        if rows.unique().numel() != rows.numel():
+            raise ValueError(
+                f"merge_row_grads: rank {r} lists a row twice ({rows.numel()} rows, "
+                f"{rows.unique().numel()} distinct); a rank's set must be summed per row first "
+                f"(HostTables.pending is)"
+            )
+    union, inv = torch.unique(torch.cat([rows for rows, _ in parts]), sorted=True,
+                              return_inverse=True)  # fmt: skip
+    grads = [grad for _, grad in parts]
+    out = grads[0].new_zeros(union.numel(), dim)
+    start = 0
+    for grad in grads:
+        pos = inv[start:start + grad.shape[0]].to(out.device)
+        start += grad.shape[0]
+        out.index_copy_(0, pos, out.index_select(0, pos).add_(grad.to(out.dtype)))
+    return union, out.div_(world_size)

@@ -1,0 +1,136 @@
+"""Muon, batched: the Newton-Schulz polar (quintic or Polar Express), the update scale and
+the step of one shape group of matrices whose momentum is one stacked [N, R, C] tensor.
+
+MixOptimizer (dormouse.train.optim) builds the groups and their stacks and calls
+`muon_step_`; the slow, obviously-right twin is `references/muon_single.py`, held to this one
+matrix by matrix by the tests. torch.optim.Muon is not used: it rejects 3-D expert stacks.
+
+Muon per matrix, with g its gradient and m its momentum:
+    m <- mu*m + g;  u <- g + mu*m (nesterov) or m (plain)
+    O <- NS(u)  (quintic or Polar Express, in ns_dtype)
+    p <- p*(1 - lr*wd) - lr*scale(R, C)*O
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from ..config import ConfigError
+
+# Keller Jordan's quintic Newton-Schulz coefficients (https://kellerjordan.github.io/posts/muon/),
+# the same triple torch.optim.Muon uses by default.
+QUINTIC = (3.4445, -4.7750, 2.0315)
+
+# Polar Express, degree 5: Amsel, Persson, Musco, Gower, "The Polar Express: Optimal Matrix
+# Sign Methods and Their Application to the Muon Algorithm" (arXiv:2505.16932), Algorithm 1,
+# code at https://github.com/NoahAmsel/PolarExpress. Step i uses triple i; steps beyond the
+# table repeat the last triple. The paper divides every triple but the last by the safety
+# factor 1.01 (a, b, c -> a/1.01, b/1.01^3, c/1.01^5) so bf16 round-off cannot push a singular
+# value past the interval the polynomials were optimised for, and normalises the input by
+# 1.01 * ||X||_F for the same reason.
+_PE_RAW = (
+    (8.28721201814563, -23.595886519098837, 17.300387312530933),
+    (4.107059111542203, -2.9478499167379106, 0.5448431082926601),
+    (3.9486908534822946, -2.908902115962949, 0.5518191394370137),
+    (3.3184196573706015, -2.488488024314874, 0.51004894012372),
+    (2.300652019954817, -1.6689039845747493, 0.4188073119525673),
+    (1.891301407787398, -1.2679958271945868, 0.37680408948524835),
+    (1.8750014808534479, -1.2500016453999487, 0.3750001645474248),
+    (1.875, -1.25, 0.375),
+)
+PE_SAFETY = 1.01
+POLAR_EXPRESS = tuple(
+    (a / PE_SAFETY, b / PE_SAFETY**3, c / PE_SAFETY**5) for a, b, c in _PE_RAW[:-1]
+) + (_PE_RAW[-1],)
+
+#: added to ||X||_F before dividing, so a zero momentum (e.g. a zero-initialised B's partner)
+#: orthogonalises to exactly zero instead of NaN; torch.optim.Muon uses the same 1e-7.
+NS_EPS = 1e-7
+
+#: ns_dtype / muon_state_dtype names
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def ns_coefficients(ns_kind: str, ns_steps: int) -> list[tuple[float, float, float]]:
+    if ns_kind == "quintic":
+        return [QUINTIC] * ns_steps
+    if ns_kind == "polar_express":
+        return [POLAR_EXPRESS[min(i, len(POLAR_EXPRESS) - 1)] for i in range(ns_steps)]
+    raise ConfigError(f"ns_kind={ns_kind!r} is not one of ('quintic', 'polar_express')")
+
+
+def newton_schulz(U: Tensor, ns_steps: int, ns_kind: str, dtype: torch.dtype) -> Tensor:
+    """Approximate polar factor of each matrix of U [N, R, C], computed in `dtype`.
+
+    The Frobenius normalisation runs in U's precision (fp32) before the cast, so a bf16
+    iteration starts from a correctly scaled matrix. Wide orientation (R <= C) keeps the Gram
+    matrix X X^T at its smallest.
+    """
+    tall = U.size(-2) > U.size(-1)
+    X = U.mT if tall else U
+    norm = X.norm(dim=(-2, -1), keepdim=True)
+    if ns_kind == "polar_express":
+        norm = norm * PE_SAFETY
+    X = (X / (norm + NS_EPS)).to(dtype)
+    for a, b, c in ns_coefficients(ns_kind, ns_steps):
+        A = X @ X.mT
+        B = torch.baddbmm(A, A, A, beta=b, alpha=c)  # b*A + c*A@A
+        X = torch.baddbmm(X, B, X, beta=a)  # a*X + B@X
+    return X.mT if tall else X
+
+
+def muon_scale(sf: str, rows: int, cols: int) -> float:
+    """Multiplier on lr for a [rows, cols] polar factor.
+
+    jordan: sqrt(max(1, rows/cols)) (Keller Jordan's Muon; torch adjust_lr_fn="original").
+    rms: 0.2*sqrt(max(rows, cols)) (Moonshot, "Muon is Scalable for LLM Training"; torch
+    "match_rms_adamw"): the update's RMS matches AdamW's, so AdamW's lr and wd carry over.
+    """
+    if sf == "jordan":
+        return math.sqrt(max(1.0, rows / cols))
+    if sf == "rms":
+        return 0.2 * math.sqrt(max(rows, cols))
+    raise ConfigError(f"muon_sf={sf!r} is not one of ('rms', 'jordan')")
+
+
+def muon_step_(g: dict, buf: Tensor, counts: list[int], starts: list[int]) -> None:
+    """One Muon step of shape group g (its params, matrix [R, C] and hyperparameters), in place.
+
+    buf [N, R, C]: the group's stacked momentum (fp32 or bf16), parameter i owning the
+    `counts[i]` matrices from `starts[i]`. A parameter whose grad is None does not move and
+    its momentum does not change. A bf16 buf is APPROXIMATE by design: the update is
+    computed in fp32 from the rounded buffer and the new buffer is rounded again.
+    """
+    params = g["params"]
+    have = [i for i, p in enumerate(params) if p.grad is not None]
+    if not have:
+        return
+    R, C = g["matrix"]
+    mu = g["momentum"]
+    grads = [params[i].grad.reshape(-1, R, C) for i in have]
+    G = (torch.cat(grads) if len(grads) > 1 else grads[0]).to(torch.float32)
+    if len(have) == len(params):
+        idx = None
+        M = buf if buf.dtype == torch.float32 else buf.float()  # fp32 state: in place
+    else:
+        # Only the slots of parameters that have a gradient take part; the others'
+        # momentum is neither decayed nor touched.
+        idx = torch.cat([torch.arange(starts[i], starts[i] + counts[i]) for i in have])
+        idx = idx.to(buf.device)
+        M = buf.index_select(0, idx).float()
+    M.mul_(mu).add_(G)
+    U = G.add(M, alpha=mu) if g["nesterov"] else M
+    if idx is not None:
+        buf.index_copy_(0, idx, M.to(buf.dtype))
+    elif M is not buf:
+        buf.copy_(M)
+    O = newton_schulz(U, g["ns_steps"], g["ns_kind"], DTYPES[g["ns_dtype"]])
+    lr, wd = g["lr"], g["weight_decay"]
+    views = [params[i].view(-1, R, C) for i in have]
+    if wd:
+        torch._foreach_mul_(views, 1.0 - lr * wd)
+    O = O.to(views[0].dtype).split([counts[i] for i in have])
+    torch._foreach_add_(views, list(O), alpha=-lr * muon_scale(g["muon_sf"], R, C))

@@ -1,0 +1,175 @@
+"""The one way a run is built and trained, in one process or as one rank of a fleet.
+
+`train_run(run)`: resolve the device and the compute dtype -> apply `--fit` -> the
+data-parallel context (`DPContext.single`, or `fleet.join` under torchrun) -> the seeded
+model -> `parallelize(model, ctx)` -> the optimizer -> `loop.train`. The CLI calls it with or
+without `--dist`; the gates call it too, observing the run through loop callbacks.
+A single process never imports the fleet modules (fleet, watchdog, parallelize's wrappers).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from ..config import RunConfig, validate
+from .context import DPContext
+from .loop import Callbacks, TrainingError, train
+
+log = logging.getLogger(__name__)
+
+
+def resolve_device(name: str, local_rank: int | None = None) -> torch.device:
+    """`auto` -> cuda when torch sees a card, else cpu (logged); a fleet rank on CUDA takes
+    cuda:LOCAL_RANK. The one place a device name is resolved."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+        log.info(f"device=auto cuda_available={int(torch.cuda.is_available())} -> {name}")
+    dev = torch.device(name)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise TrainingError(
+            f"--device {name} asked for CUDA but torch {torch.__version__} sees no CUDA device "
+            f"(a CPU build, or no driver); use --device cpu"
+        )
+    if local_rank is not None and dev.type == "cuda":
+        return torch.device("cuda", local_rank)
+    return dev
+
+
+def resolve_autocast(run: RunConfig, device: torch.device) -> torch.dtype | None:
+    """The forward's compute dtype (None = plain fp32), by the device policy."""
+    from .device import probe_device, resolve_dtype
+
+    dtype, _ = resolve_dtype(run.train.dtype, probe_device(device))
+    return None if dtype in (None, torch.float32) else dtype
+
+
+def dtype_name(dtype: torch.dtype | None) -> str:
+    return {None: "fp32", torch.float32: "fp32", torch.bfloat16: "bf16",
+            torch.float16: "fp16"}[dtype]  # fmt: skip
+
+
+def build_model(run: RunConfig, meta: bool = False) -> torch.nn.Module:
+    """The model of `run`, seeded by run.train.seed (every rank builds the same one). An arm
+    this build does not have (moe_impl=triton) is the model's own refusal, a UserError."""
+    from ..model import DormouseModel
+
+    if meta:
+        with torch.device("meta"):
+            return DormouseModel(run.model)
+    torch.manual_seed(run.train.seed)
+    return DormouseModel(run.model)
+
+
+def check_arms(run: RunConfig, device: torch.device, autocast: torch.dtype | None) -> None:
+    """Refuse a pinned kernel arm that cannot run on this device before any step runs."""
+    from ..model.arms import require_arms
+
+    require_arms(run.model, device, autocast or torch.float32)
+
+
+def prepare(run: RunConfig, device_type: str | None = None,
+            local_rank: int | None = None) -> tuple[RunConfig, torch.device, torch.dtype | None]:  # fmt: skip
+    """(run with --fit applied, device, compute dtype): what every run checks first."""
+    run = validate(run)
+    if run.train.fit_gb:
+        from .fit import apply_fit
+
+        run = apply_fit(run)
+    device = resolve_device(device_type or run.train.device, local_rank)
+    autocast = resolve_autocast(run, device)
+    check_arms(run, device, autocast)
+    return run, device, autocast
+
+
+def _optimizer(net: torch.nn.Module, run: RunConfig, device: torch.device):
+    from .optim import MixOptimizer
+
+    return MixOptimizer.from_config(net, run.train, device.type)
+
+
+def train_run(
+    run: RunConfig,
+    *,
+    resume: bool = False,
+    stop_at: int | None = None,
+    progress: bool = False,
+    model: torch.nn.Module | None = None,
+    callbacks: Callbacks | None = None,
+    device_type: str | None = None,
+    rate: float | None = None,
+    timeout_s: float | None = None,
+    close: bool = True,
+) -> dict:
+    """Build and train `run`; returns the loop's report.
+
+    `model` replaces the seeded build (the caller must build it identically on every rank);
+    `callbacks` observe the loop. Fleet only: `rate` replaces this rank's measured matmul rate
+    (`--capacity auto`), `timeout_s` replaces dist_timeout, `close=False` leaves the process
+    group up for a caller that gathers more afterwards.
+    """
+    run = validate(run)
+    if not run.train.dist:
+        run, device, autocast = prepare(run, device_type)
+        ctx = DPContext.single(device, run.train.batch, run.train.seq_len)
+        model = (model if model is not None else build_model(run)).to(device).train()
+        return train(model, model, _optimizer(model, run, device), ctx, run, autocast=autocast,
+                     resume=resume, stop_at=stop_at, progress=progress,
+                     callbacks=callbacks)  # fmt: skip
+    return _train_fleet(run, resume=resume, stop_at=stop_at, model=model, callbacks=callbacks,
+                        device_type=device_type, rate=rate, timeout_s=timeout_s, close=close)
+
+
+def _train_fleet(run: RunConfig, *, resume, stop_at, model, callbacks, device_type, rate,
+                 timeout_s, close) -> dict:  # fmt: skip
+    import torch.distributed as dist
+
+    from . import fleet
+    from .context import RefusedError
+    from .parallelize import parallelize
+    from .watchdog import fleet_failure, short
+
+    world = fleet.world_from(os.environ) or 1
+    fleet.refuse_incompatible(run, world)
+    local_rank = int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0")))
+    fitted, device, autocast = prepare(run, device_type, local_rank)
+    try:
+        fleet.refuse_incompatible(fitted, world)  # --fit may engage what a fleet refuses
+    except RefusedError as e:
+        raise RefusedError(
+            f"--fit {run.train.fit_gb} engaged a mechanism the fleet cannot run: {e}. The "
+            f"fit planner does not know about fleets yet: drop --fit and set the mechanisms "
+            f"by hand (--set moe_offload=true, muon_state_dtype=bf16, ...)"
+        ) from None
+    run = fitted
+    ctx = fleet.join(run, device, compute=dtype_name(autocast), rate=rate, timeout_s=timeout_s)
+    ok, failed = False, None
+    try:
+        log.info(ctx.line(), extra={"every_rank": True})
+        model = (model if model is not None else build_model(run)).to(device).train()
+        net = parallelize(model, ctx)
+        try:
+            report = train(model, net, _optimizer(net, run, device), ctx, run,
+                           autocast=autocast, resume=resume, stop_at=stop_at,
+                           callbacks=callbacks)  # fmt: skip
+        except Exception as e:
+            if not fleet_failure(e):
+                raise
+            # a peer died or the ranks fell out of step: one line naming what each peer was
+            # doing, instead of the backend's traceback
+            raise fleet.DistError(ctx.heartbeat.explain(e)) from None
+        report.update(shapes=[s.line() for s in ctx.shapes], backend=ctx.backend,
+                      reduce=ctx.reduce, device=str(ctx.device))  # fmt: skip
+        if close:
+            ctx.barrier()  # without it, gloo teardown aborts intermittently
+        ok = True
+        return report
+    except BaseException as e:
+        failed = e
+        raise
+    finally:
+        ctx.heartbeat.leave("done" if ok else "failed", "" if ok else short(failed))
+        if close and dist.is_initialized():
+            dist.destroy_process_group()

@@ -1,0 +1,134 @@
+"""The package's shape, read from its source (ast): which module may import which.
+
+The direction is cli -> train -> model -> config: the command line (cli.py, __main__.py and
+the bench commands) on top, the trainer under dormouse/train/, the network under
+dormouse/model/, and config.py and errors.py at the bottom. Every import counts, a function's
+lazy one too; no cycle; the trainer reads only the model's public names.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PKG = ROOT / "dormouse"
+
+
+def _module(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(path: Path) -> list[tuple[str, list[str]]]:
+    """(imported dormouse module, names taken from it) for every import in `path`."""
+    me = _module(path)
+    package = me if path.name == "__init__.py" else me.rsplit(".", 1)[0]
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out += [(a.name, []) for a in node.names if a.name.startswith("dormouse")]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            if not target.startswith("dormouse"):
+                continue
+            names = [a.name for a in node.names]
+            # `from . import fit` names a module, not an attribute
+            subs = [n for n in names if (PKG.parent / (target.replace(".", "/") + f"/{n}.py")).exists()
+                    or (PKG.parent / (target.replace(".", "/") + f"/{n}")).is_dir()]  # fmt: skip
+            out += [(f"{target}.{n}", []) for n in subs]
+            rest = [n for n in names if n not in subs]
+            if rest or not subs:
+                out.append((target, rest))
+    return out
+
+
+def _graph() -> dict[str, set[str]]:
+    known = {_module(p) for p in PKG.rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for p in PKG.rglob("*.py"):
+        deps = set()
+        for target, _ in _imports(p):
+            while target not in known and "." in target:
+                target = target.rsplit(".", 1)[0]
+            if target in known and target != _module(p):
+                deps.add(target)
+        graph[_module(p)] = deps
+    return graph
+
+
+def _layer(module: str) -> int:
+    if module in ("dormouse.config", "dormouse.errors", "dormouse"):
+        return 0
+    if module.startswith("dormouse.model"):
+        return 1
+    if module.startswith("dormouse.train"):
+        return 2
+    return 3  # dormouse.cli, dormouse.__main__, dormouse.bench
+
+
+def test_imports_run_cli_to_train_to_model_to_config():
+    wrong = [f"{m} -> {d}" for m, deps in _graph().items() for d in deps
+             if _layer(d) > _layer(m) and d != "dormouse"]  # fmt: skip
+    assert not wrong, wrong
+
+
+def test_no_import_cycle():
+    graph = _graph()
+    state: dict[str, int] = {}
+    path: list[str] = []
+
+    def visit(m: str) -> None:
+        state[m] = 1
+        path.append(m)
+        for d in sorted(graph.get(m, ())):
+            if state.get(d) == 1:
+                raise AssertionError("import cycle: " + " -> ".join(path[path.index(d):] + [d]))
+            if d not in state:
+                visit(d)
+        path.pop()
+        state[m] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m)
+
+
+def test_the_trainer_reads_only_public_model_names():
+    private = []
+    for p in (PKG / "train").rglob("*.py"):
+        for target, names in _imports(p):
+            if target.startswith("dormouse.model"):
+                private += [f"{p.name}: {target}.{n}" for n in names if n.startswith("_")]
+    assert not private, private
+
+
+def test_one_trainer_no_seams():
+    text = "\n".join(p.read_text() for p in PKG.rglob("*.py"))
+    assert "train_dist" not in text and "class Seams" not in text
+
+
+def test_a_single_process_run_never_imports_the_fleet_modules(tmp_path):
+    corpus = tmp_path / "c.txt"
+    corpus.write_bytes(b"".join(p.read_bytes() for p in sorted(PKG.rglob("*.py")))[:40_000])
+    code = (
+        "import sys\n"
+        "from dormouse.config import apply_sets, preset\n"
+        "from dormouse.train.run import train_run\n"
+        f"run = apply_sets(preset('tiny'), ['data={corpus}', 'out_dir={tmp_path / 'o'}',"
+        " 'steps=1', 'batch=1', 'seq_len=16', 'device=cpu', 'eval_every=0'])\n"
+        "train_run(run)\n"
+        "fleet = [m for m in ('dormouse.train.fleet', 'dormouse.train.watchdog',"
+        " 'dormouse.train.parallelize') if m in sys.modules]\n"
+        "assert not fleet, fleet\n"
+    )
+    p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                       timeout=300)  # fmt: skip
+    assert p.returncode == 0, p.stderr[-2000:]
