@@ -89,6 +89,7 @@ def _elastic_restart(env) -> int:
 def _dry_run(run, device, autocast, plan: str) -> int:
     """Everything a run checks before its first step, without training or writing a file."""
     from .train import checkpoint as ckpt
+    from .train.context import DPContext
     from .train.data import open_data
     from .train.loop import ckpt_path
     from .train.optim import MixOptimizer
@@ -99,7 +100,8 @@ def _dry_run(run, device, autocast, plan: str) -> int:
     MixOptimizer.from_config(model, run.train, device.type)
     t = run.train
     data = open_data(t)
-    data.train_stream(t.batch, t.seq_len)
+    data.train_stream(DPContext.single(device, t.batch, t.seq_len, t.global_batch).shape.windows,
+                      t.seq_len)  # the whole global batch's bytes, every step
     if t.eval_every and data.has_val:
         data.val_batches(1, t.batch, t.seq_len)
     if plan == "resume":
@@ -164,8 +166,8 @@ def cmd_train(args) -> int:
 
 def _say_cleaned(removed: list[str], out: str) -> None:
     if removed:
-        log.info(f"{out}: removed {len(removed)} temp file(s) left by a checkpoint write that never "
-             f"finished (a killed run): {', '.join(removed)}")  # fmt: skip
+        log.info(f"{out}: removed {len(removed)} temp file(s) or shard folder(s) left by a "
+                 f"checkpoint write that never finished (a killed run): {', '.join(removed)}")
 
 
 def _arms_for_this_machine(run, source: str):
@@ -236,6 +238,16 @@ def cmd_sample(args) -> int:
     out = generate(model, prompt, args.bytes, temperature=args.temperature, top_k=args.top_k,
                    generator=gen, row_len=ck["run"].train.seq_len)  # fmt: skip
     sys.stdout.write((prompt + out).decode("utf-8", errors="replace") + "\n")
+    return 0
+
+
+def cmd_export(args) -> int:
+    from .train.checkpoint import export_checkpoint, read_checkpoint
+
+    out = export_checkpoint(args.run, args.to)
+    ck = read_checkpoint(out, mmap=True)
+    log.info(f"export {args.run} -> {out}: one file (format {ck['format']}, step {ck['step']}, "
+             f"{out.stat().st_size / 2**20:.1f} MiB) that eval and sample load anywhere")
     return 0
 
 
@@ -321,6 +333,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--device")
     s.set_defaults(fn=cmd_sample)
+
+    x = sub.add_parser("export", help="one checkpoint file from a run (sharded or not)")
+    x.add_argument("run", help="a run folder or its checkpoint file")
+    x.add_argument("--to", required=True, help="the file to write (e.g. model.pt)")
+    x.set_defaults(fn=cmd_export)
 
     pl = sub.add_parser("plan", help="parameter count, optimizer routes, --fit arithmetic")
     pl.add_argument("preset", choices=preset_names())

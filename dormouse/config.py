@@ -77,8 +77,11 @@ class ModelConfig:
 @dataclass(frozen=True)
 class TrainConfig:
     steps: int = 300
-    batch: int = 8
+    batch: int = 8  # the most windows one forward takes (per rank: the micro-batch cap)
     seq_len: int = 256
+    # windows per optimizer step, over the whole fleet; 0 = batch on every rank, no
+    # accumulation. Else each rank runs k micro-batches of <= batch windows (context.accumulate)
+    global_batch: int = 0
     seed: int = 0
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     dtype: Dtype = "auto"
@@ -360,7 +363,7 @@ _POSITIVE = (
 ).split()
 _NON_NEGATIVE = (
     "rank gate_rank segment_len shared_rank moe_capacity moe_lb_coef steps warmup wd "
-    "grad_clip log_every eval_every ckpt_every val_bytes bucket_mb fit_gb lr min_lr_frac "
+    "grad_clip log_every eval_every ckpt_every val_bytes bucket_mb fit_gb lr min_lr_frac global_batch "
     "engram_lr_mult init_std"
 ).split()
 

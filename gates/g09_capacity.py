@@ -32,28 +32,32 @@ _SPACE = " \t\n\r\f\v"
 
 
 def expected_shapes(spec: str, world: int, batch: int, seq: int, max_seq: int = 64):
-    """The per-rank (batch, seq_len) an explicit --capacity must give, or None when it must be
-    refused. Written from the documented grammar, not from parse_capacity: entries split on
-    ',', each 'B' or 'BxT' (x or X) of ASCII digits with optional ASCII whitespace, one entry
-    per rank, B >= 1, 1 <= T <= max_seq."""
+    """The per-rank (batch, seq_len, micro-batches) an explicit --capacity must give, or None
+    when it must be refused. Written from the documented grammar, not from parse_capacity:
+    entries split on ',', each 'B', 'BxT' (x or X), 'B*K' or 'BxT*K' of ASCII digits with
+    optional ASCII whitespace, one entry per rank, B >= 1, K >= 1, 1 <= T <= max_seq."""
     text = spec.strip()
     if text == "":
-        return [(batch, seq)] * world
+        return [(batch, seq, 1)] * world
     parts = text.split(",")
     if len(parts) != world:
         return None
+    digits = set("0123456789")
     out = []
     for part in parts:
-        body = part.strip(_SPACE)
+        body, star, k_text = part.partition("*")
+        body, k_text = body.strip(_SPACE), k_text.strip(_SPACE)
         b_text, _, t_text = body.replace("X", "x").partition("x")
         b_text, t_text = b_text.strip(_SPACE), t_text.strip(_SPACE)
-        digits = set("0123456789")
         if not b_text or not set(b_text) <= digits or ("x" in body and (not t_text or not set(t_text) <= digits)):
             return None
-        b, t = int(b_text), int(t_text) if "x" in body else seq
-        if b < 1 or not 1 <= t <= max_seq:
+        if star and (not k_text or not set(k_text) <= digits):
             return None
-        out.append((b, t))
+        b, t = int(b_text), int(t_text) if "x" in body else seq
+        k = int(k_text) if star else 1
+        if b < 1 or k < 1 or not 1 <= t <= max_seq:
+            return None
+        out.append((b, t, k))
     return out
 
 
@@ -101,10 +105,10 @@ def fuzz(examples: int = 300) -> dict:
             stats["violations"].append((f"{type(e).__name__}: {e}", spec, world))
             return
         stats["shapes"] += 1
-        got = [(s.batch, s.seq_len) for s in shapes]
+        got = [(s.batch, s.seq_len, s.accum) for s in shapes]
         if rates is not None:
-            why = quota_violation(rates, batch * world, [b for b, _ in got])
-            if why or any(t != seq for _, t in got):
+            why = quota_violation(rates, batch * world, [b * k for b, _, k in got])
+            if why or any(t != seq or k != 1 for _, t, k in got):
                 stats["violations"].append(("not proportional", why, list(rates), got))
             return
         want = expected_shapes(spec, world, batch, seq)
@@ -116,18 +120,22 @@ def fuzz(examples: int = 300) -> dict:
     n_ranks = st.integers(min_value=1, max_value=8)
 
     @cfg
-    @given(st.text(alphabet=st.characters(codec="utf-8"), max_size=40) | st.text("0123456789x, auto", max_size=20),
+    @given(st.text(alphabet=st.characters(codec="utf-8"), max_size=40) | st.text("0123456789x*, auto", max_size=20),
            n_ranks, st.integers(1, 16), st.integers(1, 64))  # fmt: skip
     def arbitrary(spec, world, batch, seq):
         check(spec, world, batch, seq)
 
-    entry = st.tuples(st.integers(0, 40), st.one_of(st.none(), st.integers(0, 80)))
+    entry = st.tuples(st.integers(0, 40), st.one_of(st.none(), st.integers(0, 80)),
+                      st.one_of(st.none(), st.integers(0, 5)))  # fmt: skip
 
     @cfg
-    @given(st.lists(entry, min_size=1, max_size=8), n_ranks, st.sampled_from([",", " , "]))
-    def structured(entries, world, sep):
-        spec = sep.join(f"{b}" if t is None else f"{b}x{t}" for b, t in entries)
-        check(spec, world, 2, 32)
+    @given(st.lists(entry, min_size=1, max_size=8), st.integers(-1, 1),
+           st.sampled_from([",", " , "]))  # fmt: skip
+    def structured(entries, extra, sep):
+        # one entry per rank (mostly): the entries' own values decide the outcome
+        spec = sep.join((f"{b}" if t is None else f"{b}x{t}") + ("" if k is None else f"*{k}")
+                        for b, t, k in entries)  # fmt: skip
+        check(spec, max(1, len(entries) + (extra if extra < 0 else 0)), 2, 32)
 
     @cfg
     @given(st.lists(st.floats(allow_nan=True, allow_infinity=True), min_size=1, max_size=8),
@@ -141,10 +149,42 @@ def fuzz(examples: int = 300) -> dict:
     def auto_valid(rates, batch):
         check("auto", len(rates), batch, 16, rates=rates)
 
+    def split_by_hand(share: int, cap: int) -> tuple[int, int]:
+        """(micro-batch, count): the fewest equal micro-batches of <= cap windows."""
+        k = -(-share // cap)
+        while share % k:
+            k += 1
+        return share // k, k
+
+    @cfg
+    @given(st.lists(st.floats(min_value=0.01, max_value=1e6), min_size=1, max_size=8),
+           st.integers(1, 16), st.integers(1, 200))  # fmt: skip
+    def auto_global(rates, cap, total):
+        # global_batch fixes the total; each share runs as micro-batches of <= batch windows
+        stats["examples"] += 1
+        try:
+            shapes = parse_capacity("auto", len(rates), cap, 16, 64, rates=rates,
+                                    global_batch=total)  # fmt: skip
+        except ValueError as e:
+            stats["refused"] += 1
+            if total >= len(rates) or not str(e).strip():
+                stats["violations"].append(("refused a valid global split", rates, total, str(e)))
+            return
+        except Exception as e:  # noqa: BLE001 - any other exception is a violation
+            stats["violations"].append((f"{type(e).__name__}: {e}", rates, total))
+            return
+        stats["shapes"] += 1
+        shares = [s.batch * s.accum for s in shapes]
+        why = quota_violation(rates, total, shares)
+        bad = [s for s, n in zip(shapes, shares) if (s.batch, s.accum) != split_by_hand(n, cap)]
+        if why or bad:
+            stats["violations"].append(("global split", why, list(rates), total, bad))
+
     arbitrary()
     structured()
     auto()
     auto_valid()
+    auto_global()
     return stats
 
 

@@ -1,4 +1,5 @@
-"""Gate 12: an FSDP2 run writes ONE checkpoint file that one process and the fleet both resume."""
+"""Gate 12: an FSDP2 run's sharded checkpoint resumes on the fleet, and its export to one file
+reloads and resumes in one process."""
 
 from __future__ import annotations
 
@@ -9,8 +10,9 @@ from gates.harness import (
     rel_err, single, update_rel_err,
 )
 
-CLAIM = "FSDP2 checkpoint: one file (rank 0) that reloads in one process and resumes on the fleet"
-INSTRUMENT = ("the FSDP2 + AdamW run of gate 4: its step-20 file loaded in one process (SHA-256 vs "
+CLAIM = ("FSDP2 checkpoint: the sharded checkpoint resumes on the fleet; its export (one file) "
+         "reloads in one process and resumes there")  # fmt: skip
+INSTRUMENT = ("the FSDP2 + AdamW run of gate 4: its step-20 checkpoint exported and loaded in one process (SHA-256 vs "
               "the fleet's gathered parameters), then resumed to step 25 by the fleet and by one "
               "process: max |dloss| over steps 21-25; the parameter update over those 5 steps "
               "and the gathered optimizer state at step 25 (relative errors)")  # fmt: skip

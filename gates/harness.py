@@ -58,7 +58,8 @@ GATES = [
     "g06_nccl", "g07_launch", "g08_rank0", "g09_capacity", "g10_torchrun", "g11_lfb",
     "g12_fsdp_checkpoint", "g13_policy", "g14_engram_ram_fleet", "g15_signal_stop",
     "g16_clip", "g17_bf16_reduce", "g18_causal", "g19_kernels", "g20_data", "g21_multinode",
-    "g22_elastic", "g23_capacity_fleet",
+    "g22_elastic", "g23_capacity_fleet", "g24_fsdp_muon", "g25_sharded_ckpt",
+    "g26_accumulation",
 ]  # fmt: skip
 
 
@@ -493,8 +494,6 @@ def _rank_main(rank: int, spec: FleetSpec, out: str, port: int) -> None:
 
 
 def _rank_body(rank: int, spec: FleetSpec, out: Path) -> dict:
-    import shutil
-
     import torch.distributed as dist
 
     from dormouse.train.run import train_run
@@ -536,8 +535,10 @@ def _rank_body(rank: int, spec: FleetSpec, out: Path) -> dict:
     resumed = None
     if spec.resume_steps:
         ck = Path(report["checkpoint"])
-        if rank == 0:
-            shutil.copy(ck, out / "first.pt")
+        if rank == 0:  # the sharded checkpoint as one file (read alone, no collective)
+            from dormouse.train.checkpoint import export_checkpoint
+
+            export_checkpoint(ck, out / "first.pt")
         dist.barrier()
         run2 = fixture_run(dataclasses.replace(spec, steps=spec.resume_steps), run_dir, dist=True)
         again = Recorder(journal=out / f"rank{rank}.resume.journal")
@@ -833,7 +834,9 @@ def batches_of(spec: FleetSpec) -> list[int]:
         return [spec.batch] * spec.world
     if cap == "auto":
         raise ValueError(f"spec {spec.name}: capacity auto; pass the expected batches")
-    return [int(part.split("x")[0]) for part in cap.split(",")]
+    # B, BxT, B*K, BxT*K: B windows per micro-batch, K micro-batches
+    return [int(part.split("*")[0].split("x")[0]) * (int(part.split("*")[1]) if "*" in part else 1)
+            for part in cap.split(",")]  # fmt: skip
 
 
 def single(spec: FleetSpec, batches: list[int] | None = None, *, probe=None,
@@ -1065,7 +1068,8 @@ FAULT_RUNS = [
     for cap, nan in (("3,1", (0,)), ("3,1", (1,)), ("3,1", (0, 1)),
                      ("3,1,2", (0,)), ("3,1,2", (1,)), ("3,1,2", (2,)))
 ]  # fmt: skip
-#: FSDP2 + AdamW, 20 steps, then its single-file checkpoint resumed on the fleet to 25. Gates 4, 12.
+#: FSDP2 + AdamW, 20 steps, then its sharded checkpoint resumed on the fleet to 25 (and its
+#: export to one file, first.pt, resumed by one process). Gates 4, 12.
 FSDP_RUN = FleetSpec("fsdp", steps=20, sets=("dist_shard=fsdp", "opt=adamw"), resume_steps=25)
 #: LFB on (coef 0.01), capacity auto with injected rates (global batch 4 -> 3,1; 6 -> 3,1,2).
 #: Gates 9, 11.

@@ -165,11 +165,12 @@ def _merge_in_rank_order_of(orig):
 
 
 def _ignore_seq(orig):
-    def parse(spec, world_size, batch, seq_len, max_seq_len, rates=None):
+    def parse(spec, world_size, batch, seq_len, max_seq_len, rates=None, global_batch=0):
         from dormouse.train.context import RankShape
 
-        shapes = orig(spec, world_size, batch, seq_len, max_seq_len, rates=rates)
-        return [RankShape(s.batch, seq_len) for s in shapes]
+        shapes = orig(spec, world_size, batch, seq_len, max_seq_len, rates=rates,
+                      global_batch=global_batch)  # fmt: skip
+        return [RankShape(s.batch, seq_len, s.accum) for s in shapes]
 
     return parse
 
@@ -248,6 +249,64 @@ def _window_wide_cap(orig):
     return capacity_places
 
 
+def _shards_in_place(orig):
+    def staging(path):
+        import shutil
+
+        import torch
+
+        tmp = orig(path)  # every rank still learns a temporary name...
+        ck = torch.load(path, weights_only=True) if path.is_file() else {}
+        if not ck.get("shards"):
+            return tmp
+        shutil.rmtree(tmp, ignore_errors=True)
+        return path.parent / ck["shards"]  # ...and writes into the live checkpoint's directory
+
+    return staging
+
+
+def _own_staging_dir(orig):
+    def staging(path):
+        import tempfile
+        from pathlib import Path
+
+        tmp = orig(path)
+        if _rank() == 0:
+            return tmp
+        return Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.{os.getpid()}.",
+                                     suffix=".tmp"))  # each rank its own directory
+
+    return staging
+
+
+def _polar_of_own_rows(_orig):
+    # each rank orthogonalises the rows it holds (its shard, zeros elsewhere: polar([A; 0]) is
+    # [polar(A); 0]) instead of the whole matrix; no collective
+    def whole(params, U, sizes, R, C):
+        import torch
+
+        from dormouse.train.muon import shard_rows
+
+        out = []
+        for p, u in zip(params, U.split(sizes)):
+            _, first, n = shard_rows(p)
+            row = p.numel() // p.shape[0]
+            full = u.new_zeros(p.numel())
+            full[first * row:(first + n) * row] = u
+            out.append(full.view(-1, R, C))
+        return torch.cat(out)
+
+    return whole
+
+
+def _rows_from_zero(orig):
+    def shard_rows(p):
+        chunk, _first, rows = orig(p)
+        return chunk, 0, rows
+
+    return shard_rows
+
+
 MUTATIONS: list[Mutation] = [
     Mutation("loss_scale_world_squared",
              "the loss scale is world_size^2 * t_r / sum(t): every fleet gradient is world_size "
@@ -302,7 +361,7 @@ MUTATIONS: list[Mutation] = [
              "the host Engram rows are never reduced: each rank steps its own rows",
              (("dormouse.train.context:DPContext.reduce_host_grads",
                lambda orig: lambda self, model: None),),
-             ("g14_engram_ram_fleet",)),
+             ("g14_engram_ram_fleet", "g24_fsdp_muon")),
     Mutation("capacity_ignores_window_length",
              "--capacity B x T: the per-rank window length T is dropped (every rank gets seq_len)",
              (("dormouse.train.fleet:parse_capacity", _ignore_seq),),
@@ -341,6 +400,37 @@ MUTATIONS: list[Mutation] = [
              "each rank moves its LFB bias by its own counts (no all-reduce)",
              (("dormouse.train.context:DPContext.lfb_reduce", _prop(lambda self, v: None)),),
              ("g11_lfb",)),
+    Mutation("accum_scale_whole_rank",
+             "each micro-batch's loss scaled by the rank's whole share (world * t_rank / sum(t)) "
+             "instead of the micro-batch's: an accumulating rank's gradient is k times too large",
+             (("dormouse.train.context:DPContext.loss_scale",
+               _prop(lambda self, v: self.world * self.shape.tokens / self.global_tokens)),),
+             ("g26_accumulation",)),
+    Mutation("accum_last_microbatch_unsynced",
+             "the last micro-batch's backward also runs under no_sync: no gradient is ever "
+             "reduced, each rank steps on its own windows",
+             (("dormouse.train.loop:_no_sync", lambda orig: lambda net, last: orig(net, False)),),
+             ("g26_accumulation",)),
+    Mutation("muon_polar_of_own_rows",
+             "FSDP2 Muon: each rank runs the polar on the rows it holds (its shard) instead of "
+             "the all-gathered whole matrix",
+             (("dormouse.train.muon:_whole_matrices", _polar_of_own_rows),),
+             ("g24_fsdp_muon",)),
+    Mutation("muon_rows_from_row_zero",
+             "FSDP2 Muon: each rank applies the whole polar's first rows (its shard's offset "
+             "forgotten), not its own",
+             (("dormouse.train.muon:shard_rows", _rows_from_zero),),
+             ("g24_fsdp_muon",)),
+    Mutation("sharded_save_in_place",
+             "a sharded save writes its shards straight into the live checkpoint's directory "
+             "(no temporary one): a save killed midway leaves the previous checkpoint torn",
+             (("dormouse.train.checkpoint:_staging_dir", _shards_in_place),),
+             ("g25_sharded_ckpt",)),
+    Mutation("sharded_save_own_dirs",
+             "each rank makes its own temporary directory for the shards (rank 0's name is not "
+             "shared): the committed directory lacks the other ranks' shards",
+             (("dormouse.train.checkpoint:_staging_dir", _own_staging_dir),),
+             ("g25_sharded_ckpt",)),
     Mutation("kda_fla_from_sm70",
              "the KDA arm's minimum sm set to (7, 0): fla's Triton kernel chosen on cards that "
              "cannot run it",

@@ -1,11 +1,14 @@
 """Checkpoints: atomic writes, safe loads, loud shape mismatches, the format version, and the
-state functions on a plain module, a DDP-wrapped one and an FSDP2 one (two gloo ranks)."""
+state functions on a plain module, a DDP-wrapped one and an FSDP2 one (two gloo ranks); the
+sharded format: atomic saves, its cleanup, the metadata pickle, resharding (2 -> 3 ranks and
+1 process) and `dormouse export`."""
 
 from __future__ import annotations
 
 import io
 import os
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -276,3 +279,218 @@ def test_fsdp2_full_state_loads_into_one_process(tmp_path):
         _assert_same(_snapshot(model, opt), full)
         moved = full["optimizer"]["state"]["engram.store.table"]["step"]
         assert moved.any() and not moved.all()  # the row state was gathered, not made afresh
+
+
+# ---- the sharded format (FSDP2): atomic, safe, resharding, export -------------------------
+
+
+def _sharded(tmp_path, model=None, opt=None, step=1):
+    """A sharded checkpoint written by one process (no process group): the same writer."""
+    model = model if model is not None else _tiny()
+    opt = opt if opt is not None else MixOptimizer(model, lr=0.01, opt="adamw")
+    path = tmp_path / "ckpt.pt"
+    ckpt.save_sharded(path, model, opt, run=preset("tiny"), step=step,
+                      data_state={"kind": "stream", "step": step}, data_fingerprint=None)
+    return path, model, opt
+
+
+def test_sharded_round_trip_in_one_process(tmp_path):
+    model = _tiny()
+    opt = MixOptimizer(model, lr=0.01, opt="adamw")
+    _step(model, opt)
+    path, *_ = _sharded(tmp_path, model, opt, step=1)
+    _step(model, opt, seed=1)
+    saved = _snapshot(model, opt)
+    _sharded(tmp_path, model, opt, step=2)
+    ck = ckpt.read_checkpoint(path)
+    assert ck["format"] == ckpt.SHARDED_FORMAT and ck["step"] == 2 and "model" not in ck
+    assert ck["data"] == {"kind": "stream", "step": 2} and len(ck["rng"]) == ck["world"] == 1
+    # the step-1 directory went with the commit of step 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["ckpt.pt", ck["shards"]])
+    fresh = _tiny(seed=1)
+    opt2 = MixOptimizer(fresh, lr=0.01, opt="adamw")
+    ckpt.load_train_state(fresh, opt2, ck, path, fresh.cfg)
+    _assert_same(_snapshot(fresh, opt2), saved)
+
+
+def test_a_failed_sharded_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    path, model, opt = _sharded(tmp_path)
+    before = {p.name for p in tmp_path.iterdir()}
+    real = FileSystemWriter.write_data
+
+    def full(self, plan, planner):  # a rank's shard file half written, then the disk is full
+        real(self, plan, planner).wait()
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(FileSystemWriter, "write_data", full)
+    with pytest.raises(ckpt.CheckpointError, match="previous checkpoint there is untouched"):
+        _sharded(tmp_path, model, opt, step=2)
+    assert {p.name for p in tmp_path.iterdir()} == before  # no temp directory left
+    monkeypatch.undo()
+    # a commit that fails after the rename (the manifest cannot be written) rolls it back
+    monkeypatch.setattr(ckpt, "_write_file", lambda *a: (_ for _ in ()).throw(OSError(5, "EIO")))
+    with pytest.raises(ckpt.CheckpointError, match="EIO|Input/output"):
+        _sharded(tmp_path, model, opt, step=2)
+    monkeypatch.undo()
+    assert {p.name for p in tmp_path.iterdir()} == before
+
+    def elsewhere(self, plan, planner):  # the shard file lands where rank 0 cannot see it
+        fut = real(self, plan, planner)
+        fut.wait()
+        for f in Path(self.path).glob("*.distcp"):
+            f.unlink()
+        return fut
+
+    monkeypatch.setattr(FileSystemWriter, "write_data", elsewhere)
+    with pytest.raises(ckpt.CheckpointError, match="missing from .*filesystem every rank sees"):
+        _sharded(tmp_path, model, opt, step=2)
+    monkeypatch.undo()
+    assert {p.name for p in tmp_path.iterdir()} == before
+    ck = ckpt.read_checkpoint(path)
+    assert ck["step"] == 1
+    ckpt.load_model(_tiny(seed=3), ck, path)
+
+
+def test_what_a_killed_sharded_save_leaves_is_cleaned_at_start(tmp_path):
+    import shutil
+
+    path, *_ = _sharded(tmp_path)
+    live = ckpt.read_checkpoint(path)["shards"]
+    orphan = tmp_path / "ckpt.000002.x1.shards"  # renamed, never committed (killed between)
+    shutil.copytree(tmp_path / live, orphan)
+    dead = tmp_path / ".ckpt.pt.999999999.abc.tmp"  # a dead writer's staging directory
+    (dead / "sub").mkdir(parents=True)
+    mine = tmp_path / f".ckpt.pt.{os.getppid()}.abc.tmp"  # a live writer's (our parent)
+    mine.mkdir()
+    removed = ckpt.clean_stale_temps(tmp_path)
+    assert sorted(removed) == [dead.name, orphan.name]
+    assert (tmp_path / live).is_dir() and mine.is_dir()
+    # a single file that replaced a sharded checkpoint drops its directory
+    ckpt.save_checkpoint(path, run=preset("tiny"), model=_tiny(), step=3)
+    assert not (tmp_path / live).exists()
+
+
+def test_sharded_metadata_with_code_is_refused(tmp_path):
+    """DCP's .metadata is a pickle: ours is read by an unpickler that builds DCP's records only."""
+    import pickle
+
+    path, *_ = _sharded(tmp_path)
+    ck = ckpt.read_checkpoint(path)
+    marker = tmp_path / "pwned"
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    (ck["shards_dir"] / ".metadata").write_bytes(pickle.dumps(Evil()))
+    with pytest.raises(ckpt.CheckpointError, match="could not be read as DCP metadata.*no code"):
+        ckpt.load_model(_tiny(), ck, path)
+    with pytest.raises(ckpt.CheckpointError, match="no code"):
+        ckpt.export_checkpoint(path, tmp_path / "x.pt")
+    assert not marker.exists()
+
+
+def test_a_non_tensor_entry_in_the_shards_is_refused(tmp_path):
+    """DCP unpickles a non-tensor entry with weights_only=False; a sharded checkpoint holds none."""
+    import torch.distributed.checkpoint as dcp
+
+    path, model, opt = _sharded(tmp_path)
+    ck = ckpt.read_checkpoint(path)
+    mstate, ostate = ckpt._sharded_targets(model, opt)
+    mstate["head.weight"] = "a string, pickled"
+    with pytest.warns(UserWarning):  # DCP: no process group
+        dcp.save({"model": mstate, "optimizer": ostate["state"]}, checkpoint_id=ck["shards_dir"],
+                 no_dist=True)  # fmt: skip
+    with pytest.raises(ckpt.CheckpointError, match="'model.head.weight' is no tensor"):
+        ckpt.load_model(_tiny(), ck, path)  # the whole state, built from the metadata
+    fresh = _tiny()
+    with pytest.raises(ckpt.CheckpointError, match="non-tensor entry 'model.head.weight'"):
+        ckpt.load_train_state(fresh, MixOptimizer(fresh, lr=0.01, opt="adamw"), ck, path,
+                              fresh.cfg)  # fmt: skip
+
+
+def test_a_sharded_checkpoint_without_its_directory_is_refused(tmp_path):
+    import shutil
+
+    path, *_ = _sharded(tmp_path)
+    elsewhere = tmp_path / "copy"
+    elsewhere.mkdir()
+    shutil.copy(path, elsewhere / "ckpt.pt")  # the manifest copied without its directory
+    with pytest.raises(ckpt.CheckpointError, match="not beside it.*copy the whole run folder"):
+        ckpt.read_checkpoint(elsewhere / "ckpt.pt")
+
+
+def test_export_writes_one_file_that_loads_anywhere(tmp_path):
+    from dormouse.cli import main
+
+    path, model, opt = _sharded(tmp_path, step=4)
+    assert main(["export", str(tmp_path), "--to", str(tmp_path / "model.pt")]) == 0
+    one = ckpt.read_checkpoint(tmp_path / "model.pt")  # weights_only=True
+    assert one["format"] == ckpt.FORMAT and one["step"] == 4
+    _assert_same({"model": one["model"], "optimizer": one["optimizer"]},
+                 _snapshot(model, opt))  # fmt: skip
+    assert main(["export", str(path), "--to", str(tmp_path)]) == 2  # a folder is no file
+
+
+def _sharded_fleet_rank(rank: int, world: int, tmp: str, mode: str) -> None:
+    """FSDP2 on `world` gloo ranks, per block and root as the trainer wraps; AdamW, and the
+    default optimizer (Muon) with the host-RAM tables. save: two steps, a sharded save after
+    each; load: a fresh fleet (another seed) loads it. Rank 0 saves the gathered full state."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", store=dist.FileStore(f"{tmp}/store-{mode}{world}", world),
+                            rank=rank, world_size=world)  # fmt: skip
+    mesh = init_device_mesh("cpu", (world,))
+    try:
+        for kind, ram in (("adamw", False), ("mix", True)):
+            model = _tiny(ram, 0 if mode == "save" else 5)
+            for block in model.blocks:
+                fully_shard(block, mesh=mesh)
+            fully_shard(model, mesh=mesh)
+            opt = MixOptimizer(model, lr=0.01, opt=kind)
+            path = f"{tmp}/run-{kind}/ckpt.pt"
+            if mode == "save":
+                for s in (1, 2):
+                    # the same bytes on every rank: nothing here reduces the host rows' gradient
+                    # (the trainer's context does), and their tables must stay replicas
+                    _step(model, opt, seed=s)
+                    ckpt.save_state(path, model, opt, run=preset("tiny"), step=s,
+                                    data_state={"kind": "stream", "step": s},
+                                    data_fingerprint=None, main=rank == 0)  # fmt: skip
+            else:
+                ck = ckpt.read_checkpoint(path)
+                ckpt.load_train_state(model, opt, ck, path, model.cfg)
+            full = {"model": ckpt.model_state(model), "optimizer": ckpt.optimizer_state(model, opt)}
+            if rank == 0:
+                torch.save(full, f"{tmp}/{kind}-{mode}{world}.pt")
+            dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.skipif(not torch.distributed.is_available(), reason="torch built without distributed")
+def test_a_2_rank_sharded_checkpoint_reshards_to_3_ranks_and_to_one_process(tmp_path):
+    import torch.multiprocessing as mp
+
+    mp.start_processes(_sharded_fleet_rank, args=(2, str(tmp_path), "save"), nprocs=2,
+                       start_method="spawn")  # fmt: skip
+    mp.start_processes(_sharded_fleet_rank, args=(3, str(tmp_path), "load"), nprocs=3,
+                       start_method="spawn")  # fmt: skip
+    for kind, ram in (("adamw", False), ("mix", True)):
+        full = torch.load(tmp_path / f"{kind}-save2.pt", weights_only=True)
+        path = tmp_path / f"run-{kind}" / "ckpt.pt"
+        ck = ckpt.read_checkpoint(path)
+        assert ck["world"] == 2 and len(list(path.parent.glob("*.shards"))) == 1
+        _assert_same(torch.load(tmp_path / f"{kind}-load3.pt", weights_only=True), full)
+        model = _tiny(ram, seed=7)
+        opt = MixOptimizer(model, lr=0.01, opt=kind)
+        ckpt.load_train_state(model, opt, ck, path, model.cfg)
+        _assert_same(_snapshot(model, opt), full)
+        ckpt.export_checkpoint(path, tmp_path / f"{kind}.pt")
+        one = ckpt.read_checkpoint(tmp_path / f"{kind}.pt")
+        _assert_same({"model": one["model"], "optimizer": one["optimizer"]}, full)

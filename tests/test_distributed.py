@@ -54,10 +54,10 @@ def test_explicit_batches_and_shapes():
         ("4,0", 2, "rank 1 has batch 0"),
         ("4x1024,2", 2, "windows of 1024 bytes"),
         ("4x0,2", 2, "windows of 0 bytes"),
-        ("four,2", 2, "not B or BxT"),
-        ("4,,2", 3, "not B or BxT"),
-        ("-4,2", 2, "not B or BxT"),
-        ("4.5,2", 2, "not B or BxT"),
+        ("four,2", 2, "not B, BxT, B*K or BxT*K"),
+        ("4,,2", 3, "not B, BxT, B*K or BxT*K"),
+        ("-4,2", 2, "not B, BxT, B*K or BxT*K"),
+        ("4.5,2", 2, "not B, BxT, B*K or BxT*K"),
         ("auto", 2, "measured rate"),
     ],
 )
@@ -252,10 +252,7 @@ def _tiny(*sets):
 @pytest.mark.parametrize(
     "sets, cause, escape",
     [
-        (["engram_ram=true", "dist_shard=fsdp", "opt=adamw"], "mixed torch.Tensor and DTensor",
-         "dist_shard=none"),
-        (["dist_shard=fsdp"], "opt=mix", "opt=adamw"),
-        (["dist_shard=fsdp", "opt=adamw", "optim_8bit=true"], "optim_8bit", "optim_8bit=false"),
+        (["dist_shard=fsdp", "optim_8bit=true"], "optim_8bit", "optim_8bit=false"),
         (["compile=true"], "compile=true", "compile=false"),
     ],
 )
@@ -269,6 +266,9 @@ def test_refusals_name_cause_and_escape(sets, cause, escape):
 def test_fleet_correct_features_are_allowed():
     refuse_incompatible(_tiny("moe_lb_coef=0.01"), 2)  # LFB: counts reduced (gate g11)
     refuse_incompatible(_tiny("dist_shard=fsdp", "opt=adamw"), 2)  # FSDP2 + AdamW (gate g04)
+    refuse_incompatible(_tiny("dist_shard=fsdp"), 2)  # FSDP2 + Muon (gate g24)
+    refuse_incompatible(_tiny("dist_shard=fsdp", "muon_state_dtype=bf16"), 2)  # elementwise
+    refuse_incompatible(_tiny("dist_shard=fsdp", "engram_ram=true"), 3)  # (gate g24)
     refuse_incompatible(_tiny("engram_ram=true"), 2)  # host rows reduced by hand (gate g14)
     refuse_incompatible(_tiny("moe_capacity=1.0"), 2)  # per-row drops (gate g23)
     refuse_incompatible(_tiny("data=a.bin,b.bin", "data_weights=1,3"), 4)  # mixture, below

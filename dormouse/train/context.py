@@ -34,21 +34,34 @@ class RefusedError(DistError):
 
 @dataclass(frozen=True)
 class RankShape:
-    """One rank's micro-batch: `batch` windows of `seq_len` bytes."""
+    """One rank's share of an optimizer step: `accum` micro-batches of `batch` windows of
+    `seq_len` bytes (their gradients summed before the one reduction)."""
 
     batch: int
     seq_len: int
+    accum: int = 1
+
+    @property
+    def windows(self) -> int:
+        return self.batch * self.accum
 
     @property
     def tokens(self) -> int:
-        return self.batch * self.seq_len
+        return self.windows * self.seq_len
 
     @property
     def window_bytes(self) -> int:
-        return self.batch * (self.seq_len + 1)
+        return self.windows * (self.seq_len + 1)
 
     def line(self) -> str:
-        return f"{self.batch}x{self.seq_len}"
+        return f"{self.batch}x{self.seq_len}" + (f"*{self.accum}" if self.accum > 1 else "")
+
+
+def accumulate(share: int, cap: int, seq_len: int) -> RankShape:
+    """`share` windows per step as the fewest equal micro-batches of at most `cap` windows:
+    k = the smallest divisor of share with share / k <= cap (k = 1 when the share fits)."""
+    k = next(k for k in range(-(-share // cap), share + 1) if share % k == 0)
+    return RankShape(share // k, seq_len, k)
 
 
 @dataclass(frozen=True)
@@ -66,8 +79,12 @@ class DPContext:
     heartbeat: object | None = field(default=None, compare=False, repr=False)
 
     @classmethod
-    def single(cls, device: torch.device, batch: int, seq_len: int) -> DPContext:
-        return cls(torch.device(device), (RankShape(batch, seq_len),))
+    def single(cls, device: torch.device, batch: int, seq_len: int,
+               global_batch: int = 0) -> DPContext:  # fmt: skip
+        """One process: `global_batch` windows a step (0: `batch`) in micro-batches of at
+        most `batch`."""
+        shape = accumulate(global_batch or batch, batch, seq_len)
+        return cls(torch.device(device), (shape,))
 
     def __post_init__(self):
         if len(self.shapes) != self.world or not 0 <= self.rank < self.world:
@@ -100,8 +117,10 @@ class DPContext:
 
     @property
     def loss_scale(self) -> float:
-        """world * t_rank / sum(t): the reducer's mean becomes the token-weighted mean."""
-        return self.world * self.shape.tokens / self.global_tokens
+        """world * t_micro / sum(t) on each micro-batch's mean loss: summed over this rank's
+        micro-batches and averaged by the reducer, the gradient is the token-weighted mean
+        over the whole global batch."""
+        return self.world * self.shape.batch * self.shape.seq_len / self.global_tokens
 
     @property
     def eval_on_all_ranks(self) -> bool:

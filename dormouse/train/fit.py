@@ -290,6 +290,8 @@ def _set(run: RunConfig, key: str, value) -> RunConfig:
 
 
 def mechanism_on(run: RunConfig, name: str) -> bool:
+    if name == "accumulation":  # the global batch in more than one micro-batch a step
+        return run.train.global_batch > run.train.batch
     key, on, _ = _mechanism(name)
     return getattr(run.model if hasattr(run.model, key) else run.train, key) == on
 
@@ -326,7 +328,7 @@ def _with_shape(run: RunConfig, batch: int | None, seq: int | None) -> RunConfig
     return replace(run, train=replace(run.train, **sets)) if sets else run
 
 
-def ladder(run: RunConfig, usable: int) -> tuple[RunConfig, Estimate, list[str]]:
+def ladder(run: RunConfig, usable: int, world: int = 1) -> tuple[RunConfig, Estimate, list[str]]:
     """Engage mechanisms cheapest first while the estimate exceeds `usable` bytes.
 
     Never raises: returns the best plan found (every available mechanism that helps) even
@@ -338,6 +340,16 @@ def ladder(run: RunConfig, usable: int) -> tuple[RunConfig, Estimate, list[str]]
     for name in MECHANISM_NAMES:
         if est.total <= usable:
             break
+        if name in LOSSY and "accumulation" not in engaged:
+            # exact: the same global batch in smaller micro-batches, before any lossy rung
+            cand = _accumulated(run, usable, world)
+            if cand is not None:
+                e2 = estimate(cand)
+                if e2.total < est.total:
+                    run, est = cand, e2
+                    engaged.append("accumulation")
+                    if est.total <= usable:
+                        break
         if mechanism_on(run, name):
             continue
         why = unavailable(name)
@@ -357,18 +369,55 @@ def ladder(run: RunConfig, usable: int) -> tuple[RunConfig, Estimate, list[str]]
     # A later rung can move the peak to another phase, where an earlier rung no longer
     # helps (bf16 Muon momentum shrinks the resident state but widens the step's
     # workspace): release whatever the final plan does not need.
-    for name in list(engaged):
+    for name in [n for n in engaged if n != "accumulation"]:
         cand = disengage(run, name)
         e2 = estimate(cand)
         if e2.total <= est.total:
             run, est = cand, e2
             engaged.remove(name)
             notes.append(f"{name} released: no gain once the peak is the {est.phase} phase")
+    if "accumulation" in engaged and est.total <= usable:
+        run = _grown(run, usable, world)
+        est = estimate(run)
+        t = run.train
+        notes.append(f"accumulation: global_batch {t.global_batch} as micro-batches of "
+                     f"{t.batch}")  # fmt: skip
     return run, replace(est, notes=tuple(notes)), engaged
 
 
+#: Rungs that change the arithmetic (rounded optimizer state): accumulation comes first.
+LOSSY = ("muon_state_dtype=bf16", "optim_8bit")
+
+
+def _accumulated(run: RunConfig, usable: int, world: int) -> RunConfig | None:
+    """The run with each rank's share of the global batch taken in the largest micro-batch
+    that fits (a divisor of the share), or in micro-batches of 1 window when none does; None
+    when there is no smaller micro-batch (or the global batch does not split evenly)."""
+    t = run.train
+    total = t.global_batch or t.batch * world
+    share = total // world if total % world == 0 else 0
+    sizes = [b for b in range(min(t.batch, share) - 1, 0, -1) if share % b == 0]
+    if not sizes:
+        return None
+    cands = [replace(run, train=replace(t, batch=b, global_batch=total)) for b in sizes]
+    return next((c for c in cands if estimate(c).total <= usable), cands[-1])
+
+
+def _grown(run: RunConfig, usable: int, world: int) -> RunConfig:
+    """The largest micro-batch (a divisor of the share) that still fits with the rungs the
+    plan engaged after accumulation."""
+    t = run.train
+    share = t.global_batch // world
+    for b in range(share, t.batch, -1):
+        cand = replace(run, train=replace(t, batch=b))
+        if share % b == 0 and estimate(cand).total <= usable:
+            return cand
+    return run
+
+
 def plan_fit(
-    run: RunConfig, budget_gb: float, batch: int | None = None, seq: int | None = None
+    run: RunConfig, budget_gb: float, batch: int | None = None, seq: int | None = None,
+    world: int = 1,
 ) -> tuple[RunConfig, Estimate, list[str]]:
     """(run with mechanisms set, its estimate, mechanisms engaged) that fits FIT_HEADROOM of
     `budget_gb`; raises FitError naming every component when even all mechanisms do not."""
@@ -376,7 +425,7 @@ def plan_fit(
         raise FitError(f"--fit {budget_gb}: the budget must be a positive number of GB")
     run = validate(_with_shape(run, batch, seq))
     usable = usable_bytes(budget_gb)
-    planned, est, engaged = ladder(run, usable)
+    planned, est, engaged = ladder(run, usable, world)
     if est.total <= usable:
         return planned, est, engaged
     raise FitError(_no_fit_message(run, planned, est, engaged, budget_gb))
@@ -518,12 +567,13 @@ def main_plan(run: RunConfig, gb: float, batch: int | None = None,
     return planned
 
 
-def apply_fit(run: RunConfig) -> RunConfig:
-    """`train --fit GB` (run.train.fit_gb): the planned run, after logging the fit line."""
+def apply_fit(run: RunConfig, world: int = 1) -> RunConfig:
+    """`train --fit GB` (run.train.fit_gb) on a rank of `world`: the planned run, after
+    logging the fit line."""
     gb = run.train.fit_gb
     if not gb:
         return run
-    planned, est, engaged = plan_fit(run, gb)
+    planned, est, engaged = plan_fit(run, gb, world=world)
     for n in est.notes:
         log.info("fit: %s", n)
     log.info("%s", format_fit_line(gb, est, engaged))

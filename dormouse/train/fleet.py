@@ -2,8 +2,9 @@
 
 * `check_launch` — the two launch mismatches (--dist without a fleet, a fleet without --dist).
 * `choose_backend` — nccl on CUDA, gloo on the CPU; NCCL missing on CUDA is an error, never gloo.
-* `parse_capacity` / `split_by_rates` / `measure_rate` — each rank's micro-batch
-  (`"4,2"`, `"4x512,2x512"`, `auto` = split the global batch by measured matmul rates).
+* `parse_capacity` / `split_by_rates` / `measure_rate` — each rank's share of a step
+  (`"4,2"`, `"4x512,2x512"`, `"4,2*2"` = two micro-batches of 2, `auto` = split the global
+  batch by measured matmul rates; `global_batch` fixes the total whatever the world).
 * `refuse_incompatible` — what a fleet of N ranks cannot (yet) do correctly, with the escape.
 * `agreement_fields` / `disagreement` — what every rank must share (every config field but
   PER_RANK_FIELDS, the capacity split, the data's bytes), refused naming fields and ranks.
@@ -27,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from ..config import RunConfig
-from .context import DistError, DPContext, LaunchError, RankShape, RefusedError
+from .context import DistError, DPContext, LaunchError, RankShape, RefusedError, accumulate
 from .watchdog import (
     COLLECTIVE_TIMEOUT_FACTOR, FIRST_STEP_TIMEOUT_S, short, start_heartbeat,
 )
@@ -114,7 +115,7 @@ def choose_backend(device_type: str, nccl_available: bool | None = None) -> str:
 
 # ---- capacity ---------------------------------------------------------------------------
 
-_ENTRY = re.compile(r"\s*([0-9]+)\s*(?:[xX]\s*([0-9]+))?\s*", re.ASCII)
+_ENTRY = re.compile(r"\s*([0-9]+)\s*(?:[xX]\s*([0-9]+))?\s*(?:\*\s*([0-9]+))?\s*", re.ASCII)
 
 
 def split_by_rates(rates: Sequence[float], global_batch: int) -> list[int]:
@@ -161,14 +162,18 @@ def parse_capacity(
     seq_len: int,
     max_seq_len: int,
     rates: Sequence[float] | None = None,
+    global_batch: int = 0,
 ) -> list[RankShape]:
-    """The per-rank micro-batches of a fleet, from `--capacity`.
+    """Each rank's share of a step, from `--capacity` (and `global_batch`, windows a step).
 
-    ""            every rank takes `batch` windows of `seq_len` (total batch * world_size)
+    ""            every rank takes `batch` windows of `seq_len`; with global_batch G, G / world
+                  windows each (it must divide), in micro-batches of at most `batch`
     "4,2"         one batch per rank, each at `seq_len` (total 6)
     "4x512,2x256" batch x window length per rank (a length must be <= max_seq_len)
-    "auto"        split batch * world_size by `rates` (each rank's measured matmul rate)
-    Anything else is a ValueError naming the problem.
+    "4,2*3"       `*K`: K micro-batches of that batch, their gradients summed (total 4 + 6)
+    "auto"        split batch * world_size (or G) by `rates` (each rank's measured matmul
+                  rate); with G, each share in micro-batches of at most `batch`
+    Anything else is a ValueError naming the problem; so is a total other than G when G is set.
     """
     if not isinstance(spec, str):
         raise ValueError(f"--capacity must be text, got {type(spec).__name__}")
@@ -180,7 +185,16 @@ def parse_capacity(
         raise ValueError(f"seq_len={seq_len} exceeds the model's max_seq_len={max_seq_len}")
     text = spec.strip()
     if text == "":
-        return [RankShape(batch, seq_len) for _ in range(world_size)]
+        if not global_batch:
+            return [RankShape(batch, seq_len) for _ in range(world_size)]
+        if global_batch % world_size:
+            raise ValueError(
+                f"global_batch={global_batch} does not split evenly over {world_size} ranks; "
+                f"give a multiple of {world_size}, or each rank's share with --capacity "
+                f"(e.g. {','.join([str(global_batch // world_size)] * (world_size - 1))},"
+                f"{global_batch - (world_size - 1) * (global_batch // world_size)})"
+            )
+        return [accumulate(global_batch // world_size, batch, seq_len)] * world_size
     if text.lower() == "auto":
         if rates is None:
             raise ValueError(
@@ -189,7 +203,9 @@ def parse_capacity(
             )
         if len(rates) != world_size:
             raise ValueError(f"capacity auto: {len(rates)} rates for {world_size} ranks")
-        return [RankShape(b, seq_len) for b in split_by_rates(rates, batch * world_size)]
+        if not global_batch:
+            return [RankShape(b, seq_len) for b in split_by_rates(rates, batch * world_size)]
+        return [accumulate(b, batch, seq_len) for b in split_by_rates(rates, global_batch)]
     parts = text.split(",")
     if len(parts) != world_size:
         raise ValueError(
@@ -201,19 +217,27 @@ def parse_capacity(
         m = _ENTRY.fullmatch(part)
         if not m:
             raise ValueError(
-                f"--capacity {spec!r}: entry {r} ({part!r}) is not B or BxT (two positive "
-                f"integers, e.g. 4 or 4x512)"
+                f"--capacity {spec!r}: entry {r} ({part!r}) is not B, BxT, B*K or BxT*K "
+                f"(positive integers, e.g. 4, 4x512, 2*3)"
             )
         b = int(m.group(1))
         t = int(m.group(2)) if m.group(2) is not None else seq_len
-        if b < 1:
-            raise ValueError(f"--capacity {spec!r}: rank {r} has batch {b}; every rank needs >= 1")
+        k = int(m.group(3)) if m.group(3) is not None else 1
+        if b < 1 or k < 1:
+            raise ValueError(f"--capacity {spec!r}: rank {r} has batch {b} x {k} micro-batches; "
+                             f"every rank needs >= 1 of each")  # fmt: skip
         if not 1 <= t <= max_seq_len:
             raise ValueError(
                 f"--capacity {spec!r}: rank {r} asks for windows of {t} bytes; the model takes "
                 f"1..{max_seq_len} (max_seq_len)"
             )
-        shapes.append(RankShape(b, t))
+        shapes.append(RankShape(b, t, k))
+    total = sum(s.windows for s in shapes)
+    if global_batch and total != global_batch:
+        raise ValueError(
+            f"--capacity {spec!r} takes {total} windows a step but global_batch={global_batch}; "
+            f"make the shares (batch x micro-batches) add up to it, or drop one of the two"
+        )
     return shapes
 
 
@@ -252,32 +276,18 @@ def refuse_incompatible(run: RunConfig, world_size: int) -> None:
     """Refuse what a fleet of `world_size` ranks would run incorrectly (cause and escape).
 
     Allowed on purpose: the LFB controller (its counts are summed over the fleet by
-    `DPContext.lfb_reduce`, gate g11), host-RAM Engram tables under DDP (their rows are
-    reduced by `DPContext.reduce_host_grads`, gate g14), a data mixture (its source for step s
-    is a hash of (seed, s), so every rank picks the same source: gate g20), and the
-    capacity-padded MoE (its cap and drops are decided per row, so splitting the global
-    batch across ranks changes no drop: gate g23).
+    `DPContext.lfb_reduce`, gate g11), host-RAM Engram tables under DDP and FSDP2 (their rows
+    are reduced by `DPContext.reduce_host_grads`, gates g14 and g24), Muon under FSDP2 (whole
+    matrices all-gathered for the polar, each rank applying its rows; muon_state_dtype=bf16
+    too: the momentum update is elementwise on the shard; gate g24), a data mixture (its
+    source for step s is a hash of (seed, s), so every rank picks the same source: gate g20),
+    and the capacity-padded MoE (its cap and drops are decided per row, so splitting the
+    global batch across ranks changes no drop: gate g23).
     """
     if world_size <= 1:
         return
-    m, t = run.model, run.train
+    t = run.train
     fleet = f"a fleet of {world_size} ranks"
-    if m.engram_ram and t.dist_shard == "fsdp":
-        raise RefusedError(
-            f"engram_ram=true with dist_shard=fsdp on {fleet}: the host rows' gradient is a "
-            f"plain tensor while FSDP2's are DTensor shards, and the optimizer's clip cannot "
-            f"take one norm over both (measured failure: '_foreach_norm got mixed torch.Tensor "
-            f"and DTensor'); only the DDP path is gated (g14). Use --set dist_shard=none (DDP "
-            f"reduces the host rows exactly), or engram_ram=false to keep FSDP2"
-        )
-    if t.dist_shard == "fsdp" and t.opt != "adamw":
-        raise RefusedError(
-            f"dist_shard=fsdp with opt={t.opt}: FSDP2 shards parameters as DTensors, and the "
-            f"batched Muon keeps one plain stacked momentum per shape group and needs each full "
-            f"matrix for its polar (no shard-aware Muon exists; measured failure: '_foreach_add_ "
-            f"got mixed torch.Tensor and DTensor'). Use --set opt=adamw to keep FSDP2, or "
-            f"--set dist_shard=none (DDP) to keep Muon"
-        )
     if t.dist_shard == "fsdp" and t.optim_8bit:
         raise RefusedError(
             "dist_shard=fsdp with optim_8bit=true: bitsandbytes' AdamW8bit steps plain CUDA "
@@ -295,7 +305,8 @@ def refuse_incompatible(run: RunConfig, world_size: int) -> None:
 
 #: Config fields that may differ between ranks, and why. Everything else must agree.
 PER_RANK_FIELDS = {
-    "out_dir": "only rank 0 writes; a gate gives each rank its own folder to see who writes",
+    "out_dir": "rank 0 writes the run folder (under FSDP2 each rank its shards, into the "
+               "directory rank 0 names); a gate gives each rank its own folder to see who writes",
     "device": "every rank maps it to its own card (cuda -> cuda:LOCAL_RANK); the device TYPE "
               "must agree and is compared",
     "data": "a path may be spelled differently on each node; the BYTES behind it must agree "
@@ -494,11 +505,11 @@ def _capacity(run: RunConfig, device: torch.device, world: int,
                  f"GFLOP/s {'(injected)' if rate is not None else '(measured)'}")  # fmt: skip
     try:
         shapes = parse_capacity(spec, world, cfg.batch, cfg.seq_len, run.model.max_seq_len,
-                                rates=rates)
+                                rates=rates, global_batch=cfg.global_batch)
     except ValueError as e:
         raise DistError(str(e)) from None
-    if spec:
+    if spec or cfg.global_batch:
         log.info(f"capacity {spec}: " + ", ".join(f"rank{r}={s.line()}" for r, s in enumerate(shapes))
-                 + f" (global {sum(s.batch for s in shapes)} windows, "
+                 + f" (global {sum(s.windows for s in shapes)} windows, "
                  f"{sum(s.tokens for s in shapes)} tokens)")
     return shapes

@@ -9,6 +9,7 @@ wrapped (`run.py`). `Callbacks` are observation points: the gates record runs th
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -228,12 +229,19 @@ def train_step(model, net, opt, ctx: DPContext, x, y, cfg, factor: float, autoca
     device = ctx.device
     opt.set_lr_factor(factor)
     x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-    with _autocast(device, autocast):
-        _, loss, aux = net(x, y)
-    (loss * ctx.loss_scale).backward()
+    k = ctx.shape.accum
+    losses = []
+    for j, (xj, yj) in enumerate(zip(x.chunk(k), y.chunk(k))):
+        # the reducer runs once, on the last micro-batch's backward
+        with _no_sync(net, last=j == k - 1), _autocast(device, autocast):
+            _, loss_j, aux = net(xj, yj)
+            (loss_j * ctx.loss_scale).backward()
+        losses.append(loss_j.detach())
+    # equal micro-batches: their mean is the token-weighted mean of this rank's windows
+    loss = losses[0] if k == 1 else torch.stack(losses).mean()
     # host-RAM Engram rows are no parameters: the fleet reduces them here, before the clip
     ctx.reduce_host_grads(model)
-    finite = bool(torch.isfinite(loss.detach()))
+    finite = bool(torch.isfinite(loss))
     gnorm = float("nan")
     if finite:
         # the optimizer's clip: it also sees host-RAM Engram rows (not parameters); the norm
@@ -256,6 +264,20 @@ def train_step(model, net, opt, ctx: DPContext, x, y, cfg, factor: float, autoca
     model.lfb_update(reduce=ctx.lfb_reduce)
     _call(cb.after_step, stepped=True, gnorm=gnorm, **seen)
     return loss, aux, True
+
+
+@contextlib.contextmanager
+def _no_sync(net, last: bool):
+    """Gradients of a non-final micro-batch stay local (DDP's no_sync, FSDP2's
+    set_requires_gradient_sync); the last micro-batch's backward reduces their sum."""
+    if hasattr(net, "set_requires_gradient_sync"):  # an FSDP2 module
+        net.set_requires_gradient_sync(last)
+        yield
+    elif not last and isinstance(net, torch.nn.parallel.DistributedDataParallel):
+        with net.no_sync():
+            yield
+    else:
+        yield
 
 
 class _NoHeartbeat:
@@ -298,7 +320,7 @@ def train(
 
     data = open_data(cfg)
     shape = ctx.shape
-    stream = data.train_stream(shape.batch, shape.seq_len, offset=ctx.offset, stride=ctx.stride)
+    stream = data.train_stream(shape.windows, shape.seq_len, offset=ctx.offset, stride=ctx.stride)
     data_print = data.fingerprint()
     # a fleet's watchdog (watchdog.Heartbeat) hears where this rank is; one process: nothing
     beat = ctx.heartbeat or _NoHeartbeat()
@@ -316,11 +338,11 @@ def train(
         if int(ck["step"]) > cfg.steps:
             raise TrainingError(f"--resume: {path} is at step {ck['step']}, beyond steps="
                                 f"{cfg.steps}; raise --steps to continue it")  # fmt: skip
-        ckpt.load_model(net, ck, path, run.model)  # FSDP2 re-shards the full state
-        # The file's optimizer state carries its groups' lr, wd, momentum...: put this run's
+        # The saved optimizer state carries its groups' lr, wd, momentum...: put this run's
         # back, so a hyperparameter given on resume is applied, not only recorded.
         mine = [{k: g[k] for k in ckpt.RESUME_HYPER if k in g} for g in opt.param_groups]
-        ckpt.load_optimizer_state(net, opt, ck["optimizer"], path)
+        # either format, at any world size (a sharded one is resharded to this fleet's)
+        ckpt.load_train_state(net, opt, ck, path, run.model)
         for g, hyper in zip(opt.param_groups, mine, strict=True):
             g.update(hyper)
         stream.load_state_dict(ck["data"])
@@ -332,7 +354,7 @@ def train(
                 f"the file the run was trained on, or train a new run on this one (--overwrite, "
                 f"or another --out)"
             )
-        ckpt.set_rng_state(ck["rng"])
+        ckpt.set_rng_state(ckpt.rank_rng(ck, ctx.rank))
         start = int(ck["step"])
         log.info(f"resumed from {path} at step {start}")
         for change in ckpt.resume_changes(ck["run"], run):
@@ -354,31 +376,27 @@ def train(
              f"dtype={'fp32' if autocast is None else str(autocast).replace('torch.', '')}")  # fmt: skip
 
     def save(step: int) -> None:
-        # Every rank takes part in gathering the state (a collective under FSDP2);
-        # only rank 0 writes the file.
+        # Every rank takes part: under FSDP2 each writes its shards and rank 0 commits them;
+        # else the state is gathered (a collective) and rank 0 writes the one file.
         beat.at(step, "save")
-        model_state = ckpt.model_state(net)
-        opt_state = ckpt.optimizer_state(net, opt)
         refused = None
-        if main:
-            try:
-                ckpt.save_checkpoint(path, run=run, model_state=model_state,
-                                     optimizer_state=opt_state, step=step,
-                                     data_state=stream.state_dict(),
-                                     data_fingerprint=data_print)  # fmt: skip
-            except ckpt.CheckpointError as e:  # NaN parameters, a full disk...
-                refused = e
-            else:
+        try:
+            ckpt.save_state(path, net, opt, run=run, step=step, data_state=stream.state_dict(),
+                            data_fingerprint=data_print, main=main)  # fmt: skip
+        except ckpt.CheckpointError as e:  # NaN parameters, a full disk...
+            refused = e
+        else:
+            if main:
                 beat.at(step, "save", saved=step)
         ctx.barrier()
-        # rank 0's refusal is every rank's: the others would otherwise train on into a
-        # collective rank 0 never joins
+        # one rank's refusal is every rank's: the others would otherwise train on into a
+        # collective that rank never joins
         if ctx.any_rank(refused is not None):
             if refused is not None:
                 raise refused
             raise ckpt.CheckpointError(
-                f"rank 0 could not write the checkpoint at step {step} (its message names the "
-                f"cause); rank {ctx.rank} stops with it"
+                f"{'a rank' if ckpt.sharded(net) else 'rank 0'} could not write the checkpoint "
+                f"at step {step} (its message names the cause); rank {ctx.rank} stops with it"
             )
         beat.at(step, "train", saved=step)
 

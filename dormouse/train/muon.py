@@ -1,5 +1,8 @@
 """Muon, batched: the Newton-Schulz polar (quintic or Polar Express), the update scale and
-the step of one shape group of matrices whose momentum is one stacked [N, R, C] tensor.
+the step of one shape group of matrices whose momentum is one flat tensor: the stacked
+[N, R, C] in one process, the local shards' elements of FSDP2 DTensors (dim 0 sharded), whose
+whole matrices the step all-gathers for the polar (gather everywhere: every rank runs the
+same polar and applies its own rows; docs/fleet.md has its bytes next to DDP's).
 
 MixOptimizer (dormouse.train.optim) builds the groups and their stacks and calls
 `muon_step_`; the slow, obviously-right twin is `references/muon_single.py`, held to this one
@@ -96,13 +99,19 @@ def muon_scale(sf: str, rows: int, cols: int) -> float:
     raise ConfigError(f"muon_sf={sf!r} is not one of ('rms', 'jordan')")
 
 
-def muon_step_(g: dict, buf: Tensor, counts: list[int], starts: list[int]) -> None:
+def muon_step_(g: dict, buf: Tensor, offsets: list[int]) -> None:
     """One Muon step of shape group g (its params, matrix [R, C] and hyperparameters), in place.
 
-    buf [N, R, C]: the group's stacked momentum (fp32 or bf16), parameter i owning the
-    `counts[i]` matrices from `starts[i]`. A parameter whose grad is None does not move and
-    its momentum does not change. A bf16 buf is APPROXIMATE by design: the update is
-    computed in fp32 from the rounded buffer and the new buffer is rounded again.
+    buf: the group's momentum, one flat tensor (fp32 or bf16) of this process's elements of
+    its parameters (all of them, or the local shards of FSDP2 DTensors), parameter i's from
+    offsets[i] to offsets[i + 1]. A parameter whose grad is None does not move and its
+    momentum does not change. A bf16 buf is APPROXIMATE by design: the update is computed in
+    fp32 from the rounded buffer and the new buffer is rounded again.
+
+    The momentum update is elementwise, so it runs on whatever elements this process holds;
+    the polar needs whole matrices, so sharded directions are all-gathered first
+    (`_whole_matrices`), every rank runs the same batched polar on the same bytes, and each
+    applies its own rows (`_own_rows`).
     """
     params = g["params"]
     have = [i for i, p in enumerate(params) if p.grad is not None]
@@ -110,27 +119,83 @@ def muon_step_(g: dict, buf: Tensor, counts: list[int], starts: list[int]) -> No
         return
     R, C = g["matrix"]
     mu = g["momentum"]
-    grads = [params[i].grad.reshape(-1, R, C) for i in have]
+    grads = [local_shard(params[i].grad).reshape(-1) for i in have]
     G = (torch.cat(grads) if len(grads) > 1 else grads[0]).to(torch.float32)
-    if len(have) == len(params):
-        idx = None
-        M = buf if buf.dtype == torch.float32 else buf.float()  # fp32 state: in place
-    else:
-        # Only the slots of parameters that have a gradient take part; the others'
-        # momentum is neither decayed nor touched.
-        idx = torch.cat([torch.arange(starts[i], starts[i] + counts[i]) for i in have])
-        idx = idx.to(buf.device)
-        M = buf.index_select(0, idx).float()
+    sizes = [offsets[i + 1] - offsets[i] for i in have]
+    # Only the slots of parameters that have a gradient take part; the others' momentum is
+    # neither decayed nor touched. One fp32 slot (the usual case: every parameter has a
+    # gradient) is updated in place; anything else in an fp32 copy, written back.
+    slots = [buf] if len(have) == len(params) else [buf[offsets[i]:offsets[i + 1]] for i in have]
+    M = (slots[0] if len(slots) == 1 else torch.cat(slots)).float()
     M.mul_(mu).add_(G)
     U = G.add(M, alpha=mu) if g["nesterov"] else M
-    if idx is not None:
-        buf.index_copy_(0, idx, M.to(buf.dtype))
-    elif M is not buf:
-        buf.copy_(M)
-    O = newton_schulz(U, g["ns_steps"], g["ns_kind"], DTYPES[g["ns_dtype"]])
+    if M is not slots[0]:
+        torch._foreach_copy_(slots, list(M.split([t.numel() for t in slots])))
+    mine = [params[i] for i in have]
+    O = newton_schulz(_whole_matrices(mine, U, sizes, R, C), g["ns_steps"], g["ns_kind"],
+                      DTYPES[g["ns_dtype"]])  # fmt: skip
     lr, wd = g["lr"], g["weight_decay"]
-    views = [params[i].view(-1, R, C) for i in have]
+    views = [local_shard(p).view(-1) for p in mine]
     if wd:
         torch._foreach_mul_(views, 1.0 - lr * wd)
-    O = O.to(views[0].dtype).split([counts[i] for i in have])
-    torch._foreach_add_(views, list(O), alpha=-lr * muon_scale(g["muon_sf"], R, C))
+    O = _own_rows(mine, O.to(views[0].dtype))
+    torch._foreach_add_(views, O, alpha=-lr * muon_scale(g["muon_sf"], R, C))
+
+
+# ---- FSDP2: whole matrices for the polar, own rows for the update ----------------------------
+
+
+def local_shard(t: Tensor) -> Tensor:
+    """This rank's shard of an FSDP2 (DTensor) tensor; a plain tensor itself."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def shard_rows(p: Tensor) -> tuple[int, int, int]:
+    """(rows per rank, this rank's first row, its row count) of p's dim 0. FSDP2's Shard(0)
+    splits as torch.chunk does: ceil(D0 / world) rows per rank, the last ranks get fewer
+    or none (dim 0 = 4 on 3 ranks: 2, 2, 0). A plain tensor: all of dim 0 on "rank 0"."""
+    if not hasattr(p, "placements"):
+        return p.shape[0], 0, p.shape[0]
+    world, rank = p.device_mesh.size(), p.device_mesh.get_local_rank()
+    chunk = -(-p.shape[0] // world)
+    first = min(rank * chunk, p.shape[0])
+    return chunk, first, min(chunk, p.shape[0] - first)
+
+
+def _whole_matrices(params: list[Tensor], U: Tensor, sizes: list[int], R: int, C: int) -> Tensor:
+    """[N, R, C]: the group's whole matrices, from U, this process's elements of them (flat,
+    `sizes` per parameter).
+
+    Plain parameters: U itself, viewed. DTensors: ONE all-gather for the group. Every rank
+    sends each parameter's rows padded to the chunk size (an empty shard sends zeros of that
+    size), so the ranks' buffers are equal and nobody waits on a collective its peer skipped."""
+    if not hasattr(params[0], "placements"):
+        return U.view(-1, R, C)
+    import torch.distributed as dist
+
+    pieces = []
+    for p, u in zip(params, U.split(sizes), strict=True):
+        chunk, _, n = shard_rows(p)
+        row = p.numel() // p.shape[0]
+        pieces.append(torch.nn.functional.pad(u, (0, (chunk - n) * row)))
+    mesh = params[0].device_mesh
+    send = torch.cat(pieces)
+    got = send.new_empty(mesh.size(), send.numel())
+    dist.all_gather(list(got.unbind(0)), send, group=mesh.get_group())
+    whole, at = [], 0
+    for p, piece in zip(params, pieces, strict=True):
+        whole.append(got[:, at:at + piece.numel()].reshape(-1)[:p.numel()].view(-1, R, C))
+        at += piece.numel()
+    return torch.cat(whole)
+
+
+def _own_rows(params: list[Tensor], O: Tensor) -> list[Tensor]:
+    """Each parameter's part of the group's polar O [N, R, C], as its flat local elements."""
+    out, at = [], 0
+    for p in params:
+        n = p.numel() // (O.shape[1] * O.shape[2])
+        whole = O[at:at + n].reshape(p.shape)
+        at += n
+        _, first, rows = shard_rows(p)
+        out.append(whole if rows == p.shape[0] else whole[first:first + rows])
+    return [t.reshape(-1) for t in out]

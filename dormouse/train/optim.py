@@ -3,8 +3,9 @@
 One torch.optim.Optimizer over three kinds of group, built from `routing.route_params`:
 
 * Muon (`dormouse.train.muon`), batched: one group per matrix shape [R, C] (a 2D weight, or one
-  expert of a 3D [E, R, C] stack), whose momentum is one stacked [N, R, C] tensor and whose
-  Newton-Schulz polar runs as one batched call.
+  expert of a 3D [E, R, C] stack), whose momentum is one flat tensor (the [N, R, C] stack in
+  one process, the local shards' elements under FSDP2) and whose Newton-Schulz polar runs as
+  one batched call on whole matrices (under FSDP2 gathered by one all-gather per group).
 * AdamW: `torch.optim.AdamW` (or bitsandbytes' AdamW8bit), never hand-written; its group dicts
   are this optimizer's own.
 * Engram: the row-sparse Adam of `dormouse.train.rowadam` (lazy, per-row bias correction, no
@@ -15,7 +16,8 @@ State is torch's: `self.state[p]` for every parameter, made at construction. (to
 optimizers make it at the first step; torch.distributed.checkpoint's state_dict functions,
 finding it empty, would take a zero-gradient step to make it, decaying every moment.) AdamW's
 entries (the inner AdamW steps this very dict), Muon's momentum_buffer as a view of its group's
-stack, a VRAM table's `row_state`. The host tables' rows are no parameters: their row state is
+stack (under FSDP2 a DTensor placed like its parameter, over a view of the local stack), a VRAM
+table's `row_state`. The host tables' rows are no parameters: their row state is
 `host_state`, by table name, under "host" in state_dict().
 
 Learning-rate convention for the loop: every param group carries `base_lr` (set once at
@@ -34,7 +36,7 @@ from torch import Tensor, nn
 
 from ..config import ConfigError
 from ..model.engram import HostTables, touched_rows
-from .muon import DTYPES, muon_step_
+from .muon import DTYPES, local_shard, muon_step_
 from .routing import Route, route_params, strip_name
 from .rowadam import row_adam_, row_state
 
@@ -46,9 +48,18 @@ ENGRAM_EPS = 1e-8
 _KEEP_ON_LOAD = ("params", "fused", "foreach")
 
 
-def _local(t: Tensor) -> Tensor:
-    """This rank's shard of an FSDP2 (DTensor) tensor; a plain tensor itself."""
-    return t.to_local() if hasattr(t, "to_local") else t
+def _check_sharding(name: str, p: Tensor) -> None:
+    """Muon's gather knows one layout: FSDP2's default, dim 0 sharded over a 1-D mesh."""
+    if not hasattr(p, "placements"):
+        return
+    from torch.distributed.tensor import Shard
+
+    if p.device_mesh.ndim != 1 or tuple(p.placements) != (Shard(0),):
+        raise ConfigError(
+            f"Muon steps FSDP2 parameters sharded on dim 0 over a 1-D mesh; {name} is placed "
+            f"{tuple(p.placements)} on a {p.device_mesh.ndim}-D mesh. Shard with fully_shard's "
+            f"default placement, or use --set opt=adamw"
+        )
 
 
 def _resolve_ns_dtype(ns_dtype: str, device_type: str) -> str:
@@ -117,15 +128,7 @@ class MixOptimizer(torch.optim.Optimizer):
         if muon and ns_dtype == "auto":
             ns_dtype = _resolve_ns_dtype(ns_dtype, muon[0][1].device.type)
         for r, p in muon:
-            if hasattr(p, "placements"):
-                raise ConfigError(
-                    f"Muon cannot step FSDP2-sharded parameters: {r.name} is a DTensor "
-                    f"(placements {tuple(p.placements)}). The batched Muon keeps one stacked "
-                    f"plain tensor per shape group and needs each full matrix for its polar; "
-                    f"mixing it with DTensor grads fails in _foreach_add_ ('got mixed "
-                    f"torch.Tensor and DTensor'). Use --set dist_shard=none (DDP) for the "
-                    f"Muon arm, or --set opt=adamw to keep FSDP2"
-                )
+            _check_sharding(r.name, p)
 
         # ---- Muon groups: one per (matrix shape, dtype, device) ----
         buckets: dict[tuple, list[tuple[Route, Tensor]]] = {}
@@ -222,16 +225,15 @@ class MixOptimizer(torch.optim.Optimizer):
     @torch.no_grad()
     def _init_state(self, muon_state_dtype: str) -> None:
         """Every parameter's state, and the host tables' (see the module docstring)."""
-        self._stacks: list[tuple[Tensor, list[int], list[int]]] = []  # (buf, counts, starts)
+        self._stacks: list[tuple[Tensor, list[int]]] = []  # (flat momentum, offsets)
         for g in self._muon_groups:
-            R, C = g["matrix"]
-            counts = [p.numel() // (R * C) for p in g["params"]]
-            starts = [sum(counts[:i]) for i in range(len(counts))]
-            buf = torch.zeros((sum(counts), R, C), dtype=DTYPES[muon_state_dtype],
+            sizes = [local_shard(p).numel() for p in g["params"]]
+            offsets = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
+            buf = torch.zeros(offsets[-1], dtype=DTYPES[muon_state_dtype],
                               device=g["params"][0].device)  # fmt: skip
-            self._stacks.append((buf, counts, starts))
-            for p, s, c in zip(g["params"], starts, counts):
-                self.state[p]["momentum_buffer"] = buf[s:s + c].view(p.shape)
+            self._stacks.append((buf, offsets))
+            for p, a, b in zip(g["params"], offsets, offsets[1:]):
+                self.state[p]["momentum_buffer"] = _placed_like(p, buf[a:b])
         if self.adamw is not None:
             self.adamw.state = self.state
             for gi, g in enumerate(self.adamw.param_groups):
@@ -297,12 +299,12 @@ class MixOptimizer(torch.optim.Optimizer):
         for p in g["params"]:
             if p.grad is None:
                 continue
-            grad = _local(p.grad).reshape(-1, p.shape[-1])
+            grad = local_shard(p.grad).reshape(-1, p.shape[-1])
             rows = touched_rows(grad)
             if rows.numel():
                 st = self.state[p]
-                row_adam_(_local(p), _local(st["exp_avg"]), _local(st["exp_avg_sq"]),
-                          _local(st["step"]), rows, grad.index_select(0, rows), *hyper)  # fmt: skip
+                mine = (local_shard(t) for t in (p, st["exp_avg"], st["exp_avg_sq"], st["step"]))
+                row_adam_(*mine, rows, grad.index_select(0, rows), *hyper)
         for name, store in self._host:
             rows, grad = store.pending()
             store.zero_grad()  # the cycle ends here, with or without rows to step
@@ -330,7 +332,8 @@ class MixOptimizer(torch.optim.Optimizer):
         ascending order: the same numbers in the same order in both stores. Everything
         else (all other gradients, the clip coefficient, the scaling) is torch's own code.
         An FSDP2-sharded table enters whole (its gradient is a DTensor; the norm must be
-        the fleet's), as it would in torch's clip.
+        the fleet's), as it would in torch's clip; under FSDP2 the norm is the DTensors'
+        (a collective) joined with the host rows' (counted once: every rank holds the same).
         """
         eg = self._engram_group
         tables = {id(p) for p in eg["params"]} if eg is not None else set()
@@ -348,8 +351,24 @@ class MixOptimizer(torch.optim.Optimizer):
             if holder is not None:
                 owners.append(holder)
                 norm_of.append(holder.grad)
-        total = torch.nn.utils.get_total_norm(norm_of, 2.0)
-        torch.nn.utils.clip_grads_with_norm_(owners, max_norm, total)
+        sharded = [t for t in norm_of if hasattr(t, "placements")]
+        if not sharded:
+            total = torch.nn.utils.get_total_norm(norm_of, 2.0)
+            torch.nn.utils.clip_grads_with_norm_(owners, max_norm, total)
+            return total
+        # FSDP2: torch's functions take DTensors or plain tensors, not both ("_foreach_norm got
+        # mixed torch.Tensor and DTensor"). The DTensors' norm is a collective over their
+        # shards; the host rows are plain and already the fleet's on every rank
+        # (DPContext.reduce_host_grads), so their squares enter once, from this rank.
+        parts = [torch.nn.utils.get_total_norm(sharded, 2.0).full_tensor()]
+        rest = [t for t in norm_of if not hasattr(t, "placements")]
+        if rest:
+            parts.append(torch.nn.utils.get_total_norm(rest, 2.0))
+        total = parts[0] if len(parts) == 1 else torch.linalg.vector_norm(torch.stack(parts), 2.0)
+        for on_mesh in (True, False):
+            group = [p for p in owners if hasattr(p, "placements") == on_mesh]
+            if group:
+                torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)
         return total
 
     # ---- state ----
@@ -407,6 +426,17 @@ class MixOptimizer(torch.optim.Optimizer):
         """Copy the host tables' row state in ({table name: state}, as state_dict's "host")."""
         for name, st in self.host_state.items():
             _copy_state(st, host.get(name), name)
+
+
+def _placed_like(p: Tensor, flat: Tensor) -> Tensor:
+    """`flat` (p's local element count) shaped as p's local part: a view, and for an FSDP2
+    parameter a DTensor placed like it, so the checkpoint's gatherer sees a whole momentum."""
+    if not hasattr(p, "placements"):
+        return flat.view(p.shape)
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(flat.view(p.to_local().shape), p.device_mesh, p.placements,
+                              run_check=False, shape=p.shape, stride=p.stride())  # fmt: skip
 
 
 def _copy_state(mine: dict, saved: dict | None, name: str) -> None:

@@ -93,11 +93,15 @@ def _fsdp(model: torch.nn.Module, ctx: DPContext) -> torch.nn.Module:
         for t in list(model.parameters()) + list(model.buffers()):
             dist.broadcast(t.data, src=0)
     mesh = init_device_mesh(ctx.device.type, (ctx.world,))
-    mp = MixedPrecisionPolicy(reduce_dtype=REDUCE_DTYPES[ctx.reduce])
+    # the forward's weights in the compute dtype the device policy chose (the all-gathers move
+    # half the bytes); the optimizer keeps fp32 shards and fp32 gradients
+    param = torch.bfloat16 if ctx.compute == "bf16" else None
+    mp = MixedPrecisionPolicy(param_dtype=param, reduce_dtype=REDUCE_DTYPES[ctx.reduce])
     for block in getattr(model, "blocks", []):
         fully_shard(block, mesh=mesh, mp_policy=mp)
     fully_shard(model, mesh=mesh, mp_policy=mp)
-    log.info(f"fsdp2: fully_shard per block + root, reduce={ctx.reduce}, mesh={ctx.world}")
+    log.info(f"fsdp2: fully_shard per block + root, param={ctx.compute if param else 'fp32'} "
+             f"reduce={ctx.reduce}, mesh={ctx.world}")
     return model
 
 

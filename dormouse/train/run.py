@@ -70,14 +70,14 @@ def check_arms(run: RunConfig, device: torch.device, autocast: torch.dtype | Non
     require_arms(run.model, device, autocast or torch.float32)
 
 
-def prepare(run: RunConfig, device_type: str | None = None,
-            local_rank: int | None = None) -> tuple[RunConfig, torch.device, torch.dtype | None]:  # fmt: skip
+def prepare(run: RunConfig, device_type: str | None = None, local_rank: int | None = None,
+            world: int = 1) -> tuple[RunConfig, torch.device, torch.dtype | None]:  # fmt: skip
     """(run with --fit applied, device, compute dtype): what every run checks first."""
     run = validate(run)
     if run.train.fit_gb:
         from .fit import apply_fit
 
-        run = apply_fit(run)
+        run = apply_fit(run, world)
     device = resolve_device(device_type or run.train.device, local_rank)
     autocast = resolve_autocast(run, device)
     check_arms(run, device, autocast)
@@ -113,7 +113,8 @@ def train_run(
     run = validate(run)
     if not run.train.dist:
         run, device, autocast = prepare(run, device_type)
-        ctx = DPContext.single(device, run.train.batch, run.train.seq_len)
+        t = run.train
+        ctx = DPContext.single(device, t.batch, t.seq_len, t.global_batch)
         model = (model if model is not None else build_model(run)).to(device).train()
         return train(model, model, _optimizer(model, run, device), ctx, run, autocast=autocast,
                      resume=resume, stop_at=stop_at, progress=progress,
@@ -134,7 +135,7 @@ def _train_fleet(run: RunConfig, *, resume, stop_at, model, callbacks, device_ty
     world = fleet.world_from(os.environ) or 1
     fleet.refuse_incompatible(run, world)
     local_rank = int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0")))
-    fitted, device, autocast = prepare(run, device_type, local_rank)
+    fitted, device, autocast = prepare(run, device_type, local_rank, world)
     try:
         fleet.refuse_incompatible(fitted, world)  # --fit may engage what a fleet refuses
     except RefusedError as e:
