@@ -13,7 +13,8 @@ from __future__ import annotations
 import dataclasses
 
 from gates.harness import (
-    FleetSpec, Record, fleet, fleet_env, fmt, max_abs_diff, max_rel_diff, on, rel_err, single,
+    SPREAD_K, FleetSpec, Record, fleet, fleet_env, fmt, max_abs_diff, max_rel_diff, on, rel_err,
+    single, tol_on,
 )
 
 CLAIM = ("global_batch and accumulation: any split of 8 windows over ranks and micro-batches "
@@ -73,12 +74,19 @@ def run(cuda: bool = False) -> Record:
             continue
         spec = dataclasses.replace(base, name=name, world=world, capacity=cap, batch=batch)
         runs[f"{world} ranks " + (cap or f"{batch}x2 each")] = fleet(spec)[0]["rec"]
+    # on a card the same mathematics rounds differently when a matmul's shape changes: the
+    # reference against itself with each batch run as forwards of 2 windows (harness.SPREAD_K)
+    spread = _figures(single(base, [2, 2, 2, 2], split_rows=True)["rec"], ref) if cuda else {}
+    tol = {k: tol_on(cuda, t, spread.get(k, 0.0)) for k, t in _TOL.items()}
     notes, ok = [], True
     for name, rec in runs.items():
         f = _figures(rec, ref)
-        good = len(rec["losses"]) == base.steps and all(f[k] <= _TOL[k] for k in _TOL)
+        good = len(rec["losses"]) == base.steps and all(f[k] <= tol[k] for k in tol)
         ok &= good
         notes.append(f"{name}: " + ", ".join(f"{k} {fmt(v)}" for k, v in f.items()))
+    if cuda:
+        notes.append("the reference's own spread: " + ", ".join(f"{k} {fmt(v)}" for k, v in spread.items())
+                     + " [" + ", ".join(f"{k} <= {fmt(v)}" for k, v in tol.items()) + "]")
     resume = on(RESUME, cuda)
     ranks = fleet(resume)
     ck = ranks[0]["report"]["checkpoint"]
@@ -87,12 +95,13 @@ def run(cuda: bool = False) -> Record:
     cont = single(whole, [3], resume_from=ck)["rec"]["losses"]  # batch 3 x 2 micro-batches
     got = ranks[0]["rec"]["losses"] + cont
     d = max_abs_diff(got, ref20)
-    ok &= len(got) == 20 and d <= TOL_LOSS
+    ok &= len(got) == 20 and d <= tol["dloss"]
     notes.append(f"resume 2 ranks (3,3) -> 1 process (3x2): steps 1-20 max |dloss| {fmt(d)}")
     return Record(
         "g26_accumulation", CLAIM, INSTRUMENT, "; ".join(notes),
         f"|dloss| <= {fmt(TOL_LOSS)}, gradient and norms <= {fmt(TOL_GRAD)} (gate 1's fp32 "
         f"round-off), host tables <= {fmt(TOL_TABLE)} (gate 14's), LFB bias <= {fmt(TOL_LFB)} "
-        f"(a counting error moves it by 1e-5)",
+        f"(a counting error moves it by 1e-5)"
+        + (f"; on CUDA at least {SPREAD_K:g}x the reference's spread" if cuda else ""),
         ok, fleet_env(cuda, (2,) if cuda else (2, 4)),
     )
