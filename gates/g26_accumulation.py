@@ -1,7 +1,8 @@
 """Gate 26: a global batch that does not depend on the cards. The same 8 windows a step, taken
 as 1 process x 4 micro-batches, 4 ranks x 1, 2 ranks x 2 and 2 ranks with unequal shares and
-micro-batch counts (3x2 + 2x1), train the trajectory of one process at batch 8; and a 2-rank
-run resumed by one process accumulating 2 x 3 windows continues the uninterrupted trajectory.
+micro-batch counts (3x2 + 2x1 under DDP; 3x2 + 1x2 under FSDP2, whose ranks must run equal
+counts), train the trajectory of one process at batch 8; and a 2-rank run resumed by one
+process accumulating 2 x 3 windows continues the uninterrupted trajectory.
 
 The LFB controller and host-RAM Engram tables are on: their counts and rows must be summed over
 every micro-batch and every rank once per optimizer step, and the non-finite decision taken
@@ -21,7 +22,8 @@ CLAIM = ("global_batch and accumulation: any split of 8 windows over ranks and m
          "trains one process's trajectory at batch 8; a run resumes on another number of ranks "
          "at the same global batch")  # fmt: skip
 INSTRUMENT = ("tiny, global_batch=8, 12 steps, no clip, LFB (coef 0.01) and engram_ram on: 1 "
-              "process batch 2 (4 micro-batches), 4 ranks x 2, 2 ranks x (2x2), 2 ranks 3*2,2 vs "
+              "process batch 2 (4 micro-batches), 4 ranks x 2, 2 ranks x (2x2), 2 ranks 3*2,2 "
+              "(DDP), 2 ranks 3*2,1*2 (FSDP2) vs "
               "1 process batch 8: max |dloss|, step-1 reduced gradient, every pre-clip norm, the "
               "final LFB biases and host tables; then 2 ranks 3,3 (global 6, constant lr) for 10 "
               "steps, its checkpoint resumed by one process batch 3 x 2 micro-batches to 20 vs "
@@ -40,11 +42,14 @@ TOL_TABLE = 1.5e-5
 TOL_LFB = 1e-6
 
 _SETS = ("global_batch=8", "moe_lb_coef=0.01", "engram_ram=true")
-#: (name, world, capacity, TrainConfig.batch): each way of taking 8 windows a step.
+#: (name, world, capacity, TrainConfig.batch, more --set): each way of taking 8 windows a step.
 SPLITS = [
-    ("acc-4x2", 4, "2,2,2,2", 2),
-    ("acc-2x2x2", 2, "", 2),
-    ("acc-3x2+2", 2, "3*2,2", 4),
+    ("acc-4x2", 4, "2,2,2,2", 2, ()),
+    ("acc-2x2x2", 2, "", 2, ()),
+    ("acc-3x2+2", 2, "3*2,2", 4, ()),
+    # FSDP2 defers its reduce-scatter to the last micro-batch (set_requires_gradient_sync); its
+    # ranks run equal micro-batch counts (each forward all-gathers: fleet.refuse_uneven_fsdp)
+    ("acc-fsdp-3x2+1x2", 2, "3*2,1*2", 4, ("dist_shard=fsdp",)),
 ]
 RESUME = FleetSpec("acc-resume", steps=10, capacity="3,3",
                    sets=("global_batch=6", "schedule=constant", "ckpt_every=0"))  # fmt: skip
@@ -69,11 +74,13 @@ def run(cuda: bool = False) -> Record:
     base = on(FleetSpec("acc", steps=12, sets=_SETS), cuda)
     ref = single(base, [8])["rec"]
     runs = {"1 process x 4": single(base, [2])["rec"]}
-    for name, world, cap, batch in SPLITS:
+    for name, world, cap, batch, sets in SPLITS:
         if cuda and world > 2:
             continue
-        spec = dataclasses.replace(base, name=name, world=world, capacity=cap, batch=batch)
-        runs[f"{world} ranks " + (cap or f"{batch}x2 each")] = fleet(spec)[0]["rec"]
+        spec = dataclasses.replace(base, name=name, world=world, capacity=cap, batch=batch,
+                                   sets=base.sets + sets)  # fmt: skip
+        label = f"{world} ranks " + (cap or f"{batch}x2 each") + (" fsdp" if sets else "")
+        runs[label] = fleet(spec)[0]["rec"]
     # on a card the same mathematics rounds differently when a matmul's shape changes: the
     # reference against itself with each batch run as forwards of 2 windows (harness.SPREAD_K)
     spread = _figures(single(base, [2, 2, 2, 2], split_rows=True)["rec"], ref) if cuda else {}

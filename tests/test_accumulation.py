@@ -43,6 +43,17 @@ def test_capacity_refusals_name_the_cause(spec, world, total, match):
         parse_capacity(spec, world, 4, 64, 64, global_batch=total)
 
 
+def test_fsdp_ranks_must_run_equal_micro_batch_counts():
+    from dormouse.train.context import DistError
+    from dormouse.train.fleet import refuse_uneven_fsdp
+
+    uneven = parse_capacity("3*2,2", 2, 4, 64, 64)
+    refuse_uneven_fsdp(uneven, "none")  # DDP: one reduction per step whatever the counts
+    refuse_uneven_fsdp(parse_capacity("3*2,1*2", 2, 4, 64, 64), "fsdp")
+    with pytest.raises(DistError, match=r"micro-batch counts \[2, 1\].*dist_shard=none"):
+        refuse_uneven_fsdp(uneven, "fsdp")
+
+
 def test_one_process_context_accumulates():
     ctx = DPContext.single(torch.device("cpu"), 2, 16, global_batch=8)
     assert ctx.shape == RankShape(2, 16, 4) and ctx.global_tokens == 8 * 16

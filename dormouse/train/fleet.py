@@ -477,6 +477,7 @@ def join(
         heartbeat.set_collective_timeout(FIRST_STEP_TIMEOUT_S)
     try:
         shapes = _capacity(run, device, world, rate)
+        refuse_uneven_fsdp(shapes, cfg.dist_shard)
         _agree_config(run, shapes, device, rank)
         reduce = cfg.dist_reduce
         if reduce == "auto":
@@ -491,6 +492,20 @@ def join(
     return DPContext(device, tuple(shapes), rank=rank, world=world, backend=backend,
                      reduce=reduce, shard=cfg.dist_shard, bucket_mb=float(cfg.bucket_mb),
                      compute=compute, heartbeat=heartbeat)  # fmt: skip
+
+
+def refuse_uneven_fsdp(shapes: Sequence[RankShape], shard: str) -> None:
+    """FSDP2 all-gathers every layer's parameters in each forward: its ranks must run the
+    same number of micro-batches (their sizes may differ)."""
+    counts = [s.accum for s in shapes]
+    if shard == "fsdp" and len(set(counts)) > 1:
+        raise DistError(
+            f"dist_shard=fsdp with micro-batch counts {counts} per rank: FSDP2 all-gathers each "
+            f"layer's parameters in every forward, so a rank with fewer micro-batches would leave "
+            f"the others waiting in a collective. Give every rank the same count (e.g. "
+            f"--capacity {','.join(f'{s.windows // max(counts)}*{max(counts)}' for s in shapes)} "
+            f"where the shares divide), or use DDP (--set dist_shard=none)"
+        )
 
 
 def _capacity(run: RunConfig, device: torch.device, world: int,

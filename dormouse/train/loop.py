@@ -361,8 +361,8 @@ def train(
             log.info(f"changed on resume: {change}")
         dropped = ckpt.trim_metrics(metrics_path, start) if main else 0
         if dropped:
-            log.info(f"metrics.jsonl: dropped {dropped} row(s) logged after step {start} (the run "
-                f"went on past its last checkpoint); they are logged again from here")  # fmt: skip
+            log.info(f"metrics.jsonl: dropped {dropped} row(s) logged after step {start} (the "
+                     f"run went on past its last checkpoint); they are logged again from here")
     if main:
         try:
             out.mkdir(parents=True, exist_ok=True)
