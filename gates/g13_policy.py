@@ -10,13 +10,11 @@ refusals. Any differing cell fails the gate and is named in the measured text.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import logging
 
 import torch
 
-from gates.harness import Record, environment
+from gates.harness import Record, environment, log_lines
 from references.policy_table import CPU_ROW, ERAS, EXTRA_ROWS, ROWS, Row, era_of, rule
 
 #: Not a fleet claim: `python -m gates --cuda-fleet` runs it as it is (the real probe already
@@ -45,23 +43,6 @@ def _record(row: Row):
                         multiprocessors=64)  # fmt: skip
 
 
-@contextlib.contextmanager
-def _logged(name: str):
-    """The lines logger `name` emits at INFO inside the block."""
-    lines: list[str] = []
-    handler = logging.Handler(logging.INFO)
-    handler.emit = lambda r: lines.append(r.getMessage())
-    logger = logging.getLogger(name)
-    level = logger.level
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
-    try:
-        yield lines
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(level)
-
-
 def _cells(record, row: Row) -> tuple[list[str], int]:
     """Compare every cell of `row` with what dormouse says for `record`: (mismatches, cells)."""
     from dormouse.train.device import policy_for, resolve_dtype
@@ -88,7 +69,8 @@ def _cells(record, row: Row) -> tuple[list[str], int]:
         p = policy_for(record, torch_version=version)
         cell(f"grouped_mm (torch {era})", p.grouped_mm, row.grouped_mm[era])
         cell(f"grouped_mm_fused (torch {era})", p.grouped_mm_fused, row.grouped_mm_fused[era])
-    with _logged("dormouse.train.device") as lines:
+    lines: list[str] = []
+    with log_lines(lines.append, "dormouse.train.device"):
         dtype, line = resolve_dtype("auto", record)
     cell("auto resolves to", dtype, _DTYPE[row.auto])
     reading = f"bf16={int(row.bf16)} fp16={int(row.fp16)}"

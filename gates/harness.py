@@ -372,25 +372,27 @@ class Recorder:
 
 
 @contextlib.contextmanager
-def captured_lines(lines: list):
-    """Append every line the `dormouse` logger would print on this rank to `lines` (the CLI's
-    rank filter: INFO from rank 0 only, warnings and every-rank lines from all)."""
+def log_lines(sink: Callable[[str], None], name: str = "dormouse", ranked: bool = False):
+    """Hand every line logger `name` emits at INFO or above inside the block to `sink`.
+    `ranked`: only what the CLI would print on this rank (its rank filter: INFO from rank 0
+    only, warnings and every-rank lines from all)."""
     import logging
 
-    from dormouse.cli import _RankFilter
-
-    class ToList(logging.Handler):
+    class Sink(logging.Handler):
         def emit(self, record):
-            lines.append(self.format(record))
+            sink(self.format(record))
 
-    handler = ToList(logging.INFO)
-    handler.addFilter(_RankFilter())
-    logger = logging.getLogger("dormouse")
+    handler = Sink(logging.INFO)
+    if ranked:
+        from dormouse.cli import _RankFilter
+
+        handler.addFilter(_RankFilter())
+    logger = logging.getLogger(name)
     old = logger.level
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)
     try:
-        yield lines
+        yield
     finally:
         logger.removeHandler(handler)
         logger.setLevel(old)
@@ -515,7 +517,7 @@ def _rank_body(rank: int, spec: FleetSpec, out: Path) -> dict:
     t0 = time.perf_counter()
     stopped = False
     try:
-        with captured_lines(lines):
+        with log_lines(lines.append, ranked=True):
             report = train_run(run, device_type=device, model=model, close=False,
                                timeout_s=timeout, rate=spec.rates[rank] if spec.rates else None,
                                callbacks=recorder.callbacks())  # fmt: skip
@@ -544,7 +546,7 @@ def _rank_body(rank: int, spec: FleetSpec, out: Path) -> dict:
         again = Recorder(journal=out / f"rank{rank}.resume.journal")
         model2 = build_model(run2)  # its values are replaced by the checkpoint's
         lines2: list[str] = []
-        with captured_lines(lines2):
+        with log_lines(lines2.append, ranked=True):
             train_run(run2, device_type=device, model=model2, close=False, resume=True,
                       timeout_s=timeout, callbacks=again.callbacks())  # fmt: skip
         resumed = {"rec": again.finish(), "lines": lines2}

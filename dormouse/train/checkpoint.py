@@ -58,6 +58,7 @@ from torch.distributed.checkpoint.state_dict import (
 from ..config import ConfigError, ModelConfig, RunConfig, validate
 from ..errors import UserError
 from ..model.engram import HostTables
+from .context import local_shard
 from .routing import strip_name
 
 log = logging.getLogger(__name__)
@@ -311,11 +312,7 @@ def nonfinite_entries(state: dict) -> list[str]:
     local shard)."""
     return [k for k, v in state.items()
             if torch.is_tensor(v) and v.is_floating_point()
-            and not bool(torch.isfinite(_local(v)).all())]  # fmt: skip
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
+            and not bool(torch.isfinite(local_shard(v)).all())]  # fmt: skip
 
 
 # ---- the sharded format ------------------------------------------------------------------

@@ -230,6 +230,11 @@ class DPContext:
                 f"reduce={self.reduce} shard={self.shard}")  # fmt: skip
 
 
+def local_shard(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of an FSDP2 (DTensor) tensor; a plain tensor itself."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
 def host_stores(model: torch.nn.Module) -> list[HostTables]:
     """The model's host-RAM Engram stores, in module order (the same on every rank)."""
     return [m for m in model.modules() if isinstance(m, HostTables)]

@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from ..config import ConfigError
+from .context import local_shard
 
 # Keller Jordan's quintic Newton-Schulz coefficients (https://kellerjordan.github.io/posts/muon/),
 # the same triple torch.optim.Muon uses by default.
@@ -143,11 +144,6 @@ def muon_step_(g: dict, buf: Tensor, offsets: list[int]) -> None:
 
 
 # ---- FSDP2: whole matrices for the polar, own rows for the update ----------------------------
-
-
-def local_shard(t: Tensor) -> Tensor:
-    """This rank's shard of an FSDP2 (DTensor) tensor; a plain tensor itself."""
-    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def shard_rows(p: Tensor) -> tuple[int, int, int]:

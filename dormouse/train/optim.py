@@ -36,7 +36,8 @@ from torch import Tensor, nn
 
 from ..config import ConfigError
 from ..model.engram import HostTables, touched_rows
-from .muon import DTYPES, local_shard, muon_step_
+from .context import local_shard
+from .muon import DTYPES, muon_step_
 from .routing import Route, route_params, strip_name
 from .rowadam import row_adam_, row_state
 
