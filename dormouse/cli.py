@@ -1,4 +1,4 @@
-"""`python -m dormouse {train,eval,sample,plan,probe,link,bench}`: the command line.
+"""`python -m dormouse {train,eval,sample,export,compare,plan,probe,link,bench}`: the command line.
 
 Each subcommand parses its flags and hands off to the module that owns the work;
 no training logic lives here.
@@ -187,7 +187,7 @@ def _arms_for_this_machine(run, source: str):
 
 
 def cmd_eval(args) -> int:
-    from .model import DormouseModel
+    from .model import make_model
     from .train.checkpoint import load_model, read_checkpoint
     from .train.data import open_data
     from .train.loop import evaluate
@@ -203,11 +203,19 @@ def cmd_eval(args) -> int:
     if args.data:
         run = apply_sets(run, ["data=" + ",".join(args.data)])
     device = resolve_device(args.device or "auto")
-    model = DormouseModel(run.model)
+    model = make_model(run.model)
     load_model(model, ck, args.checkpoint)
     model.to(device)
     data = open_data(run.train)
-    batches = data.val_batches(args.batches or run.train.eval_batches, run.train.batch, run.train.seq_len)
+    t = run.train
+    if args.batches:
+        what = f"{args.batches} batches of {t.batch}x{t.seq_len} spread over the val split"
+        batches = data.val_batches(args.batches, t.batch, t.seq_len)
+    else:
+        # the default: every val byte scored once, deterministic
+        what = f"the whole val split ({data.val_bytes_total()} bytes scored once)"
+        batches = data.val_all(t.batch, t.seq_len)
+    log.info(f"eval: {what}; --batches N evaluates N spread batches instead")
     res = evaluate(model, batches, device, resolve_autocast(run, device))
     log.info(f"eval checkpoint={args.checkpoint} step={ck['step']} loss={res['loss']:.4f} "
          f"bpb={res['bpb']:.4f} tokens={res['tokens']}")  # fmt: skip
@@ -217,7 +225,7 @@ def cmd_eval(args) -> int:
 def cmd_sample(args) -> int:
     import torch
 
-    from .model import DormouseModel
+    from .model import make_model
     from .model.sample import check_sample_args, generate
     from .train.checkpoint import load_model, read_checkpoint
     from .train.run import resolve_device
@@ -229,7 +237,7 @@ def cmd_sample(args) -> int:
     # bytes typed, which is what a byte-level model wants
     prompt = args.prompt.encode("utf-8", "surrogateescape")
     ck = read_checkpoint(args.checkpoint)
-    model = DormouseModel(_arms_for_this_machine(ck["run"], args.checkpoint).model)
+    model = make_model(_arms_for_this_machine(ck["run"], args.checkpoint).model)
     load_model(model, ck, args.checkpoint)
     device = resolve_device(args.device or "auto")
     model.to(device).eval()
@@ -286,6 +294,12 @@ def cmd_link(args) -> int:
     return main_link(args.rest) or 0
 
 
+def cmd_compare(args) -> int:
+    from .compare import main_compare
+
+    return main_compare(args.runs, args.out, args.target)
+
+
 def cmd_bench(args) -> int:
     from .bench import main_bench
 
@@ -320,7 +334,8 @@ def build_parser() -> argparse.ArgumentParser:
     e = sub.add_parser("eval", help="evaluate a checkpoint on the validation split")
     e.add_argument("checkpoint")
     e.add_argument("--data", nargs="+")
-    e.add_argument("--batches", type=int)
+    e.add_argument("--batches", type=int, help="evaluate N batches spread over the val split "
+                   "(default: the whole split, every byte once)")
     e.add_argument("--device")
     e.set_defaults(fn=cmd_eval)
 
@@ -333,6 +348,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--device")
     s.set_defaults(fn=cmd_sample)
+
+    c = sub.add_parser("compare", help="two runs' validation curves vs time and bytes, one PNG")
+    c.add_argument("runs", nargs="+", metavar="RUN", help="run folders; the last is the baseline")
+    c.add_argument("--out", help="the PNG to write (default: RUN_A/compare.png)")
+    c.add_argument("--target", type=float, help="the val loss to time (default: the last run's best)")
+    c.set_defaults(fn=cmd_compare)
 
     x = sub.add_parser("export", help="one checkpoint file from a run (sharded or not)")
     x.add_argument("run", help="a run folder or its checkpoint file")

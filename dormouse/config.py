@@ -34,6 +34,10 @@ class ConfigError(UserError, ValueError):
 class ModelConfig:
     """The network's shape. Field names are unique across ModelConfig and TrainConfig."""
 
+    # "dormouse" (Engram + looped KDA/MoE body) or "gpt": the plain causal transformer
+    # baseline (model/gpt.py), which reads d_model, n_layers, n_heads, head_dim, d_ffn,
+    # max_seq_len, init_std and dropout and ignores the rest
+    arch: Literal["dormouse", "gpt"] = "dormouse"
     vocab: int = 256
     d_model: int = 256
     n_layers: int = 2  # distinct blocks in the body
@@ -68,6 +72,9 @@ class ModelConfig:
     # the rest
     max_seq_len: int = 512
     init_std: float = 0.02
+    # regularisation: dropout on the embedding and on every residual branch's output (GPT-2's
+    # places), masks keyed by (seed, step, global row) so a fleet draws what one process draws
+    dropout: float = 0.0
 
     @property
     def d_attn(self) -> int:
@@ -116,6 +123,8 @@ class TrainConfig:
     log_every: int = 10
     eval_every: int = 100
     eval_batches: int = 8
+    # stop after this many evaluations in a row without a new best val loss (0 = never)
+    early_stop: int = 0
     ckpt_every: int = 500
     out_dir: str = "runs/default"
     ckpt_name: str = "ckpt"
@@ -241,6 +250,14 @@ _B1 = ModelConfig(
     shared_rank=256, gate_rank=128, max_seq_len=2048,
 )  # fmt: skip
 
+#: The plain-GPT baselines (model/gpt.py) for `small`: the same total parameters (9.15M vs
+#: 9.34M), and the same parameters outside the Engram tables (4.92M vs 5.14M). Dropout 0.2:
+#: the setting the well-known character-level GPT recipes use at this size and data scale.
+_GPT_SMALL = ModelConfig(arch="gpt", d_model=384, n_heads=6, head_dim=64, d_ffn=1536,
+                         n_layers=5, max_seq_len=512, dropout=0.2)  # fmt: skip
+_GPT_SMALL_NE = ModelConfig(arch="gpt", d_model=256, n_heads=4, head_dim=64, d_ffn=1024,
+                            n_layers=6, max_seq_len=512, dropout=0.2)  # fmt: skip
+
 _PRESETS: dict[str, tuple[ModelConfig, TrainConfig]] = {
     # tiny computes fp32 everywhere; the others take the device policy's dtype (auto).
     "tiny": (_TINY, TrainConfig(batch=4, seq_len=64, steps=20, lr=1e-3, warmup=0,
@@ -256,10 +273,16 @@ _PRESETS: dict[str, tuple[ModelConfig, TrainConfig]] = {
                                     eval_every=250)),
     "b1": (_B1, TrainConfig(batch=8, seq_len=512, steps=20000, lr=1e-3, warmup=500,
                             eval_every=500)),
+    # the baselines train exactly as `small` does (same data path, schedule and optimizer)
+    "gpt-small": (_GPT_SMALL, TrainConfig(batch=6, seq_len=128, steps=300, lr=3e-3, warmup=30,
+                                          eval_every=50)),
+    "gpt-small-ne": (_GPT_SMALL_NE, TrainConfig(batch=6, seq_len=128, steps=300, lr=3e-3,
+                                                warmup=30, eval_every=50)),
 }  # fmt: skip
 
 #: What DESIGN.md §2 promises (parameters including Engram tables); tested at +-10%.
-PRESET_PARAMS = {"small": 9.5e6, "medium": 140e6, "b1": 1.07e9}
+PRESET_PARAMS = {"small": 9.5e6, "medium": 140e6, "b1": 1.07e9, "gpt-small": 9.5e6,
+                 "gpt-small-ne": 5.1e6}
 
 
 def preset_names() -> list[str]:
@@ -364,7 +387,7 @@ _POSITIVE = (
 _NON_NEGATIVE = (
     "rank gate_rank segment_len shared_rank moe_capacity moe_lb_coef steps warmup wd "
     "grad_clip log_every eval_every ckpt_every val_bytes bucket_mb fit_gb lr min_lr_frac global_batch "
-    "engram_lr_mult init_std"
+    "engram_lr_mult init_std dropout early_stop"
 ).split()
 
 
@@ -435,6 +458,8 @@ def validate(run: RunConfig) -> RunConfig:
     for k in _NON_NEGATIVE:
         if vals[k] < 0:
             raise ConfigError(f"{k}={vals[k]} must not be negative")
+    if m.dropout >= 1:
+        raise ConfigError(f"dropout={m.dropout} must be in [0, 1) (0.1 drops one value in ten)")
     if m.vocab != 256:
         raise ConfigError(f"vocab={m.vocab}: dormouse is byte-level, vocab must be 256")
     if m.moe_topk > m.n_experts:

@@ -78,7 +78,7 @@ def test_unknown_json_field_refused():
 
 
 def test_preset_param_targets_listed():
-    assert set(PRESET_PARAMS) == {"small", "medium", "b1"}
+    assert set(PRESET_PARAMS) == {"small", "medium", "b1", "gpt-small", "gpt-small-ne"}
 
 
 @pytest.mark.parametrize(

@@ -410,3 +410,68 @@ def test_a_shrunken_file_is_refused_before_it_is_read(tmp_path):
     with pytest.raises(D.DataError, match="shrank from 10240 to 100 bytes.*before step 1"):
         stream.next()
     assert stream.position == 1  # nothing consumed: a checkpoint now resumes exactly
+
+
+# ---- per-pass phases: windows that never repeat exactly ------------------------------------
+
+
+@pytest.mark.parametrize("batches", [[2, 1], [1, 1, 1], [3, 1, 2]])
+def test_phased_passes_read_each_byte_once_and_keep_the_fleet_layout(batches):
+    # the ring layout: each pass from its own phase; per pass every byte at most once, fewer
+    # than one stride unread, and the ranks' slices still make up the single process's block
+    seq, n = 6, 1009
+    view = np.random.default_rng(7).integers(0, 256, n, dtype=np.uint8)
+    stride = fleet_stride(batches, seq)
+    ranks = [ByteStream(view, b, seq, rank_byte_offset(batches, seq, r), stride, shuffle_seed=3)
+             for r, b in enumerate(batches)]  # fmt: skip
+    single = ByteStream(view, sum(batches), seq, shuffle_seed=3)
+    nb = single.n_blocks
+    phases = {single.phase(p) for p in range(3)}
+    assert len(phases) == 3  # three passes, three starting bytes
+    for p in range(3):
+        hits = np.zeros(n, dtype=int)
+        for s in range(p * nb, (p + 1) * nb):
+            assert np.array_equal(np.concatenate([r.read(s) for r in ranks]), single.read(s))
+            for r in ranks:
+                a, b = r.span(s)
+                idx = np.arange(a, b) % n
+                hits[idx] += 1
+                assert np.array_equal(view[idx], r.read(s))  # the seam wraps, byte for byte
+        assert hits.max() == 1 and (hits == 0).sum() == n - nb * stride < stride
+
+
+def test_phased_windows_differ_between_passes():
+    # the memorisation fix: a window (seq_len+1 bytes at one offset) seen in pass 0 comes back
+    # in pass 1 only when the phases agree modulo seq_len+1
+    seq, n = 16, 20000
+    view = np.random.default_rng(8).integers(0, 256, n, dtype=np.uint8)
+    st = ByteStream(view, 4, seq, shuffle_seed=11)
+    nb = st.n_blocks
+
+    def starts(p):
+        return {(st.span(s)[0] + k * (seq + 1)) % n for s in range(p * nb, (p + 1) * nb)
+                for k in range(4)}  # fmt: skip
+
+    same_mod = (st.phase(0) - st.phase(1)) % (seq + 1) == 0
+    shared = len(starts(0) & starts(1))
+    assert (shared > 0) == same_mod and shared < (nb * 4) // 2
+    # unshuffled: phase 0 in every pass, the old fixed layout
+    plain = ByteStream(view, 4, seq)
+    assert plain.phase(5) == 0 and plain.span(nb) == plain.span(0)
+
+
+def test_phased_resume_is_exact_and_an_old_checkpoint_keeps_its_layout():
+    view = np.random.default_rng(9).integers(0, 256, 700, dtype=np.uint8)
+    a = ByteStream(view, 3, 8, shuffle_seed=4)
+    full = [a.next()[0] for _ in range(60)]  # > 2 passes of 25 blocks
+    b = ByteStream(view, 3, 8, shuffle_seed=4)
+    for _ in range(31):
+        b.next()
+    c = ByteStream(view, 3, 8, shuffle_seed=4)
+    c.load_state_dict(_roundtrip(b.state_dict()))
+    assert all(torch.equal(c.next()[0], full[s]) for s in range(31, 60))
+    # a data state written before phases existed (no "phased" key) resumes on phase 0
+    old = {k: v for k, v in b.state_dict().items() if k != "phased"}
+    d = ByteStream(view, 3, 8, shuffle_seed=4)
+    d.load_state_dict(old)
+    assert not d.phased and d.span(31)[0] == d.block(31) * d.stride

@@ -405,8 +405,10 @@ class Engram(nn.Module):
         nn.init.zeros_(self.conv.weight)
         self.hist = max(cfg.engram_orders) - 1
 
-    def forward(self, h: torch.Tensor, x_bytes: torch.Tensor, cache: dict | None = None):
-        """h [B, T, d_model], x_bytes [B, T] -> (h_out, new_cache or None)."""
+    def forward(self, h: torch.Tensor, x_bytes: torch.Tensor, cache: dict | None = None,
+                drop=None):  # fmt: skip
+        """h [B, T, d_model], x_bytes [B, T] -> (h_out, new_cache or None). `drop`: the
+        model's keyed dropout on this branch's output (site 1), training only."""
         b, t, d = h.shape
         if tuple(x_bytes.shape) != (b, t):
             raise ValueError(
@@ -429,7 +431,8 @@ class Engram(nn.Module):
             prev_u = u.new_zeros(b, k_hist, d)
         u_full = torch.cat([prev_u.to(u.dtype), u], dim=1)  # causal left context
         y = F.conv1d(u_full.transpose(1, 2), self.conv.weight.to(u.dtype), groups=d)
-        h_out = h + y.transpose(1, 2).to(h.dtype)
+        y = y.transpose(1, 2).to(h.dtype)
+        h_out = h + (y if drop is None else drop(y, 1))
         if cache is None:
             return h_out, None
         if prev_bytes is None:

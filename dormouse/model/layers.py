@@ -28,3 +28,62 @@ class LowRankDelta(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return (x @ self.A.t().to(x.dtype)) @ self.B.t().to(x.dtype)
+
+
+# ---- dropout keyed by (seed, step, global row) -------------------------------------------
+
+_M32 = 0xFFFFFFFF
+
+
+def _mix32(h: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer finaliser (two multiply-xorshift rounds) on int64 values in [0, 2^32):
+    a bijection, so distinct inputs give distinct outputs. Constants below 2^27 keep every
+    product inside int64 on every device."""
+    h = (((h >> 16) ^ h) * 0x45D9F3B) & _M32
+    h = (((h >> 16) ^ h) * 0x45D9F3B) & _M32
+    return (h >> 16) ^ h
+
+
+def row_keys(seed: int, step: int, rows: torch.Tensor) -> torch.Tensor:
+    """One key per window from (seed, step, the window's row in the fleet's global batch).
+
+    A rank, a micro-batch or a resume that holds global row r at step s draws the same key,
+    so dropout masks do not depend on how the batch is split or accumulated."""
+    h = _mix32(torch.tensor(int(seed) & _M32, dtype=torch.int64))
+    h = _mix32(h ^ (int(step) & _M32))
+    return _mix32(h ^ (rows.to(torch.int64) & _M32))
+
+
+class KeyedDropout:
+    """Dropout whose mask is a pure function of (row key, site, position): no RNG state.
+
+    `site` names the place in the network (embedding, Engram, each mixer and FFN output per
+    iteration), so every site draws its own mask; activation checkpointing recomputes the
+    very same mask. Inverted scaling (kept values x 1/(1-p)), as torch's dropout."""
+
+    def __init__(self, keys: torch.Tensor, p: float):
+        self.keys = keys.to(torch.int64)
+        self.p = float(p)
+        self._threshold = int(round(self.p * 2**24))
+
+    def __call__(self, t: torch.Tensor, site: int) -> torch.Tensor:
+        b, n = t.shape[0], t[0].numel()
+        base = _mix32(self.keys.to(t.device) ^ ((int(site) * 0x9E3779B + 1) & _M32))
+        pos = torch.arange(n, device=t.device, dtype=torch.int64)
+        h = _mix32(base.view(b, 1) ^ pos.view(1, n))
+        keep = ((h & 0xFFFFFF) >= self._threshold).view(t.shape)
+        return t * keep.to(t.dtype) * (1.0 / (1.0 - self.p))
+
+
+def dropout_for(training: bool, p: float, keys: torch.Tensor | None, batch: int,
+                device: torch.device) -> KeyedDropout | None:  # fmt: skip
+    """The forward's dropout: None in eval or at p=0; keys from the loop, else fresh random
+    keys (a caller outside the loop, such as a benchmark, that gives none)."""
+    if not training or p <= 0:
+        return None
+    if keys is None:
+        keys = torch.randint(0, 2**31, (batch,), dtype=torch.int64)
+    elif keys.shape[0] != batch:
+        raise ValueError(f"dropout keys: {keys.shape[0]} keys for {batch} windows; give one "
+                         f"per window (layers.row_keys)")  # fmt: skip
+    return KeyedDropout(keys.to(device), p)

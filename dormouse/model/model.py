@@ -19,7 +19,7 @@ from torch.utils.checkpoint import checkpoint
 from ..config import ModelConfig
 from .engram import Engram
 from .kda import KDAMixer
-from .layers import RMSNorm
+from .layers import RMSNorm, dropout_for
 from .moe import MoE
 
 
@@ -33,11 +33,13 @@ class Block(nn.Module):
         self.norm2 = RMSNorm(cfg.d_model)
         self.moe = MoE(cfg)
 
-    def forward(self, h, iteration: int, cache=None, moe_cache=None):
+    def forward(self, h, iteration: int, cache=None, moe_cache=None, drop=None, site: int = 0):
+        """`drop` (training only): the keyed dropout on each residual branch's output, at
+        sites `site` (mixer) and `site + 1` (FFN)."""
         a, cache = self.mixer(self.norm1(h), iteration=iteration, cache=cache)
-        h = h + a
+        h = h + (a if drop is None else drop(a, site))
         f, aux = self.moe(self.norm2(h), key=iteration, cache=moe_cache)
-        return h + f, cache, aux
+        return h + (f if drop is None else drop(f, site + 1)), cache, aux
 
 
 class _QuantizedSaves(torch.autograd.graph.saved_tensors_hooks):
@@ -70,26 +72,37 @@ class DormouseModel(nn.Module):
         nn.init.normal_(self.head.weight, std=cfg.init_std / math.sqrt(2 * cfg.n_layers * cfg.max_iter))
 
     # ---- training / evaluation --------------------------------------------------
-    def _apply_block(self, block: Block, h, iteration: int):
+    def _apply_block(self, block: Block, h, iteration: int, drop=None, site: int = 0):
         if not (self.cfg.act_ckpt and self.training and torch.is_grad_enabled()):
-            out, _, aux = block(h, iteration)
+            out, _, aux = block(h, iteration, drop=drop, site=site)
             return out, aux
         ctx = _QuantizedSaves() if self.cfg.act_ckpt_quant else nullcontext()
         with ctx:
-            out, _, aux = checkpoint(block, h, iteration, use_reentrant=False)
+            # the keyed dropout recomputes the very same mask in the checkpoint's replay
+            out, _, aux = checkpoint(block, h, iteration, None, None, drop, site,
+                                     use_reentrant=False)  # fmt: skip
         return out, aux
 
-    def forward(self, x: torch.Tensor, y: torch.Tensor | None = None):
-        """x, y: int64 [B, T] bytes. Returns (logits [B,T,256], mean CE loss or None, aux)."""
+    def forward(self, x: torch.Tensor, y: torch.Tensor | None = None,
+                keys: torch.Tensor | None = None):  # fmt: skip
+        """x, y: int64 [B, T] bytes. Returns (logits [B,T,256], mean CE loss or None, aux).
+
+        `keys` [B] (layers.row_keys: one per window, from seed, step and global row) key the
+        dropout masks while training with dropout > 0, so a fleet draws what one process
+        draws; without them (a caller outside the loop) the masks are random."""
+        drop = dropout_for(self.training, self.cfg.dropout, keys, x.shape[0], x.device)
         h = self.embed(x)
-        h, _ = self.engram(h, x)
+        if drop is not None:
+            h = drop(h, 0)
+        h, _ = self.engram(h, x, drop=drop)
         quantized = self.cfg.act_ckpt and self.cfg.act_ckpt_quant and self.training
         for block in self.blocks:  # a fresh routing record per forward (see MoE.route)
             block.moe.replay = {} if quantized else None
         loads, dropped = [], 0
         for it in range(self.cfg.max_iter):
-            for block in self.blocks:
-                h, aux = self._apply_block(block, h, it)
+            for li, block in enumerate(self.blocks):
+                site = 2 + 2 * (it * len(self.blocks) + li)
+                h, aux = self._apply_block(block, h, it, drop, site)
                 loads.append(aux["load"])
                 dropped = dropped + aux.get("dropped", 0)
         logits = self.head(self.norm_f(h))
@@ -144,8 +157,11 @@ class DormouseModel(nn.Module):
 
 def count_params(cfg: ModelConfig) -> int:
     """Parameters of a model with this config, counted on the meta device (no memory)."""
+    from . import make_model
+
     with torch.device("meta"):
-        model = DormouseModel(cfg)
+        model = make_model(cfg)
     # A host-RAM Engram store keeps its rows outside the parameter set; count them too.
-    host = getattr(model.engram.store, "host_numel", lambda: 0)()
+    store = getattr(getattr(model, "engram", None), "store", None)
+    host = getattr(store, "host_numel", lambda: 0)()
     return sum(p.numel() for p in model.parameters()) + host

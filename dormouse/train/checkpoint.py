@@ -176,17 +176,19 @@ def rank_rng(ck: dict, rank: int) -> dict[str, Any]:
 
 def save_state(path: str | Path, net: torch.nn.Module, opt, *, run: RunConfig, step: int,
                data_state: dict, data_fingerprint: list[dict] | None,
-               main: bool = True) -> None:  # fmt: skip
+               main: bool = True, extra: dict | None = None) -> None:  # fmt: skip
     """The loop's save, on every rank: sharded under FSDP2, else the full state gathered (a
-    collective under a process group) and written by rank 0 (`main`) alone."""
+    collective under a process group) and written by rank 0 (`main`) alone. `extra`: the
+    loop's own bookkeeping (best validation so far, training seconds), plain values only."""
     if sharded(net):
         save_sharded(path, net, opt, run=run, step=step, data_state=data_state,
-                     data_fingerprint=data_fingerprint)  # fmt: skip
+                     data_fingerprint=data_fingerprint, extra=extra)  # fmt: skip
         return
     model, optim = model_state(net), optimizer_state(net, opt)
     if main:
         save_checkpoint(path, run=run, model_state=model, optimizer_state=optim, step=step,
-                        data_state=data_state, data_fingerprint=data_fingerprint)  # fmt: skip
+                        data_state=data_state, data_fingerprint=data_fingerprint,
+                        extra=extra)  # fmt: skip
 
 
 def sharded(net: torch.nn.Module) -> bool:
@@ -458,6 +460,14 @@ def _commit(path: Path, tmp: Path, manifest: dict, step: int) -> None:
         shutil.rmtree(final, ignore_errors=True)  # never committed: the previous one stands
         raise
     _prune_shards(path, keep=final.name)
+
+
+def remove_checkpoint(path: str | Path) -> None:
+    """Delete a checkpoint (a sharded one's shard directories too), if there is one."""
+    path = Path(path)
+    path.unlink(missing_ok=True)
+    if path.parent.is_dir():
+        _prune_shards(path, keep="")
 
 
 def _prune_shards(path: Path, keep: str) -> None:

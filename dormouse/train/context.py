@@ -156,6 +156,16 @@ class DPContext:
         dist.all_reduce(x)
         return float(x.item()) / self.global_tokens
 
+    def sum_all(self, values: list[float]) -> list[float]:
+        """Each value summed over the fleet in float64, on every rank (identity at world 1)."""
+        if self.world == 1:
+            return [float(v) for v in values]
+        import torch.distributed as dist
+
+        x = torch.tensor(values, dtype=torch.float64, device=self.device)
+        dist.all_reduce(x)
+        return [float(v) for v in x.tolist()]
+
     @property
     def lfb_reduce(self):
         """Passed to model.lfb_update: sums the routers' counts over the fleet, in place, so

@@ -16,11 +16,19 @@ blocks tile the view. Wrapping is per block, never per rank, so a block never
 straddles the end; the last `len(view) % stride` bytes of the view are never
 read (less than one step's worth).
 
-Block order. With `shuffle` (the default) the blocks of each pass over the view
-are visited in a permutation drawn from (seed, pass): a pure function of the
-step, identical on every rank and after a resume, so the layout above holds
-block by block. Without it the blocks are read in file order, which feeds the
-model one source file after another (a strongly non-i.i.d. stream).
+Block order and phase. With `shuffle` (the default) the blocks of each pass over
+the view are visited in a permutation drawn from (seed, pass), and each pass tiles
+the view from its own PHASE, a byte offset drawn from (seed, pass): the view is
+read as a ring, block i of a pass covering `[phase + i*stride, + stride) mod n`.
+A window therefore starts at a different byte in every pass (two passes share
+their windows only when their phases agree modulo seq_len+1: a coincidence of
+about 1 in seq_len+1), which is what stops a model from memorising a small corpus
+window by window; the layout above still holds block by block (no byte read twice
+within a pass, fewer than `stride` bytes left unread, every rank and a resume
+compute the same blocks). The one window per pass that crosses the seam reads
+the view's last bytes then its first ones, like a document boundary. Without
+`shuffle` blocks are read in file order from phase 0, which feeds the model one
+source file after another (a strongly non-i.i.d. stream).
 """
 
 from __future__ import annotations
@@ -241,6 +249,9 @@ class ByteStream:
                 f"larger file"
             )
         self.n_blocks = n // self.stride
+        # layout 2: each pass from its own phase (module docstring); a checkpoint written
+        # before phases existed resumes with phase 0, exactly as it was trained
+        self.phased = shuffle_seed is not None
         self.step = 0
 
     @property
@@ -248,9 +259,18 @@ class ByteStream:
         return self.step
 
     def span(self, step: int) -> tuple[int, int]:
-        """[start, stop) byte offsets in the view that this rank reads at `step`."""
-        start = self.block(step) * self.stride + self.offset
+        """[start, stop) byte offsets of the ring that this rank reads at `step`: `stop` may
+        pass the view's end, the excess then wraps to its start (`read`)."""
+        start = (self.phase(step // self.n_blocks) + self.block(step) * self.stride
+                 + self.offset) % self.view.shape[0]  # fmt: skip
         return start, start + self.window
+
+    def phase(self, n_pass: int) -> int:
+        """Where pass `n_pass` starts tiling the view: drawn from (seed, pass), 0 unshuffled."""
+        if not self.phased:
+            return 0
+        rng = np.random.default_rng([int(self.shuffle_seed), n_pass, 0x70686173])  # "phas"
+        return int(rng.integers(0, self.view.shape[0]))
 
     def block(self, step: int) -> int:
         """Which block of the view the fleet reads at `step`."""
@@ -265,7 +285,10 @@ class ByteStream:
 
     def read(self, step: int) -> np.ndarray:
         a, b = self.span(step)
-        return self.view[a:b]
+        n = self.view.shape[0]
+        if b <= n:
+            return self.view[a:b]
+        return np.concatenate([self.view[a:], self.view[: b - n]])
 
     def peek(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         return windows(self.read(step), self.batch, self.seq_len)
@@ -301,7 +324,8 @@ class ByteStream:
 
     def state_dict(self) -> dict:
         return {"kind": "stream", "step": self.step, "n_bytes": int(self.view.shape[0]),
-                "stride": self.stride, "shuffle_seed": self.shuffle_seed}  # fmt: skip
+                "stride": self.stride, "shuffle_seed": self.shuffle_seed,
+                "phased": self.phased}  # fmt: skip
 
     def load_state_dict(self, sd: dict) -> None:
         if sd.get("kind") != "stream":
@@ -327,6 +351,9 @@ class ByteStream:
                 f"{sd.get('shuffle_seed')}, this run with {self.shuffle_seed}; resume with the "
                 f"same seed and shuffle setting"
             )
+        # a checkpoint from before per-pass phases read every pass from byte 0: its run
+        # continues on that layout, so the resume reads exactly the bytes it would have
+        self.phased = bool(sd.get("phased", False)) and self.shuffle_seed is not None
         self.step = int(sd["step"])
 
 
@@ -634,6 +661,32 @@ class DataSource:
                 start = (i * (L - window)) // (k - 1) if k > 1 else 0
                 out.append(windows(s.val[start:start + window], batch, seq_len))
         return out
+
+
+    def val_all(self, batch: int, seq_len: int):
+        """Every byte of every val split once: (x, y) batches of up to `batch` windows that
+        advance seq_len bytes at a time (each byte after a split's first is a target exactly
+        once); a split's last, shorter window comes alone. Deterministic; built lazily."""
+        if not self.has_val:
+            raise DataError("this run has no validation split (val_frac=0 and val_bytes=0); "
+                            "pass --data FILE to evaluate on the tail of another file")  # fmt: skip
+        for s in self.sources:
+            v = s.val
+            n_full = (len(v) - 1) // seq_len
+            for i in range(0, n_full, batch):
+                k = min(batch, n_full - i)
+                rows = np.stack([v[(i + j) * seq_len:(i + j + 1) * seq_len + 1]
+                                 for j in range(k)])  # fmt: skip
+                w = torch.from_numpy(rows.astype(np.int64))
+                yield w[:, :-1], w[:, 1:]
+            rest = (len(v) - 1) - n_full * seq_len
+            if rest > 0:
+                w = torch.from_numpy(np.array(v[n_full * seq_len:], dtype=np.int64)).view(1, -1)
+                yield w[:, :-1], w[:, 1:]
+
+    def val_bytes_total(self) -> int:
+        """The targets `val_all` scores: each split's bytes but its first."""
+        return sum(max(0, len(s.val) - 1) for s in self.sources)
 
 
 def _shares(n: int, weights: Sequence[float]) -> list[int]:

@@ -27,6 +27,7 @@ import torch
 from ..config import RunConfig, validate
 from ..errors import UserError
 from . import checkpoint as ckpt
+from ..model.layers import row_keys
 from .context import DPContext
 from .data import DataError, fingerprint_mismatch, open_data
 
@@ -143,20 +144,50 @@ class _Progress:
 # ---- evaluation -------------------------------------------------------------------------
 
 
-@torch.no_grad()
-def evaluate(model, batches, device, autocast_dtype) -> dict[str, float]:
+def _sums(model, batches, device, autocast_dtype, pad: int = 0) -> tuple[float, int]:
+    """(sum of nats, tokens) over `batches`; `pad` more forwards of the first batch that count
+    for nothing (FSDP2: every rank must run as many forwards as the others)."""
     was = model.training
     model.eval()
     total, count = 0.0, 0
-    for x, y in batches:
-        x, y = x.to(device), y.to(device)
-        with _autocast(device, autocast_dtype):
-            _, loss, _ = model(x, y)
-        total += float(loss) * y.numel()
-        count += y.numel()
+    if pad:
+        batches = list(batches) + list(batches[:1]) * pad
+    with torch.no_grad():
+        for i, (x, y) in enumerate(batches):
+            x, y = x.to(device), y.to(device)
+            with _autocast(device, autocast_dtype):
+                _, loss, _ = model(x, y)
+            if not pad or i < len(batches) - pad:
+                total += float(loss) * y.numel()
+                count += y.numel()
     model.train(was)
+    return total, count
+
+
+def _result(total: float, count: int) -> dict[str, float]:
     nats = total / max(1, count)
-    return {"loss": nats, "bpb": nats / LN2, "tokens": count}
+    return {"loss": nats, "bpb": nats / LN2, "tokens": int(count)}
+
+
+def evaluate(model, batches, device, autocast_dtype) -> dict[str, float]:
+    """Token-weighted mean loss over `batches` (any iterable) in one process: {loss, bpb,
+    tokens}."""
+    return _result(*_sums(model, batches, device, autocast_dtype))
+
+
+def evaluate_fleet(model, net, batches, ctx: DPContext, autocast_dtype) -> dict[str, float]:
+    """The fleet's evaluation of one fixed list of batches: rank r takes batches r::world, the
+    sums meet in one collective, every rank gets the same result (one process: `evaluate`).
+    So no rank waits in a barrier while rank 0 evaluates alone. DDP ranks run their local
+    replica; FSDP2 ranks run the sharded net, padded to the same number of forwards."""
+    mine = batches[ctx.rank::ctx.world]
+    pad = 0
+    if ctx.eval_on_all_ranks:
+        pad = -(-len(batches) // ctx.world) - len(mine)
+    total, count = _sums(net if ctx.eval_on_all_ranks else model, mine, ctx.device,
+                         autocast_dtype, pad)  # fmt: skip
+    total, count = ctx.sum_all([total, count])
+    return _result(total, int(count))
 
 
 def _autocast(device: torch.device, dtype):
@@ -217,24 +248,36 @@ def _call(hook, **info) -> None:
         hook(info)
 
 
+def dropout_keys(model, ctx: DPContext, seed: int, step: int | None, rows: int):
+    """The keys of this rank's windows at `step` (layers.row_keys of their global rows), or
+    None when the model drops nothing (or no step is given: a benchmark's random masks)."""
+    if step is None or getattr(getattr(model, "cfg", None), "dropout", 0.0) <= 0:
+        return None
+    first = ctx.offset // (ctx.shape.seq_len + 1)  # this rank's first row in the global batch
+    return row_keys(seed, step, torch.arange(first, first + rows))
+
+
 def train_step(model, net, opt, ctx: DPContext, x, y, cfg, factor: float, autocast,
-               cb: Callbacks | None = None):
+               cb: Callbacks | None = None, step: int | None = None):
     """One optimizer step on this rank's (x, y): returns (loss, aux, stepped).
 
     The whole step lives here so the loop and `dormouse bench` time the same code:
     schedule, forward, the scaled backward, the fleet's post-backward reductions, the
     non-finite decision (ONE collective: every rank skips together), clip, step, LFB.
+    `step` keys the dropout masks by (seed, step, global row) when the model drops.
     """
     cb = cb or Callbacks()
     device = ctx.device
     opt.set_lr_factor(factor)
     x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
     k = ctx.shape.accum
+    keys = dropout_keys(model, ctx, cfg.seed, step, x.shape[0])
+    kw = [{} for _ in range(k)] if keys is None else [{"keys": kj} for kj in keys.chunk(k)]
     losses = []
     for j, (xj, yj) in enumerate(zip(x.chunk(k), y.chunk(k))):
         # the reducer runs once, on the last micro-batch's backward
         with _no_sync(net, last=j == k - 1), _autocast(device, autocast):
-            _, loss_j, aux = net(xj, yj)
+            _, loss_j, aux = net(xj, yj, **kw[j])
             (loss_j * ctx.loss_scale).backward()
         losses.append(loss_j.detach())
     # equal micro-batches: their mean is the token-weighted mean of this rank's windows
@@ -294,6 +337,66 @@ def ckpt_path(run: RunConfig) -> Path:
     return Path(run.train.out_dir) / f"{run.train.ckpt_name}.pt"
 
 
+def best_path(run: RunConfig) -> Path:
+    """Where the checkpoint of the best validation loss so far is kept: best.pt beside
+    ckpt.pt (NAME.best.pt beside NAME.pt for another ckpt_name)."""
+    name = run.train.ckpt_name
+    return Path(run.train.out_dir) / ("best.pt" if name == "ckpt" else f"{name}.best.pt")
+
+
+#: Evaluations in a row with val up and train loss down before the loop says "overfitting".
+OVERFIT_EVALS = 3
+
+
+@dataclass
+class _Best:
+    """The loop's record of validation: the best so far, evaluations since it, and the last
+    few (step, val, train loss) points for the overfitting line. Saved in every checkpoint."""
+
+    step: int | None = None
+    loss: float = math.inf
+    since: int = 0
+    history: list = None  # [(step, val loss, train loss)], the last OVERFIT_EVALS + 1
+    train_s: float = 0.0  # seconds spent in training steps (not eval, saves or the 1st step)
+
+    def __post_init__(self):
+        self.history = list(self.history or [])
+
+    def state(self) -> dict:
+        return {"best_step": self.step, "best_loss": self.loss if self.step is not None else None,
+                "since_best": self.since, "history": [list(h) for h in self.history],
+                "train_s": self.train_s}  # fmt: skip
+
+    @classmethod
+    def load(cls, extra: dict | None) -> "_Best":
+        e = extra or {}
+        loss = e.get("best_loss")
+        return cls(step=e.get("best_step"), loss=math.inf if loss is None else float(loss),
+                   since=int(e.get("since_best", 0)),
+                   history=[tuple(h) for h in e.get("history", [])],
+                   train_s=float(e.get("train_s", 0.0)))  # fmt: skip
+
+    def see(self, step: int, val: float, train_loss: float) -> tuple[bool, str | None]:
+        """Record one evaluation: (a new best?, the overfitting line when the streak of val up
+        while train loss falls reaches OVERFIT_EVALS, else None)."""
+        improved = val < self.loss
+        if improved:
+            self.step, self.loss, self.since = step, val, 0
+        else:
+            self.since += 1
+        self.history = (self.history + [(step, val, train_loss)])[-(OVERFIT_EVALS + 1):]
+        h = self.history
+        if len(h) == OVERFIT_EVALS + 1 and all(
+                b[1] > a[1] and b[2] < a[2] for a, b in zip(h, h[1:])):  # fmt: skip
+            return improved, (
+                f"overfitting: val up {OVERFIT_EVALS} evals in a row ({h[0][1]:.4f} -> "
+                f"{h[-1][1]:.4f}) while train loss fell ({h[0][2]:.4f} -> {h[-1][2]:.4f}); best "
+                f"was step {self.step} (val {self.loss:.4f}, kept in best.pt). More data, "
+                f"--set dropout=0.1, or --set early_stop=N stops such a run"
+            )
+        return improved, None
+
+
 def train(
     model: torch.nn.Module,
     net: torch.nn.Module,
@@ -324,11 +427,13 @@ def train(
     data_print = data.fingerprint()
     # a fleet's watchdog (watchdog.Heartbeat) hears where this rank is; one process: nothing
     beat = ctx.heartbeat or _NoHeartbeat()
-    evaluates = (main or ctx.eval_on_all_ranks) and data.has_val
-    val = data.val_batches(cfg.eval_batches, cfg.batch, cfg.seq_len) if evaluates else []
+    # every rank holds the list and evaluates its share of it (evaluate_fleet)
+    val = data.val_batches(cfg.eval_batches, cfg.batch, cfg.seq_len) if data.has_val else []
 
     out = Path(cfg.out_dir)
     path = ckpt_path(run)
+    best_file = best_path(run)
+    best = _Best()
     metrics_path = out / "metrics.jsonl"
     start = 0
     if resume:
@@ -355,6 +460,7 @@ def train(
                 f"or another --out)"
             )
         ckpt.set_rng_state(ckpt.rank_rng(ck, ctx.rank))
+        best = _Best.load(ck.get("extra"))
         start = int(ck["step"])
         log.info(f"resumed from {path} at step {start}")
         for change in ckpt.resume_changes(ck["run"], run):
@@ -371,18 +477,21 @@ def train(
                                 f"a writable --out") from None  # fmt: skip
         if not resume:
             metrics_path.write_text("")
+            # a best.pt from the run this one replaces (--overwrite) is not this run's best
+            ckpt.remove_checkpoint(best_file)
         (out / "config.json").write_text(run.to_json())
     log.info(f"run {run.source}: {ctx.describe()} steps={cfg.steps} lr={cfg.lr} "
              f"dtype={'fp32' if autocast is None else str(autocast).replace('torch.', '')}")  # fmt: skip
 
-    def save(step: int) -> None:
+    def save(step: int, where: Path = path) -> None:
         # Every rank takes part: under FSDP2 each writes its shards and rank 0 commits them;
         # else the state is gathered (a collective) and rank 0 writes the one file.
         beat.at(step, "save")
         refused = None
         try:
-            ckpt.save_state(path, net, opt, run=run, step=step, data_state=stream.state_dict(),
-                            data_fingerprint=data_print, main=main)  # fmt: skip
+            ckpt.save_state(where, net, opt, run=run, step=step, data_state=stream.state_dict(),
+                            data_fingerprint=data_print, main=main,
+                            extra=best.state())  # fmt: skip
         except ckpt.CheckpointError as e:  # NaN parameters, a full disk...
             refused = e
         else:
@@ -405,24 +514,39 @@ def train(
             with metrics_path.open("a") as f:
                 f.write(json.dumps(row) + "\n")
 
-    def do_eval(step: int) -> dict:
+    def do_eval(step: int, train_loss: float) -> tuple[dict, bool]:
+        """Evaluate (the fleet splits the batches), log, keep best.pt; (result, stop?)."""
         beat.at(step, "eval")
-        res = {}
-        if main or ctx.eval_on_all_ranks:
-            res = evaluate(net if ctx.eval_on_all_ranks else model, val, device, autocast)
-        if main:
-            tag = f" dist={ctx.rank}/{ctx.world}" if ctx.world > 1 else ""
-            log.info(f"eval step={step} loss={res['loss']:.4f} bpb={res['bpb']:.4f}{tag}")
-            write_metrics({"kind": "eval", "step": step, "loss": res["loss"], "bpb": res["bpb"]})
-        ctx.barrier()
-        _call(cb.on_eval, step=step, val=res, model=model, net=net, opt=opt, ctx=ctx)
-        return res
+        res = evaluate_fleet(model, net, val, ctx, autocast)
+        tag = f" (split over {ctx.world} ranks)" if ctx.world > 1 else ""
+        log.info(f"eval step={step} loss={res['loss']:.4f} bpb={res['bpb']:.4f} on "
+                 f"{res['tokens']} val bytes{tag}")  # fmt: skip
+        write_metrics({"kind": "eval", "step": step, "loss": res["loss"], "bpb": res["bpb"],
+                       "val_bytes": res["tokens"], "bytes": step * ctx.stride,
+                       "train_s": round(best.train_s, 3)})  # fmt: skip
+        stop = False
+        improved, overfit = best.see(step, res["loss"], train_loss)
+        if overfit:
+            log.warning(overfit)
+        if improved and step > 0:  # the untrained model is nobody's best checkpoint
+            save(step, best_file)
+            log.info(f"best val so far ({res['loss']:.4f}) at step {step}: {best_file}")
+        if cfg.early_stop and best.since >= cfg.early_stop:
+            log.warning(f"early stop at step {step}: {best.since} evaluations without a new "
+                        f"best (early_stop={cfg.early_stop}); best was step {best.step} "
+                        f"(val {best.loss:.4f}, in {best_file})")  # fmt: skip
+            stop = True
+        _call(cb.on_eval, step=step, val=res if main else {}, model=model, net=net, opt=opt,
+              ctx=ctx)  # fmt: skip
+        return res, stop
 
     end = cfg.steps if stop_at is None else min(cfg.steps, stop_at)
     bar = _Progress(cfg.steps, progress and main)
     # `data.has_val`, not `val`: val is empty on ranks that do not evaluate, yet every rank
     # must enter do_eval for its barrier (else the fleet's collectives fall out of step).
-    first_eval = do_eval(start) if (cfg.eval_every and start == 0 and data.has_val) else {}
+    first_eval = {}
+    if cfg.eval_every and start == 0 and data.has_val:
+        first_eval, _ = do_eval(start, math.nan)
     skips = consecutive = 0
     last_loss = float("nan")
     tokens_seen = 0
@@ -435,6 +559,7 @@ def train(
     stopped = False
     last_saved = start if resume else None
     stopper.install()
+    early, last_val = False, {}
     try:
         for step in range(start, end):
             # here `step` steps are complete: the one place a stop leaves a resumable state
@@ -463,8 +588,10 @@ def train(
                     f"another rank found a data file shrunk under the run before step {step} "
                     f"(its message names the file); rank {ctx.rank} stops with it"
                 )
+            t_step = time.perf_counter()
             x, y = stream.next()
-            loss, aux, ok = train_step(model, net, opt, ctx, x, y, cfg, factor, autocast, cb)
+            loss, aux, ok = train_step(model, net, opt, ctx, x, y, cfg, factor, autocast, cb,
+                                       step=step)  # fmt: skip
             if step == start:  # the first step may be long on one rank (kernel autotune)
                 beat.settled()
             if not ok:
@@ -501,8 +628,18 @@ def train(
                                "lr": lr_now, "gnorm": aux["gnorm"], "tok_s": tps, "ms": ms,
                                "load": aux["load"].tolist() if aux.get("load") is not None else None})  # fmt: skip
             bar.update(done, last_loss)
-            if cfg.eval_every and done % cfg.eval_every == 0 and done != end and data.has_val:
-                do_eval(done)
+            evals = bool(cfg.eval_every and done % cfg.eval_every == 0 and done != end
+                         and data.has_val)  # fmt: skip
+            if evals and device.type == "cuda":
+                torch.cuda.synchronize(device)  # this step's kernels count as training time
+            if step > start:  # the first step of a process holds kernel autotune / compile
+                best.train_s += time.perf_counter() - t_step
+            if evals:
+                last_val, early = do_eval(done, last_loss)
+                if early:
+                    save(done)
+                    end = done
+                    break
             if cfg.ckpt_every and done % cfg.ckpt_every == 0 and done != end:
                 save(done)
                 last_saved = done
@@ -517,8 +654,13 @@ def train(
     finally:
         stopper.restore()
     bar.clear()
-    final = do_eval(end) if data.has_val else {}
-    save(end)
+    final = last_val if early else {}
+    if data.has_val and not early:
+        final, _ = do_eval(end, last_loss)
+    if not early:
+        save(end)
+    if best.step is not None:
+        log.info(f"best val {best.loss:.4f} at step {best.step}: {best_file}")
     if main and metrics_path.exists():
         _plot(metrics_path, out / "loss.png")
     return {
@@ -531,4 +673,6 @@ def train(
         "rank": ctx.rank,
         "world_size": ctx.world,
         "checkpoint": str(path),
+        "best": {"step": best.step, "loss": best.loss, "path": str(best_file)}
+        if best.step is not None else None,
     }

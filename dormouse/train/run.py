@@ -54,20 +54,21 @@ def dtype_name(dtype: torch.dtype | None) -> str:
 def build_model(run: RunConfig, meta: bool = False) -> torch.nn.Module:
     """The model of `run`, seeded by run.train.seed (every rank builds the same one). An arm
     this build does not have (moe_impl=triton) is the model's own refusal, a UserError."""
-    from ..model import DormouseModel
+    from ..model import make_model
 
     if meta:
         with torch.device("meta"):
-            return DormouseModel(run.model)
+            return make_model(run.model)
     torch.manual_seed(run.train.seed)
-    return DormouseModel(run.model)
+    return make_model(run.model)
 
 
 def check_arms(run: RunConfig, device: torch.device, autocast: torch.dtype | None) -> None:
     """Refuse a pinned kernel arm that cannot run on this device before any step runs."""
     from ..model.arms import require_arms
 
-    require_arms(run.model, device, autocast or torch.float32)
+    if run.model.arch == "dormouse":  # the GPT baseline has no kernel arms
+        require_arms(run.model, device, autocast or torch.float32)
 
 
 def prepare(run: RunConfig, device_type: str | None = None, local_rank: int | None = None,
@@ -76,6 +77,12 @@ def prepare(run: RunConfig, device_type: str | None = None, local_rank: int | No
     run = validate(run)
     if run.train.fit_gb:
         from .fit import apply_fit
+
+        if run.model.arch != "dormouse":
+            raise TrainingError(
+                f"--fit models dormouse's own architecture; arch={run.model.arch} is the "
+                f"baseline: drop --fit and choose --set batch/seq_len by hand"
+            )
 
         run = apply_fit(run, world)
     device = resolve_device(device_type or run.train.device, local_rank)

@@ -1,0 +1,126 @@
+"""`python -m dormouse compare RUN_A RUN_B`: two runs' validation curves, one PNG, time-to-target.
+
+Reads each run folder's metrics.jsonl (its eval rows carry `train_s`, seconds spent in
+training steps excluding evaluation, checkpoint writes and each process's first step, where
+kernels autotune and compile; and `bytes`, the training bytes consumed), plots validation loss
+against both into one figure and prints, per run, the best validation loss and the time and
+bytes each took to reach the target (default: RUN_B's best, RUN_B being the baseline).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from pathlib import Path
+
+from .errors import UserError
+
+log = logging.getLogger(__name__)
+
+
+class CompareError(UserError, ValueError):
+    """A run folder that cannot be compared; the message names the file and the escape."""
+
+
+def read_evals(run: str | Path) -> tuple[str, list[dict]]:
+    """(label, eval rows in step order) of one run folder."""
+    folder = Path(run)
+    metrics = folder / "metrics.jsonl"
+    if not metrics.is_file():
+        raise CompareError(f"{folder}: no metrics.jsonl (is it a run folder? pass the --out of "
+                           f"a `dormouse train`)")  # fmt: skip
+    rows = []
+    for n, line in enumerate(metrics.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError:
+            raise CompareError(f"{metrics}: line {n} is not JSON; the file is damaged") from None
+        if row.get("kind") == "eval":
+            rows.append(row)
+    if not rows:
+        raise CompareError(f"{metrics}: no evaluation rows (train with eval_every > 0 and a "
+                           f"validation split)")  # fmt: skip
+    missing = [r["step"] for r in rows if "train_s" not in r or "bytes" not in r]
+    if missing:
+        raise CompareError(f"{metrics}: eval rows without train_s/bytes (steps {missing[:3]}...): "
+                           f"written by an older dormouse; train the run again to compare it")
+    label = folder.name
+    cfg = folder / "config.json"
+    if cfg.is_file():
+        try:
+            label = f"{folder.name} ({json.loads(cfg.read_text()).get('source', '?')})"
+        except ValueError:
+            pass
+    return label, sorted(rows, key=lambda r: r["step"])
+
+
+def reach(rows: list[dict], target: float) -> dict | None:
+    """The first eval row at or below `target`, or None."""
+    return next((r for r in rows if r["loss"] <= target), None)
+
+
+def summary(runs: list[tuple[str, list[dict]]], target: float | None) -> tuple[float, list[str]]:
+    """(the target used, the table's lines)."""
+    bests = [min(rows, key=lambda r: r["loss"]) for _, rows in runs]
+    if target is None:
+        target = bests[-1]["loss"]  # the baseline's best
+    head = (f"{'run':<40} {'best val':>9} {'at step':>8} {'train s':>8}   "
+            f"time to {target:.4f}   bytes to it")
+    lines = [head, "-" * len(head)]
+    for (label, rows), b in zip(runs, bests):
+        hit = reach(rows, target)
+        to = (f"{hit['train_s']:>8.1f} s (step {hit['step']})   {hit['bytes'] / 2**20:>9.1f} MiB"
+              if hit else f"{'not reached':>24}")  # fmt: skip
+        lines.append(f"{label[:40]:<40} {b['loss']:>9.4f} {b['step']:>8} {b['train_s']:>8.1f}   {to}")
+    return target, lines
+
+
+def plot(runs: list[tuple[str, list[dict]]], png: Path, target: float) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
+    for label, rows in runs:
+        a.plot([r["train_s"] for r in rows], [r["loss"] for r in rows], "o-", ms=3, label=label)
+        b.plot([r["bytes"] / 2**20 for r in rows], [r["loss"] for r in rows], "o-", ms=3,
+               label=label)  # fmt: skip
+    for ax, xl in ((a, "training seconds (eval, saves and first step excluded)"),
+                   (b, "training bytes consumed (MiB)")):  # fmt: skip
+        ax.axhline(target, color="grey", lw=0.8, ls="--")
+        ax.set_xlabel(xl)
+        ax.grid(alpha=0.3)
+    a.set_ylabel("validation loss (nats/byte)")
+    a.legend(fontsize=8)
+    finite = [r["loss"] for _, rows in runs for r in rows if math.isfinite(r["loss"])]
+    if finite:  # the untrained model's ~5.5 would flatten the curves that matter
+        lo = min(finite)
+        a.set_ylim(lo - 0.05, min(max(finite), lo + 2.5) + 0.05)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+
+
+def main_compare(paths: list[str], out: str | None, target: float | None) -> int:
+    if len(paths) < 2:
+        raise CompareError("compare needs at least two run folders: dormouse compare RUN_A RUN_B")
+    if target is not None and not math.isfinite(target):
+        raise CompareError(f"--target {target}: give a finite validation loss (nats/byte)")
+    runs = [read_evals(p) for p in paths]
+    target, lines = summary(runs, target)
+    for line in lines:
+        log.info(line)
+    png = Path(out) if out else Path(paths[0]) / "compare.png"
+    try:
+        plot(runs, png, target)
+    except ImportError:
+        raise CompareError("the plot needs matplotlib (pip install matplotlib); the table above "
+                           "is complete without it") from None  # fmt: skip
+    except OSError as e:
+        raise CompareError(f"cannot write {png} ({e.strerror or e}); pick another --out") from None
+    log.info(f"validation curves (vs training seconds and vs bytes) written to {png}")
+    return 0
