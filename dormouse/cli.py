@@ -265,7 +265,7 @@ def cmd_plan(args) -> int:
         log.info(format_routes(route_params(model, opt=run.train.opt)))
     if args.fit is None and (args.world is not None or args.shard is not None):
         raise UserError("plan: --world/--shard plan a fleet's memory and need --fit GB (the "
-                        f"card size, or one per rank: --fit 16,8); add --fit")
+                        "card size, or one per rank: --fit 16,8); add --fit")
     if args.shard is not None:
         from .train.fit import SHARDS
 
