@@ -692,7 +692,9 @@ def format_fit_line(budget_gb: float, est: Estimate, engaged: list[str]) -> str:
     return (
         f"fit={budget_gb:g}GB usable={_g(usable_bytes(budget_gb))}GiB "
         f"est_peak={_g(est.total)}GiB ({est.phase}) engaged={','.join(engaged) or 'none'} "
-        f"({comps} GiB; kda={est.arm} K={est.k_act:.0f}B tokens={est.tokens})"
+        f"({comps} GiB; kda={est.arm} K={est.k_act:.0f}B tokens={est.tokens}"
+        + (f"; a rank of {est.world}, {'FSDP2' if est.shard == 'fsdp' else 'DDP'})"
+           if est.world > 1 else ")")
     )
 
 
