@@ -271,10 +271,20 @@ def cmd_plan(args) -> int:
         with torch.device("meta"):
             model = DormouseModel(run.model)
         log.info(format_routes(route_params(model, opt=run.train.opt)))
+    if args.fit is None and (args.world is not None or args.shard is not None):
+        raise UserError("plan: --world/--shard plan a fleet's memory and need --fit GB (the "
+                        "card size, or one per rank: --fit 16,8); add --fit")
+    if args.shard is not None:
+        from .train.fit import SHARDS
+
+        if args.shard not in SHARDS:
+            raise UserError(f"--shard {args.shard!r} is not one of {', '.join(SHARDS)} (none = "
+                            f"DDP, every rank the whole model; fsdp = FSDP2, each rank 1/N)")
+        run = apply_sets(run, [f"dist_shard={args.shard}"])
     if args.fit is not None:
         from .train.fit import main_plan
 
-        main_plan(run, args.fit, batch=args.batch, seq=args.seq)
+        main_plan(run, args.fit, batch=args.batch, seq=args.seq, world=args.world)
     if not args.routes and args.fit is None:
         from .model import count_params
 
@@ -363,7 +373,12 @@ def build_parser() -> argparse.ArgumentParser:
     pl = sub.add_parser("plan", help="parameter count, optimizer routes, --fit arithmetic")
     pl.add_argument("preset", choices=preset_names())
     pl.add_argument("--routes", action="store_true", help="print which optimizer owns each parameter")
-    pl.add_argument("--fit", type=float, metavar="GB")
+    pl.add_argument("--fit", metavar="GB[,GB...]",
+                    help="plan into a card of GB (one per rank for a mixed fleet)")
+    pl.add_argument("--world", type=int, metavar="N",
+                    help="ranks in the fleet (default: one, or one per --fit GB)")
+    pl.add_argument("--shard", metavar="none|fsdp",
+                    help="the fleet's sharding: none (DDP) or fsdp (FSDP2); default dist_shard")
     pl.add_argument("--batch", type=int)
     pl.add_argument("--seq", type=int)
     pl.add_argument("--set", action="append", metavar="KEY=VALUE")

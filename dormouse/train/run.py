@@ -148,8 +148,9 @@ def _train_fleet(run: RunConfig, *, resume, stop_at, model, callbacks, device_ty
     except RefusedError as e:
         raise RefusedError(
             f"--fit {run.train.fit_gb} engaged a mechanism the fleet cannot run: {e}. The "
-            f"fit planner does not know about fleets yet: drop --fit and set the mechanisms "
-            f"by hand (--set moe_offload=true, muon_state_dtype=bf16, ...)"
+            f"planner should have skipped it (fit.unavailable): drop --fit and set the "
+            f"mechanisms by hand (python -m dormouse plan PRESET --fit GB --world N --shard "
+            f"{run.train.dist_shard} prints them)"
         ) from None
     run = fitted
     ctx = fleet.join(run, device, compute=dtype_name(autocast), rate=rate, timeout_s=timeout_s)
