@@ -138,6 +138,18 @@ class TrainConfig:
     # longer, ends every rank of the fleet (docs/reliability.md, the fleet)
     dist_timeout: float = 600.0
     fit_gb: float = 0.0  # 0 = no --fit
+    # re-balancing a fleet while it trains (train/balance.py): with dist_capacity=auto, every
+    # rebalance_every steps the ranks' measured compute times re-split the same global batch;
+    # a new split is taken only when it shortens the predicted step by more than
+    # rebalance_threshold (the hysteresis). 0 = the start-up split stays.
+    rebalance_every: int = 50
+    rebalance_threshold: float = 0.05
+    # forced re-splits "STEP:B0,B1,...;STEP:..." (windows per rank from that 0-based step on):
+    # reproducible runs and the gates; replaces the measured re-balancing
+    rebalance_at: str = ""
+    # EMULATION of a slow card on a CPU fleet: "RANK:FACTOR" makes that rank sleep FACTOR x
+    # its own measured compute every step (bench fleet, docs/fleet.md); "" = off
+    emulate_slow: str = ""
 
 
 @dataclass(frozen=True)
@@ -387,6 +399,7 @@ _POSITIVE = (
 _NON_NEGATIVE = (
     "rank gate_rank segment_len shared_rank moe_capacity moe_lb_coef steps warmup wd "
     "grad_clip log_every eval_every ckpt_every val_bytes bucket_mb fit_gb lr min_lr_frac global_batch "
+    "rebalance_every rebalance_threshold "
     "engram_lr_mult init_std dropout early_stop"
 ).split()
 
@@ -533,6 +546,13 @@ def validate(run: RunConfig) -> RunConfig:
             f"launch a fleet: torchrun --nproc_per_node=N -m dormouse train ... --dist "
             f"--capacity {t.dist_capacity}"
         )
+    for knob in ("rebalance_at", "emulate_slow"):
+        if getattr(t, knob).strip() and not t.dist:
+            raise ConfigError(
+                f"{knob}={getattr(t, knob)!r} acts on a fleet's split, and this run is one "
+                f"process (no --dist), so it would be ignored; drop it, or launch a fleet with "
+                f"--dist"
+            )
     if t.data_weights and len(t.data_weights) != len(t.data):
         raise ConfigError(
             f"{len(t.data_weights)} data_weights for {len(t.data)} corpora; give one weight "

@@ -307,6 +307,32 @@ def _rows_from_zero(orig):
     return shard_rows
 
 
+def _switch_keeps_stream(orig):
+    def switch(self, split):
+        inner = self.inner
+        orig(self, split)
+        self.inner = inner
+
+    return switch
+
+
+def _switch_keeps_context(orig):
+    def switch(self, split):
+        ctx = self.ctx
+        orig(self, split)
+        self.ctx = ctx
+
+    return switch
+
+
+def _no_hysteresis(orig):
+    def decide(self, *args):
+        self.threshold = 0.0
+        return orig(self, *args)
+
+    return decide
+
+
 MUTATIONS: list[Mutation] = [
     Mutation("loss_scale_world_squared",
              "the loss scale is world_size^2 * t_r / sum(t): every fleet gradient is world_size "
@@ -460,6 +486,32 @@ MUTATIONS: list[Mutation] = [
              (("dormouse.model.moe:MoE.capacity_of",
                lambda orig: lambda self, row_len: orig(self, row_len) + 1),),
              ("g19_kernels",), scope="process"),
+    Mutation("resplit_keeps_old_stream",
+             "a re-split replaces the context but keeps reading the old slice (the stream is not "
+             "rebuilt at the new offset and size)",
+             (("dormouse.train.balance:FleetStream._switch", _switch_keeps_stream),),
+             ("g27_resplit",)),
+    Mutation("resplit_keeps_old_context",
+             "a re-split rebuilds the stream but keeps the old DPContext: the loss scale and the "
+             "fleet loss weigh the new windows by the old shares",
+             (("dormouse.train.balance:FleetStream._switch", _switch_keeps_context),),
+             ("g27_resplit",)),
+    Mutation("resume_forgets_split",
+             "a resume ignores the split stored in the checkpoint and continues in join's",
+             (("dormouse.train.balance:FleetStream.load_state_dict",
+               lambda orig: lambda self, sd: orig(self, {k: v for k, v in sd.items()
+                                                         if k != "split"})),),
+             ("g27_resplit",)),
+    Mutation("rebalance_without_hysteresis",
+             "the re-balancer takes any split its noisy rates predict to be faster (threshold 0)",
+             (("dormouse.train.balance:Balancer.decide", _no_hysteresis),),
+             ("g28_rebalance",), scope="process"),
+    Mutation("rebalance_by_time",
+             "the split is proportional to each rank's step time instead of its rate",
+             (("dormouse.train.balance:split_capped",
+               lambda orig: lambda rates, total, caps=None: orig([1 / r for r in rates], total,
+                                                                 caps)),),
+             ("g28_rebalance",), scope="process"),
 ]
 
 BY_NAME = {m.name: m for m in MUTATIONS}

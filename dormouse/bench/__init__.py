@@ -1,4 +1,4 @@
-"""`python -m dormouse bench {step,optim,memory,shards}`: benchmarks that print a table, never tests.
+"""`python -m dormouse bench {step,optim,memory,shards,fleet}`: benchmarks that print a table, never tests.
 
 Owns the command and what its sub-benchmarks (step.py, optim.py, memory.py, shards.py: each
 adds its flags and returns its report; no sub-command means step) share: the machine lines, the
@@ -20,18 +20,18 @@ log = logging.getLogger(__name__)
 
 
 def _parser() -> argparse.ArgumentParser:
-    from . import memory, optim, shards, step
+    from . import fleet, memory, optim, shards, step
 
     ap = argparse.ArgumentParser(
         prog="dormouse bench", description=__doc__.splitlines()[0],
         epilog="No sub-command runs step: `dormouse bench [PRESET ...] [flags]`.")  # fmt: skip
-    sub = ap.add_subparsers(dest="bench", metavar="{step,optim,memory,shards}")
+    sub = ap.add_subparsers(dest="bench", metavar="{step,optim,memory,shards,fleet}")
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     common.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="override a config field, as in train")  # fmt: skip
     common.add_argument("--out", help="also write the markdown report to this file")
-    for mod in (step, optim, memory, shards):
+    for mod in (step, optim, memory, shards, fleet):
         first = mod.__doc__.splitlines()[0]  # "name: what it measures"
         p = sub.add_parser(first.split(":")[0], parents=[common], help=first.split(": ", 1)[1],
                            description=first)  # fmt: skip
@@ -43,7 +43,7 @@ def _parser() -> argparse.ArgumentParser:
 def main_bench(argv: list[str]) -> int:
     """`python -m dormouse bench [step|optim|memory|shards] [flags]`: print (and --out) a report."""
     argv = list(argv[1:] if argv[:1] == ["--"] else argv)
-    if not argv or argv[0] not in ("step", "optim", "memory", "shards", "-h", "--help"):
+    if not argv or argv[0] not in ("step", "optim", "memory", "shards", "fleet", "-h", "--help"):
         argv = ["step", *argv]  # the default sub-benchmark
     args = _parser().parse_args(argv)
 

@@ -515,6 +515,11 @@ def _capacity(run: RunConfig, device: torch.device, world: int,
     rates = None
     if spec.lower() == "auto":
         mine = rate if rate is not None else measure_rate(device)
+        from .balance import parse_slow
+
+        # EMULATION (emulate_slow): the rank named trains 1 + FACTOR times slower, and its
+        # start-up guess says so too (a matmul burst would not see a sleep)
+        mine /= 1.0 + parse_slow(cfg.emulate_slow, int(os.environ.get("RANK", "0")))
         rates = _agree([mine], device)
         log.info(f"capacity auto: matmul rates {', '.join(f'{r / 1e9:.2f}' for r in rates)} "
                  f"GFLOP/s {'(injected)' if rate is not None else '(measured)'}")  # fmt: skip

@@ -28,6 +28,7 @@ from ..config import RunConfig, validate
 from ..errors import UserError
 from . import checkpoint as ckpt
 from ..model.layers import row_keys
+from .balance import FleetStream
 from .context import DPContext
 from .data import DataError, fingerprint_mismatch, open_data
 
@@ -422,8 +423,9 @@ def train(
     device = ctx.device
 
     data = open_data(cfg)
-    shape = ctx.shape
-    stream = data.train_stream(shape.windows, shape.seq_len, offset=ctx.offset, stride=ctx.stride)
+    # on a fleet the split may change while training (balance.py): the stream re-splits on the
+    # fleet's agreed steps and the loop takes its context after every read
+    stream = FleetStream(data, ctx, run, model)
     data_print = data.fingerprint()
     # a fleet's watchdog (watchdog.Heartbeat) hears where this rank is; one process: nothing
     beat = ctx.heartbeat or _NoHeartbeat()
@@ -590,6 +592,7 @@ def train(
                 )
             t_step = time.perf_counter()
             x, y = stream.next()
+            ctx = stream.ctx
             loss, aux, ok = train_step(model, net, opt, ctx, x, y, cfg, factor, autocast, cb,
                                        step=step)  # fmt: skip
             if step == start:  # the first step may be long on one rank (kernel autotune)

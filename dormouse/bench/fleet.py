@@ -1,0 +1,147 @@
+"""fleet: a mixed fleet's tokens/s against the sum of its ranks' solo rates (CPU, gloo).
+
+Each rank's solo rate first (one process, the whole global batch, the rank's emulation), then
+the fleet of `--world` ranks under three splits of the same global batch: equal, start-up auto
+(the matmul guess, `rebalance_every=0`) and re-balanced auto (measured while training). On
+the CPU a slow card is EMULATED: `--slow RANK:FACTOR` (the `emulate_slow` knob) makes that
+rank sleep FACTOR x its own compute each step, and divides its start-up matmul rate by
+1 + FACTOR; it is not a measurement of a real slower card.
+
+    python -m dormouse bench fleet --world 2 --slow 1:1.0 --global-batch 24 --steps 60
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from .common import configure, machine_lines, report, table
+
+log = logging.getLogger(__name__)
+
+MODES = (("equal", "", 0), ("start-up auto", "auto", 0), ("re-balanced auto", "auto", None))
+
+
+def add_args(ap) -> None:
+    ap.add_argument("preset", nargs="?", default="tiny", help="the preset (default tiny)")
+    ap.add_argument("--world", type=int, default=2, help="ranks (default 2)")
+    ap.add_argument("--slow", default="1:1.0", help="RANK:FACTOR emulated slow rank (1:1.0)")
+    ap.add_argument("--global-batch", type=int, default=24, help="windows a step (default 24)")
+    ap.add_argument("--seq", type=int, default=64, help="window length (default 64)")
+    ap.add_argument("--steps", type=int, default=60, help="steps per fleet run (default 60)")
+    ap.add_argument("--every", type=int, default=10, help="rebalance_every (default 10)")
+
+
+def _sets(args, extra=()) -> list[str]:
+    return [f"seq_len={args.seq}", f"batch={args.global_batch}", "eval_every=0", "ckpt_every=0",
+            "log_every=1000", "dtype=fp32", *args.set, *extra]  # fmt: skip
+
+
+def _solo(args, rank: int) -> float:
+    """tokens/s of this rank alone on the whole global batch (its emulation on)."""
+    from ..train.balance import StepTimer, parse_slow
+    from .common import build, windows
+
+    run = configure(args.preset, _sets(args))
+    model, step, _ = build(run, torch.device("cpu"))
+    timer = StepTimer(model, torch.device("cpu"), parse_slow(args.slow, rank))
+    data = windows(run, 8)
+    walls = []
+    for i in range(8):
+        t0 = time.perf_counter()
+        timer.start(args.global_batch)
+        step(i, data[i])
+        timer.stop()
+        walls.append(time.perf_counter() - t0)
+    timer.remove()
+    return args.global_batch * args.seq / statistics.median(walls[2:])
+
+
+def _rank(rank: int, world: int, port: int, sets: list[str], preset: str, out: str) -> None:
+    from ..config import apply_sets, preset as load
+    from ..train.loop import Callbacks
+    from ..train.run import train_run
+
+    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
+                       "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank)})  # fmt: skip
+    torch.set_num_threads(1)
+    lines: list[str] = []
+
+    class Sink(logging.Handler):
+        def emit(self, record):
+            lines.append(record.getMessage())
+
+    lg = logging.getLogger("dormouse")
+    lg.addHandler(Sink(logging.INFO))
+    lg.setLevel(logging.INFO)
+    stamps: list[float] = []
+    splits: list[str] = []
+
+    def after(info):
+        stamps.append(time.perf_counter())
+        splits.append(",".join(str(s.windows) for s in info["ctx"].shapes))
+
+    run = apply_sets(load(preset), sets + [f"out_dir={out}/run{rank}"])
+    train_run(run, device_type="cpu", callbacks=Callbacks(after_step=after))
+    if rank == 0:
+        import json
+
+        Path(out, "rank0.json").write_text(json.dumps({"stamps": stamps, "splits": splits,
+                                                        "lines": lines}))  # fmt: skip
+
+
+def _fleet(args, capacity: str, every: int) -> dict:
+    import json
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tempfile.mkdtemp(prefix="dormouse-bench-fleet-")
+    sets = _sets(args, [f"global_batch={args.global_batch}", "dist=true",
+                        f"dist_capacity={capacity}", f"rebalance_every={every}",
+                        f"emulate_slow={args.slow}", f"steps={args.steps}"])  # fmt: skip
+    mp.start_processes(_rank, (args.world, port, sets, args.preset, out), nprocs=args.world,
+                       join=True, start_method="spawn")  # fmt: skip
+    got = json.loads(Path(out, "rank0.json").read_text())
+    walls = [b - a for a, b in zip(got["stamps"], got["stamps"][1:])]
+    tail = walls[len(walls) // 2:]  # the second half: after the re-balancer settled
+    return {"tok_s": args.global_batch * args.seq / statistics.median(tail),
+            "start": got["splits"][0], "end": got["splits"][-1],
+            "resplits": [ln for ln in got["lines"] if "->" in ln and ln.startswith("rebalance")]}
+
+
+def run(args, command: str) -> str:
+    if args.global_batch < 16:
+        log.info("note: a global batch under 16 windows cannot split 2:1 finely (8 windows: 5/3 "
+                 "at best, 0.89 of the sum)")
+    torch.set_num_threads(1)
+    solo = [_solo(args, r) for r in range(args.world)]
+    total = sum(solo)
+    rows = []
+    for name, cap, every in MODES:
+        every = args.every if every is None else every
+        log.info(f"fleet: {name} ...")
+        f = _fleet(args, cap, every)
+        rows.append([name, f["start"], f["end"], str(len(f["resplits"])), f"{f['tok_s']:,.0f}",
+                     f"{f['tok_s'] / total:.3f}"])  # fmt: skip
+    body = (table(["rank", "solo tokens/s (whole global batch, alone)"],
+                  [[str(r), f"{s:,.0f}"] for r, s in enumerate(solo)])
+            + f"\n\nSum of solo rates: {total:,.0f} tokens/s\n\n"
+            + table(["split", "first", "last", "re-splits", "fleet tokens/s", "of the sum"], rows))
+    notes = [f"{args.preset}, global batch {args.global_batch} windows of {args.seq}, "
+             f"{args.steps} steps per fleet, rebalance_every={args.every}; fleet tokens/s = "
+             f"global batch x seq / median step wall over the second half of the steps (rank 0)",
+             f"EMULATION: --slow {args.slow}: that rank sleeps FACTOR x its own compute each step "
+             f"and its start-up matmul rate is divided by 1 + FACTOR (emulate_slow)",
+             "every process one torch thread; the solo rates are measured one rank at a time"]
+    return report("Mixed fleet (CPU emulation)", machine_lines(torch.device("cpu"), command),
+                  body, notes)
