@@ -30,6 +30,10 @@ class ConfigError(UserError, ValueError):
     """A configuration the system cannot honour; the message names cause and escape."""
 
 
+#: `dropout=auto`, as stored in a config: resolved to a probability before the model is built.
+DROPOUT_AUTO = -1.0
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """The network's shape. Field names are unique across ModelConfig and TrainConfig."""
@@ -73,7 +77,9 @@ class ModelConfig:
     max_seq_len: int = 512
     init_std: float = 0.02
     # regularisation: dropout on the embedding and on every residual branch's output (GPT-2's
-    # places), masks keyed by (seed, step, global row) so a fleet draws what one process draws
+    # places), masks keyed by (seed, step, global row) so a fleet draws what one process draws.
+    # DROPOUT_AUTO (`--set dropout=auto`, the presets' default): chosen from how many times the
+    # run reads its train split (train/run.py resolve_dropout; measured in docs/learning.md)
     dropout: float = 0.0
 
     @property
@@ -248,18 +254,21 @@ _SMALL = ModelConfig(
     d_model=256, n_heads=4, head_dim=64, d_ffn=128, n_layers=4, max_iter=2, rank=16,
     n_experts=8, moe_topk=2, engram_rows=16384, engram_dim=32, engram_heads=4,
     shared_rank=64, gate_rank=32, max_seq_len=512,
+    dropout=DROPOUT_AUTO,
 )  # fmt: skip
 
 _MEDIUM = ModelConfig(
     d_model=768, n_heads=12, head_dim=64, d_ffn=768, n_layers=6, max_iter=2, rank=32,
     n_experts=8, moe_topk=2, engram_rows=65536, engram_dim=64, engram_heads=4,
     shared_rank=128, gate_rank=64, max_seq_len=1024,
+    dropout=DROPOUT_AUTO,
 )  # fmt: skip
 
 _B1 = ModelConfig(
     d_model=1536, n_heads=12, head_dim=128, d_ffn=1920, n_layers=8, max_iter=2, rank=64,
     n_experts=8, moe_topk=2, engram_rows=393216, engram_dim=128, engram_heads=4,
     shared_rank=256, gate_rank=128, max_seq_len=2048,
+    dropout=DROPOUT_AUTO,
 )  # fmt: skip
 
 #: The plain-GPT baselines (model/gpt.py) for `small`: the same total parameters (9.15M vs
@@ -345,6 +354,8 @@ def parse_value(tp, text: str, key: str):
         if tp is int:
             return int(text, 0)
         if tp is float:
+            if key.rsplit(".", 1)[-1] == "dropout" and text.strip().lower() == "auto":
+                return DROPOUT_AUTO
             return float(text)
         if tp is str or origin is Literal:  # validate() checks a Literal's value
             return text
@@ -400,7 +411,7 @@ _NON_NEGATIVE = (
     "rank gate_rank segment_len shared_rank moe_capacity moe_lb_coef steps warmup wd "
     "grad_clip log_every eval_every ckpt_every val_bytes bucket_mb fit_gb lr min_lr_frac global_batch "
     "rebalance_every rebalance_threshold "
-    "engram_lr_mult init_std dropout early_stop"
+    "engram_lr_mult init_std early_stop"
 ).split()
 
 
@@ -471,8 +482,9 @@ def validate(run: RunConfig) -> RunConfig:
     for k in _NON_NEGATIVE:
         if vals[k] < 0:
             raise ConfigError(f"{k}={vals[k]} must not be negative")
-    if m.dropout >= 1:
-        raise ConfigError(f"dropout={m.dropout} must be in [0, 1) (0.1 drops one value in ten)")
+    if m.dropout != DROPOUT_AUTO and not 0 <= m.dropout < 1:
+        raise ConfigError(f"dropout={m.dropout} must be in [0, 1) (0.1 drops one value in ten), "
+                          f"or auto (chosen from the passes over the data)")  # fmt: skip
     if m.vocab != 256:
         raise ConfigError(f"vocab={m.vocab}: dormouse is byte-level, vocab must be 256")
     if m.moe_topk > m.n_experts:

@@ -59,7 +59,7 @@ GATES = [
     "g12_fsdp_checkpoint", "g13_policy", "g14_engram_ram_fleet", "g15_signal_stop",
     "g16_clip", "g17_bf16_reduce", "g18_causal", "g19_kernels", "g20_data", "g21_multinode",
     "g22_elastic", "g23_capacity_fleet", "g24_fsdp_muon", "g25_sharded_ckpt",
-    "g26_accumulation", "g27_resplit", "g28_rebalance",
+    "g26_accumulation", "g27_resplit", "g28_rebalance", "g29_dropout",
 ]  # fmt: skip
 
 

@@ -333,6 +333,26 @@ def _no_hysteresis(orig):
     return decide
 
 
+def _keys_by_local_row(orig):
+    import torch
+
+    from dormouse.model.layers import row_keys
+
+    def dropout_keys(model, ctx, seed, step, rows):
+        if orig(model, ctx, seed, step, rows) is None:
+            return None
+        return row_keys(seed, step, torch.arange(rows))  # each rank numbers its rows from 0
+
+    return dropout_keys
+
+
+def _phase_per_rank(orig):
+    def phase(self, n_pass):
+        return (orig(self, n_pass) + self.offset) % self.view.shape[0]  # each rank its own
+
+    return phase
+
+
 MUTATIONS: list[Mutation] = [
     Mutation("loss_scale_world_squared",
              "the loss scale is world_size^2 * t_r / sum(t): every fleet gradient is world_size "
@@ -486,6 +506,16 @@ MUTATIONS: list[Mutation] = [
              (("dormouse.model.moe:MoE.capacity_of",
                lambda orig: lambda self, row_len: orig(self, row_len) + 1),),
              ("g19_kernels",), scope="process"),
+    Mutation("dropout_keys_by_local_row",
+             "dropout masks keyed by a rank's own row number (rows 0.. on every rank) instead of "
+             "the row's place in the global batch",
+             (("dormouse.train.loop:dropout_keys", _keys_by_local_row),),
+             ("g29_dropout",)),
+    Mutation("phase_per_rank",
+             "each rank draws its own pass phase (shifted by its offset): the ranks' slices no "
+             "longer tile the single process's block",
+             (("dormouse.train.data:ByteStream.phase", _phase_per_rank),),
+             ("g29_dropout",)),
     Mutation("resplit_keeps_old_stream",
              "a re-split replaces the context but keeps reading the old slice (the stream is not "
              "rebuilt at the new offset and size)",

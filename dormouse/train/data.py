@@ -536,7 +536,7 @@ def _stdlib_plan(root: Path, cap: int) -> list[tuple[str, Path, int]]:
 
 
 def default_corpus(cache_dir: str | os.PathLike | None = None,
-                   cap_bytes: int | None = None) -> Path:  # fmt: skip
+                   cap_bytes: int | None = None, quiet: bool = False) -> Path:  # fmt: skip
     """The running interpreter's standard-library .py sources as one cached file.
 
     Files in sorted relative-path order (site-packages and test folders skipped, as
@@ -561,7 +561,8 @@ def default_corpus(cache_dir: str | os.PathLike | None = None,
     path = where / f"stdlib-py{v.major}.{v.minor}.{v.micro}-{tag}.txt"
     what = f"the standard-library .py sources of Python {v.major}.{v.minor}.{v.micro}"
     if path.is_file() and path.stat().st_size > 0:
-        log.info(f"data: default corpus = {what} ({_mib(path.stat().st_size)}, cap "
+        if not quiet:
+            log.info(f"data: default corpus = {what} ({_mib(path.stat().st_size)}, cap "
             f"{_mib(cap_bytes)}), reused from the cache {path}")  # fmt: skip
         return path
     t0 = time.perf_counter()
@@ -698,6 +699,19 @@ def _shares(n: int, weights: Sequence[float]) -> list[int]:
     for i in order[: n - sum(shares)]:
         shares[i] += 1
     return shares
+
+
+def train_bytes(train_cfg) -> int:
+    """The bytes of every --data file's train split (the default corpus's without --data),
+    found without reading them and without a log line: what `dropout=auto` divides by."""
+    t = train_cfg
+    paths = list(t.data) or [str(default_corpus(quiet=True))]
+    window = t.batch * (t.seq_len + 1)
+    total = 0
+    for p in paths:
+        n = ByteCorpus(p).__len__()
+        total += n - val_length(n, t.val_frac, t.val_bytes, window, name=str(p))
+    return total
 
 
 def open_data(train_cfg, cache_dir=None) -> DataSource:

@@ -359,6 +359,7 @@ class _Best:
     since: int = 0
     history: list = None  # [(step, val loss, train loss)], the last OVERFIT_EVALS + 1
     train_s: float = 0.0  # seconds spent in training steps (not eval, saves or the 1st step)
+    warned: int | None = None  # the best step the overfitting line last spoke of: once each
 
     def __post_init__(self):
         self.history = list(self.history or [])
@@ -387,13 +388,14 @@ class _Best:
             self.since += 1
         self.history = (self.history + [(step, val, train_loss)])[-(OVERFIT_EVALS + 1):]
         h = self.history
-        if len(h) == OVERFIT_EVALS + 1 and all(
+        if len(h) == OVERFIT_EVALS + 1 and self.warned != self.step and all(
                 b[1] > a[1] and b[2] < a[2] for a, b in zip(h, h[1:])):  # fmt: skip
+            self.warned = self.step
             return improved, (
                 f"overfitting: val up {OVERFIT_EVALS} evals in a row ({h[0][1]:.4f} -> "
                 f"{h[-1][1]:.4f}) while train loss fell ({h[0][2]:.4f} -> {h[-1][2]:.4f}); best "
                 f"was step {self.step} (val {self.loss:.4f}, kept in best.pt). More data, "
-                f"--set dropout=0.1, or --set early_stop=N stops such a run"
+                f"more dropout (--set dropout=0.4), or --set early_stop=N stops such a run"
             )
         return improved, None
 
@@ -530,7 +532,7 @@ def train(
         improved, overfit = best.see(step, res["loss"], train_loss)
         if overfit:
             log.warning(overfit)
-        if improved and step > 0:  # the untrained model is nobody's best checkpoint
+        if improved:  # at step 0 too: on data with nothing to learn, the start is the best
             save(step, best_file)
             log.info(f"best val so far ({res['loss']:.4f}) at step {step}: {best_file}")
         if cfg.early_stop and best.since >= cfg.early_stop:
