@@ -307,7 +307,7 @@ def cmd_link(args) -> int:
 def cmd_compare(args) -> int:
     from .compare import main_compare
 
-    return main_compare(args.runs, args.out, args.target)
+    return main_compare(args.runs, args.out, args.target, args.step_ms)
 
 
 def cmd_bench(args) -> int:
@@ -363,6 +363,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("runs", nargs="+", metavar="RUN", help="run folders; the last is the baseline")
     c.add_argument("--out", help="the PNG to write (default: RUN_A/compare.png)")
     c.add_argument("--target", type=float, help="the val loss to time (default: the last run's best)")
+    c.add_argument("--step-ms", metavar="MS,MS", help="time each run as steps x this solo step "
+                   "time (runs that shared a card, timed alone elsewhere)")
     c.set_defaults(fn=cmd_compare)
 
     x = sub.add_parser("export", help="one checkpoint file from a run (sharded or not)")

@@ -57,6 +57,10 @@ def read_evals(run: str | Path) -> tuple[str, list[dict]]:
     return label, sorted(rows, key=lambda r: r["step"])
 
 
+def _size(n: float) -> str:
+    return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 2**10:.1f} KiB"
+
+
 def reach(rows: list[dict], target: float) -> dict | None:
     """The first eval row at or below `target`, or None."""
     return next((r for r in rows if r["loss"] <= target), None)
@@ -72,7 +76,7 @@ def summary(runs: list[tuple[str, list[dict]]], target: float | None) -> tuple[f
     lines = [head, "-" * len(head)]
     for (label, rows), b in zip(runs, bests):
         hit = reach(rows, target)
-        to = (f"{hit['train_s']:>8.1f} s (step {hit['step']})   {hit['bytes'] / 2**20:>9.1f} MiB"
+        to = (f"{hit['train_s']:>8.1f} s (step {hit['step']})   {_size(hit['bytes']):>9}"
               if hit else f"{'not reached':>24}")  # fmt: skip
         lines.append(f"{label[:40]:<40} {b['loss']:>9.4f} {b['step']:>8} {b['train_s']:>8.1f}   {to}")
     return target, lines
@@ -84,7 +88,7 @@ def plot(runs: list[tuple[str, list[dict]]], png: Path, target: float) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
+    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.2), sharey=True)
     for label, rows in runs:
         a.plot([r["train_s"] for r in rows], [r["loss"] for r in rows], "o-", ms=3, label=label)
         b.plot([r["bytes"] / 2**20 for r in rows], [r["loss"] for r in rows], "o-", ms=3,
@@ -105,12 +109,38 @@ def plot(runs: list[tuple[str, list[dict]]], png: Path, target: float) -> None:
     plt.close(fig)
 
 
-def main_compare(paths: list[str], out: str | None, target: float | None) -> int:
+def on_clock(rows: list[dict], step_ms: float) -> list[dict]:
+    """The rows with train_s replaced by steps x a solo step time: for runs that shared a card
+    (their own train_s counts the sharing), timed alone elsewhere."""
+    return [{**r, "train_s": r["step"] * step_ms / 1000.0} for r in rows]
+
+
+def parse_step_ms(text: str | None, n: int) -> list[float] | None:
+    if not text:
+        return None
+    try:
+        ms = [float(x) for x in text.split(",")]
+    except ValueError:
+        ms = []
+    if len(ms) != n or not all(math.isfinite(x) and x > 0 for x in ms):
+        raise CompareError(f"--step-ms {text!r}: give one positive step time in ms per run "
+                           f"({n} runs), e.g. --step-ms 148,23")  # fmt: skip
+    return ms
+
+
+def main_compare(paths: list[str], out: str | None, target: float | None,
+                 step_ms: str | None = None) -> int:  # fmt: skip
     if len(paths) < 2:
         raise CompareError("compare needs at least two run folders: dormouse compare RUN_A RUN_B")
     if target is not None and not math.isfinite(target):
         raise CompareError(f"--target {target}: give a finite validation loss (nats/byte)")
     runs = [read_evals(p) for p in paths]
+    clock = parse_step_ms(step_ms, len(runs))
+    if clock:
+        runs = [(f"{label} @ {ms:g} ms/step", on_clock(rows, ms))
+                for (label, rows), ms in zip(runs, clock)]  # fmt: skip
+        log.info("time axis: steps x the given solo step times (--step-ms), not the runs' own "
+                 "train_s")
     target, lines = summary(runs, target)
     for line in lines:
         log.info(line)
