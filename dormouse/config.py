@@ -114,6 +114,8 @@ class TrainConfig:
     ns_kind: Literal["quintic", "polar_express"] = "quintic"
     ns_dtype: Literal["auto", "fp32", "bf16"] = "auto"
     muon_state_dtype: Literal["fp32", "bf16"] = "fp32"
+    # the Engram tables' Adam moments (the bulk of b1's optimizer state): bf16 halves them
+    engram_state_dtype: Literal["fp32", "bf16"] = "fp32"
     muon_variant: Literal["nesterov", "plain"] = "nesterov"
     muon_sf: Literal["rms", "jordan"] = "rms"
     muon_momentum: float = 0.95

@@ -49,11 +49,15 @@ ACT_ROUTED = ((7.0, 8.0), (10.0, 16.0))
 #: act_ckpt: each application's input h, kept in the fp32 residual dtype (bf16 if quantized)
 ACT_CKPT_INPUT = (4.0, 2.0)
 
+#: Bytes of the two Adam moments of one Engram table value, by engram_state_dtype.
+ENGRAM_MOMENT_BYTES = {"fp32": 8, "bf16": 4}
+
 #: The ladder, cheapest first: (name, config field, value that engages it, its default).
 MECHANISMS: tuple[tuple[str, str, object, object], ...] = (
     ("moe_offload", "moe_offload", True, False),
     ("engram_ram", "engram_ram", True, False),
     ("muon_state_dtype=bf16", "muon_state_dtype", "bf16", "fp32"),
+    ("engram_state_dtype=bf16", "engram_state_dtype", "bf16", "fp32"),
     ("optim_8bit", "optim_8bit", True, False),
     ("act_ckpt", "act_ckpt", True, False),
 )
@@ -368,9 +372,9 @@ def estimate(run: RunConfig, batch: int | None = None, seq: int | None = None, *
     grads = 4 * lay.dev
     adamw = (2 if t.optim_8bit else 8) * lay.adamw
     muon = (2 if t.muon_state_dtype == "bf16" else 4) * lay.muon
-    # The Engram group is dormouse's own row-sparse Adam (fp32 m and v, whatever
-    # optim_8bit says) plus one int32 step count per row.
-    engram = 8 * lay.engram + 4 * lay.engram_rows
+    # The Engram group is dormouse's own row-sparse Adam (m and v in engram_state_dtype,
+    # whatever optim_8bit says) plus one int32 step count per row.
+    engram = ENGRAM_MOMENT_BYTES[t.engram_state_dtype] * lay.engram + 4 * lay.engram_rows
 
     apps = m.n_layers * m.max_iter
     tokens = batch * seq
@@ -551,7 +555,7 @@ def ladder(run: RunConfig, usable: int, world: int = 1) -> tuple[RunConfig, Esti
 
 
 #: Rungs that change the arithmetic (rounded optimizer state): accumulation comes first.
-LOSSY = ("muon_state_dtype=bf16", "optim_8bit")
+LOSSY = ("muon_state_dtype=bf16", "engram_state_dtype=bf16", "optim_8bit")
 
 
 def _accumulated(run: RunConfig, usable: int, world: int) -> RunConfig | None:
@@ -704,7 +708,7 @@ def format_arithmetic(run: RunConfig, est: Estimate) -> list[str]:
     split = param_split(run)
     M = 1e6
     td = est.tokens * m.d_model
-    per_row = 2 if t.optim_8bit else 8
+    per_row = ENGRAM_MOMENT_BYTES[t.engram_state_dtype]
     eng = "0 (host RAM)" if m.engram_ram else f"{per_row} B x {split.engram / M:.2f}M"
     lines = [
         f"{run.source}: {split.total / M:.2f}M parameters (muon {split.muon / M:.2f}M, "

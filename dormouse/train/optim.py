@@ -94,6 +94,8 @@ class MixOptimizer(torch.optim.Optimizer):
 
     `muon_state_dtype="bf16"` stores the stacked momentum in bf16: half the memory, and
     APPROXIMATE by design (it drifts from the fp32 trajectory by bf16 round-off).
+    `engram_state_dtype="bf16"` does the same for the Engram tables' Adam moments (computed
+    in fp32, stored in bf16): the bulk of b1's optimizer state.
     """
 
     def __init__(
@@ -106,6 +108,7 @@ class MixOptimizer(torch.optim.Optimizer):
         ns_kind: str = "quintic",
         ns_dtype: str = "fp32",
         muon_state_dtype: str = "fp32",
+        engram_state_dtype: str = "fp32",
         muon_variant: str = "nesterov",
         muon_sf: str = "rms",
         momentum: float = 0.95,
@@ -117,6 +120,8 @@ class MixOptimizer(torch.optim.Optimizer):
         _check("ns_kind", ns_kind, ("quintic", "polar_express"))
         _check("ns_dtype", ns_dtype, ("auto", "fp32", "bf16"))
         _check("muon_state_dtype", muon_state_dtype, ("fp32", "bf16"))
+        _check("engram_state_dtype", engram_state_dtype, ("fp32", "bf16"))
+        self._engram_state_dtype = DTYPES[engram_state_dtype]
         _check("muon_variant", muon_variant, ("nesterov", "plain"))
         _check("muon_sf", muon_sf, ("rms", "jordan"))
         if ns_steps < 1:
@@ -251,8 +256,9 @@ class MixOptimizer(torch.optim.Optimizer):
                         exp_avg_sq=torch.zeros_like(p, memory_format=torch.preserve_format))
         if self._engram_group is not None:
             for p in self._engram_group["params"]:
-                self.state[p].update(row_state(p))
-        self.host_state = {name: row_state(store.table) for name, store in self._host}
+                self.state[p].update(row_state(p, self._engram_state_dtype))
+        self.host_state = {name: row_state(store.table, self._engram_state_dtype)
+                           for name, store in self._host}  # fmt: skip
 
     def add_param_group(self, param_group: dict) -> None:
         if getattr(self, "_sealed", False):
@@ -274,6 +280,7 @@ class MixOptimizer(torch.optim.Optimizer):
             ns_dtype=ns_dtype, muon_state_dtype=t.muon_state_dtype, muon_variant=t.muon_variant,
             muon_sf=t.muon_sf, momentum=t.muon_momentum, adam_betas=tuple(t.adam_betas),
             engram_lr_mult=t.engram_lr_mult, optim_8bit=t.optim_8bit,
+            engram_state_dtype=t.engram_state_dtype,
         )  # fmt: skip
 
     def set_lr_factor(self, factor: float) -> None:

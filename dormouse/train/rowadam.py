@@ -12,17 +12,20 @@ from __future__ import annotations
 import torch
 
 
-def row_state(table: torch.Tensor) -> dict[str, torch.Tensor]:
+def row_state(table: torch.Tensor, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
     """Fresh Adam state of a [n_tables, rows, dim] table, shaped like it (a DTensor's is one
     too, placed like it, so an FSDP2 shard holds its own rows' state).
 
     step [n_tables, rows] int32 (Adam steps each row has taken: 4 B per row), exp_avg and
-    exp_avg_sq like the table."""
+    exp_avg_sq like the table, in `dtype` (default the table's: fp32; bf16 halves the
+    moments, which `row_adam_` still computes in fp32)."""
+    dtype = dtype or table.dtype
     return {
         "step": torch.zeros_like(table[..., 0], dtype=torch.int32,
                                  memory_format=torch.contiguous_format),  # fmt: skip
-        "exp_avg": torch.zeros_like(table, memory_format=torch.contiguous_format),
-        "exp_avg_sq": torch.zeros_like(table, memory_format=torch.contiguous_format),
+        "exp_avg": torch.zeros_like(table, dtype=dtype, memory_format=torch.contiguous_format),
+        "exp_avg_sq": torch.zeros_like(table, dtype=dtype,
+                                       memory_format=torch.contiguous_format),  # fmt: skip
     }
 
 
@@ -63,8 +66,9 @@ def row_adam_(
     row_step = row_step.view(-1)
     b1, b2 = betas
     p = param.index_select(0, rows)
-    m = exp_avg.index_select(0, rows)
-    v = exp_avg_sq.index_select(0, rows)
+    # moments kept in bf16 are computed in the table's dtype and rounded back once per step
+    m = exp_avg.index_select(0, rows).to(p.dtype)
+    v = exp_avg_sq.index_select(0, rows).to(p.dtype)
     k = row_step.index_select(0, rows) + 1
     g = grad.to(p.dtype)
     m.lerp_(g, 1 - b1)
@@ -75,6 +79,6 @@ def row_adam_(
     denom = (v.sqrt() / bc2_sqrt).add_(eps)
     p.add_((-step_size) * m / denom)  # addcdiv's order: (value * m) / denom
     param.index_copy_(0, rows, p)
-    exp_avg.index_copy_(0, rows, m)
-    exp_avg_sq.index_copy_(0, rows, v)
+    exp_avg.index_copy_(0, rows, m.to(exp_avg.dtype))
+    exp_avg_sq.index_copy_(0, rows, v.to(exp_avg_sq.dtype))
     row_step.index_copy_(0, rows, k.to(row_step.dtype))
