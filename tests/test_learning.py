@@ -6,7 +6,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import math
 import subprocess
 import sys
 
@@ -14,12 +13,10 @@ import numpy as np
 import pytest
 import torch
 
-from dormouse.config import (
-    DROPOUT_AUTO, ConfigError, ModelConfig, RunConfig, TrainConfig, apply_sets, preset, validate,
-)  # fmt: skip
+from dormouse.config import DROPOUT_AUTO, ConfigError, ModelConfig, apply_sets, preset, validate
 from dormouse.model import make_model
 from dormouse.model.layers import KeyedDropout, row_keys
-from dormouse.train.data import ByteStream, DataSource, Source, ByteCorpus
+from dormouse.train.data import ByteCorpus, DataSource, Source
 from dormouse.train.loop import _Best, best_path
 from dormouse.train.run import AUTO_DROPOUT, resolve_dropout, train_run
 

@@ -351,17 +351,23 @@ def test_bad_out_folders_are_refused(tmp_path, capsys, monkeypatch):
 
 def test_a_full_disk_at_save_keeps_the_previous_checkpoint(tmp_path, capsys, monkeypatch):
     out = tmp_path / "r"
-    real = torch.save
-    calls = []
+    real, real_write = torch.save, ckpt._write_file
+    calls, writing = [], []
+
+    def write_file(path, *a, **k):  # which file torch.save is writing (ckpt.pt or best.pt)
+        writing.append(Path(path).name)
+        return real_write(path, *a, **k)
 
     def save(obj, f, *a, **k):
-        calls.append(1)
-        if len(calls) == 2:  # the second checkpoint write finds the disk full
-            f.write(b"partial")
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        if writing[-1] == "ckpt.pt":
+            calls.append(1)
+            if len(calls) == 2:  # the second write of ckpt.pt finds the disk full
+                f.write(b"partial")
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         return real(obj, f, *a, **k)
 
     monkeypatch.setattr(torch, "save", save)
+    monkeypatch.setattr(ckpt, "_write_file", write_file)
     rc, _, err = _train(capsys, tmp_path, out, "--set", "ckpt_every=2", steps=4)
     _refused(rc, err, "No space left on device", "the disk is full", "previous checkpoint")
     assert ckpt.read_checkpoint(out / "ckpt.pt")["step"] == 2

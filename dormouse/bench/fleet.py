@@ -46,7 +46,8 @@ def _sets(args, extra=()) -> list[str]:
 
 def _solo(args, rank: int) -> float:
     """tokens/s of this rank alone on the whole global batch (its emulation on)."""
-    from ..train.balance import StepTimer, parse_slow
+    from ..train.balance import StepTimer
+    from ..train.fleet import parse_slow
     from .common import build, windows
 
     run = configure(args.preset, _sets(args))

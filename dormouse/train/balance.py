@@ -283,21 +283,6 @@ def parse_schedule(text: str, world: int, total: int) -> dict[int, tuple[int, ..
     return out
 
 
-def parse_slow(text: str, rank: int) -> float:
-    """`emulate_slow` "RANK:FACTOR" -> this rank's sleep factor (0 elsewhere)."""
-    if not text.strip():
-        return 0.0
-    try:
-        r, f = text.split(":")
-        r, f = int(r), float(f)
-    except ValueError:
-        raise DistError(f"emulate_slow={text!r} is not RANK:FACTOR (e.g. 1:1.0: rank 1 sleeps "
-                        f"as long as it computes, a card at half speed)") from None  # fmt: skip
-    if not (f >= 0 and math.isfinite(f)):
-        raise DistError(f"emulate_slow={text!r}: FACTOR must be finite and >= 0")
-    return f if r == rank else 0.0
-
-
 # ---- the loop's stream on a fleet -------------------------------------------------------------
 
 
@@ -345,6 +330,8 @@ class FleetStream:
                 log.info(f"rebalance off: {off} (the start-up split stays)")
             else:
                 self.every = int(t.rebalance_every)
+        from .fleet import parse_slow  # a fleet only: one process never imports fleet.py
+
         slow = parse_slow(t.emulate_slow, ctx.rank)
         if slow:
             log.info(f"emulate_slow: rank {ctx.rank} sleeps {slow:g} x its own compute every "

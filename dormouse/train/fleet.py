@@ -494,6 +494,21 @@ def join(
                      compute=compute, heartbeat=heartbeat)  # fmt: skip
 
 
+def parse_slow(text: str, rank: int) -> float:
+    """`emulate_slow` "RANK:FACTOR" -> this rank's sleep factor (0 elsewhere)."""
+    if not text.strip():
+        return 0.0
+    try:
+        r, f = text.split(":")
+        r, f = int(r), float(f)
+    except ValueError:
+        raise DistError(f"emulate_slow={text!r} is not RANK:FACTOR (e.g. 1:1.0: rank 1 sleeps "
+                        f"as long as it computes, a card at half speed)") from None  # fmt: skip
+    if not (f >= 0 and math.isfinite(f)):
+        raise DistError(f"emulate_slow={text!r}: FACTOR must be finite and >= 0")
+    return f if r == rank else 0.0
+
+
 def refuse_uneven_fsdp(shapes: Sequence[RankShape], shard: str) -> None:
     """FSDP2 all-gathers every layer's parameters in each forward: its ranks must run the
     same number of micro-batches (their sizes may differ)."""
@@ -515,7 +530,6 @@ def _capacity(run: RunConfig, device: torch.device, world: int,
     rates = None
     if spec.lower() == "auto":
         mine = rate if rate is not None else measure_rate(device)
-        from .balance import parse_slow
 
         # EMULATION (emulate_slow): the rank named trains 1 + FACTOR times slower, and its
         # start-up guess says so too (a matmul burst would not see a sleep)

@@ -522,7 +522,7 @@ def train(
         """Evaluate (the fleet splits the batches), log, keep best.pt; (result, stop?)."""
         beat.at(step, "eval")
         res = evaluate_fleet(model, net, val, ctx, autocast)
-        tag = f" (split over {ctx.world} ranks)" if ctx.world > 1 else ""
+        tag = f" dist={ctx.rank}/{ctx.world} (split over the ranks)" if ctx.world > 1 else ""
         log.info(f"eval step={step} loss={res['loss']:.4f} bpb={res['bpb']:.4f} on "
                  f"{res['tokens']} val bytes{tag}")  # fmt: skip
         write_metrics({"kind": "eval", "step": step, "loss": res["loss"], "bpb": res["bpb"],
