@@ -209,7 +209,8 @@ def run(cuda: bool = False) -> Record:
         two_dir = _copy(half_dir, "2to2")
         again = runs["2 -> 2"] = _launch("2to2", 2, two_dir, resume=True)
         same = again.get("rec", {}).get("final_fingerprint") == ref["rec"]["final_fingerprint"]
-        checks.append(same and len(shards) == 1)
+        # one shards directory per checkpoint file: ckpt.pt's, and best.pt's (its final eval)
+        checks.append(same and sorted(s.split(".")[0] for s in shards) == ["best", "ckpt"])
         parts.append(f"shards {shards}; 10 + 10 == 20 uninterrupted (SHA-256): {same}")
         # other world sizes at the same global batch: 1 process to 15, that file on 2 ranks to 20
         one_dir = _copy(half_dir, "2to1")
@@ -230,10 +231,11 @@ def run(cuda: bool = False) -> Record:
         d = abs(mine - theirs)
         checks.append(d <= TOL_EVAL)
         parts.append(f"export ({what}): eval {mine:.6f} vs the fleet's {theirs:.6f}, |d| {fmt(d)}")
-    # a save killed midway: rank 1 dies inside its write of the step-10 save (the 2nd)
+    # a save killed midway: rank 1 dies inside its write of the step-10 save of ckpt.pt (the
+    # 3rd sharded save: ckpt.pt at 5, best.pt at the final eval of step 10, then ckpt.pt at 10)
     kill_dir = work_dir("sharded-kill") / "run"
     killed = runs["killed"] = _launch("kill", 2, kill_dir, stop_at=HALF, ckpt_every=5,
-                                      kill_rank=1, kill_save=2)  # fmt: skip
+                                      kill_rank=1, kill_save=3)  # fmt: skip
     try:
         step, fp = _saved_fingerprint(kill_dir)
     except Exception as e:  # noqa: BLE001 - an unloadable checkpoint is the failure measured

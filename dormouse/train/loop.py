@@ -145,20 +145,23 @@ class _Progress:
 # ---- evaluation -------------------------------------------------------------------------
 
 
-def _sums(model, batches, device, autocast_dtype, pad: int = 0) -> tuple[float, int]:
-    """(sum of nats, tokens) over `batches`; `pad` more forwards of the first batch that count
-    for nothing (FSDP2: every rank must run as many forwards as the others)."""
+def _sums(model, batches, device, autocast_dtype, pad: list | None = None) -> tuple[float, int]:
+    """(sum of nats, tokens) over `batches`, then forwards of the `pad` batches that count for
+    nothing (FSDP2: every rank must run as many forwards as the others)."""
     was = model.training
     model.eval()
     total, count = 0.0, 0
+    n_real = None
     if pad:
-        batches = list(batches) + list(batches[:1]) * pad
+        batches = list(batches)
+        n_real = len(batches)
+        batches += pad
     with torch.no_grad():
         for i, (x, y) in enumerate(batches):
             x, y = x.to(device), y.to(device)
             with _autocast(device, autocast_dtype):
                 _, loss, _ = model(x, y)
-            if not pad or i < len(batches) - pad:
+            if n_real is None or i < n_real:
                 total += float(loss) * y.numel()
                 count += y.numel()
     model.train(was)
@@ -182,9 +185,9 @@ def evaluate_fleet(model, net, batches, ctx: DPContext, autocast_dtype) -> dict[
     So no rank waits in a barrier while rank 0 evaluates alone. DDP ranks run their local
     replica; FSDP2 ranks run the sharded net, padded to the same number of forwards."""
     mine = batches[ctx.rank::ctx.world]
-    pad = 0
-    if ctx.eval_on_all_ranks:
-        pad = -(-len(batches) // ctx.world) - len(mine)
+    pad = []
+    if ctx.eval_on_all_ranks:  # a rank with fewer (or no) batches of its own repeats the first
+        pad = batches[:1] * (-(-len(batches) // ctx.world) - len(mine))
     total, count = _sums(net if ctx.eval_on_all_ranks else model, mine, ctx.device,
                          autocast_dtype, pad)  # fmt: skip
     total, count = ctx.sum_all([total, count])
