@@ -39,7 +39,7 @@ def configure(name: str, sets, batch: int | None = None, seq: int | None = None)
     return validate(apply_sets(preset(name), sets))
 
 
-def build(run: RunConfig, device: torch.device, compile: bool = False):
+def build(run: RunConfig, device: torch.device, *, compile: bool = False):
     """(model, step, dtype): the seeded model and optimizer as `dormouse train` builds them;
     step(i, window) is the loop's own step on a [batch, seq+1] window (False: skipped as
     non-finite); dtype is the forward's compute dtype (None = fp32). `compile`: the forward

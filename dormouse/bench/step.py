@@ -138,7 +138,7 @@ def bench_preset(run: RunConfig, device: torch.device, steps: int, warmup: int,
     if cuda:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
-    model, step, dtype = build(run, device, compile)
+    model, step, dtype = build(run, device, compile=compile)
     data, taken = windows(run, warmup + steps), []
     compile_s = None
     if compile:  # dynamo traces and inductor compiles on the first call: timed alone
