@@ -8,4 +8,11 @@ import os as _os
 # an explicit setting in the environment wins.
 _os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
+# Triton's kernels and autotune results under dormouse's cache folder, before anything can
+# import Triton: fla's kernels tune for ~3 minutes per shape on a fresh machine (measured on
+# an H200, issue #16), and Triton keeps the winners only when asked to (dormouse/cache.py).
+from .cache import place_kernel_caches as _place  # noqa: E402
+
+_place()
+
 __version__ = "0.1.0"

@@ -393,7 +393,8 @@ def build_parser() -> argparse.ArgumentParser:
     li.add_argument("rest", nargs=argparse.REMAINDER)
     li.set_defaults(fn=cmd_link)
 
-    b = sub.add_parser("bench", help="benchmark tables: step (the default), optim, memory")
+    b = sub.add_parser("bench", help="benchmark tables: step (the default; --baseline gpt), optim, "
+                       "memory, shards, fleet; warm fills the kernel caches")
     b.add_argument("rest", nargs=argparse.REMAINDER)
     b.set_defaults(fn=cmd_bench)
     return p

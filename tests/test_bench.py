@@ -146,3 +146,99 @@ def test_peak_table_matches_listed_cards_only():
     assert peak_tflops("NVIDIA GeForce RTX 4090", "bf16") == 165.0
     assert peak_tflops("NVIDIA H100 PCIe", "bf16") is None  # lower clocks: not guessed
     assert peak_tflops("NVIDIA GeForce GTX 1650", "fp32") is None
+
+
+# ---- --baseline gpt: the plain GPT at equal total parameters -------------------------------
+
+
+def test_gpt_params_formula_counts_the_built_model():
+    from dormouse.model import count_params
+    from dormouse.model.gpt import gpt_params
+
+    for name in ("gpt-small", "gpt-small-ne"):
+        m = preset(name).model
+        assert gpt_params(m.d_model, m.n_layers, m.d_ffn, m.d_attn, m.max_seq_len) == count_params(m)
+
+
+@pytest.mark.parametrize("name", ["tiny", "small", "medium", "b1"])
+def test_gpt_twin_has_the_presets_total_parameters(name):
+    from dormouse.model import count_params
+    from dormouse.model.gpt import TWIN_TOLERANCE, gpt_twin
+
+    cfg = preset(name).model
+    total = count_params(cfg)
+    twin = gpt_twin(cfg, total)
+    assert twin.arch == "gpt" and twin.d_model % 64 == 0 and twin.head_dim == 64
+    assert twin.d_attn == twin.d_model and twin.d_ffn == 4 * twin.d_model
+    assert twin.max_seq_len == cfg.max_seq_len and twin.dropout == cfg.dropout
+    assert abs(count_params(twin) / total - 1) <= TWIN_TOLERANCE
+    if name == "small":  # the learning runs' baseline is what the rule gives
+        assert twin == replace(preset("gpt-small").model, dropout=cfg.dropout)
+
+
+def test_active_params_of_the_gpt_count_every_matrix_once():
+    from dormouse.model.gpt import GPT
+
+    model = GPT(preset("gpt-small").model)
+    total = sum(p.numel() for p in model.parameters())
+    assert active_params_per_token(model) == total - model.pos.weight.numel()
+
+
+def test_baseline_prints_both_rows_and_the_ratio(capsys):
+    rc = main_bench(["tiny", "--baseline", "gpt", "--device", "cpu", "--steps", "1",
+                     "--warmup", "0"])  # fmt: skip
+    assert rc == 0
+    printed = capsys.readouterr().out
+    rows = _table_rows(printed)
+    header = rows[0]
+    assert header == [*HEADER, "compile", "dormouse / GPT tokens/s"]
+    mine, gpt = (dict(zip(header, r)) for r in rows[2:])
+    assert mine["preset"] == "tiny" and gpt["preset"] == "gpt 64 x 3 (twin of tiny)"
+    assert mine["batch x seq"] == gpt["batch x seq"] == "4 x 64" and gpt["dtype"] == "fp32"
+    assert gpt["KDA arm"] == "- (SDPA attention)" and gpt["compile"] == "off"  # CPU default
+    tok = [float(r["tokens/s"].replace(",", "")) for r in (mine, gpt)]
+    assert mine["dormouse / GPT tokens/s"] == f"{tok[0] / tok[1]:.2f}x"
+    assert gpt["dormouse / GPT tokens/s"] == "-" and float(gpt["step ms (median)"]) > 0
+    assert "Baseline (--baseline gpt)" in printed
+
+
+def test_baseline_compile_is_timed_apart_and_a_failure_names_the_escape(monkeypatch, capsys):
+    calls = []
+
+    def fake_compile(model, **kw):  # the eager model stands in for the compiled one
+        calls.append(kw)
+        return model
+
+    monkeypatch.setattr(torch, "compile", fake_compile)
+    argv = ["tiny", "--baseline", "gpt", "--device", "cpu", "--steps", "1", "--warmup", "0",
+            "--compile", "on"]  # fmt: skip
+    assert main_bench(argv) == 0
+    rows = _table_rows(capsys.readouterr().out)
+    gpt = dict(zip(rows[0], rows[3]))
+    assert calls == [{"dynamic": False}]  # the GPT row only
+    assert gpt["compile"].startswith("on (") and gpt["compile"].endswith(" s first step)")
+
+    class Broken(torch.nn.Module):
+        def forward(self, *a, **kw):
+            raise RuntimeError("inductor: no C++ compiler\nmore detail")
+
+    monkeypatch.setattr(torch, "compile", lambda model, **kw: Broken())
+    assert main_bench(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == ("bench: torch.compile of gpt 64 x 3 (twin of tiny) failed on cpu "
+                       "(RuntimeError: inductor: no C++ compiler); rerun with --compile off")
+
+
+def test_baseline_refusals(capsys):
+    assert main_bench(["tiny", "--device", "cpu", "--compile", "on"]) == 2
+    assert "add --baseline gpt" in capsys.readouterr().err
+    assert main_bench(["gpt-small", "--baseline", "gpt", "--device", "cpu"]) == 2
+    assert "already arch=gpt" in capsys.readouterr().err
+
+
+def test_step_bench_runs_a_gpt_preset(capsys):
+    argv = ["gpt-small", "--device", "cpu", "--steps", "1", "--warmup", "0", "--batch", "2",
+            "--seq", "32"]  # fmt: skip
+    assert main_bench(argv) == 0
+    row = dict(zip(HEADER, _table_rows(capsys.readouterr().out)[2]))
+    assert row["preset"] == "gpt-small" and row["MoE arm"] == "- (GELU MLP)"

@@ -39,10 +39,12 @@ def configure(name: str, sets, batch: int | None = None, seq: int | None = None)
     return validate(apply_sets(preset(name), sets))
 
 
-def build(run: RunConfig, device: torch.device):
+def build(run: RunConfig, device: torch.device, *, compile: bool = False):
     """(model, step, dtype): the seeded model and optimizer as `dormouse train` builds them;
     step(i, window) is the loop's own step on a [batch, seq+1] window (False: skipped as
-    non-finite); dtype is the forward's compute dtype (None = fp32)."""
+    non-finite); dtype is the forward's compute dtype (None = fp32). `compile`: the forward
+    runs through torch.compile(model) (the loop's `net`; the optimizer holds the model's own
+    parameters, which the compiled module shares)."""
     from ..train.context import DPContext
     from ..train.loop import lr_factor, train_step
     from ..train.optim import MixOptimizer
@@ -53,9 +55,10 @@ def build(run: RunConfig, device: torch.device):
     opt = MixOptimizer.from_config(model, t, device.type)
     dtype = resolve_autocast(run, device)
     ctx = DPContext.single(device, t.batch, t.seq_len)
+    net = torch.compile(model, dynamic=False) if compile else model
 
     def step(i: int, w: torch.Tensor) -> bool:
-        return train_step(model, model, opt, ctx, w[:, :-1], w[:, 1:], t, lr_factor(i, t),
+        return train_step(model, net, opt, ctx, w[:, :-1], w[:, 1:], t, lr_factor(i, t),
                           dtype)[2]  # fmt: skip
 
     return model, step, dtype

@@ -53,7 +53,7 @@ def measure(run, device: torch.device) -> tuple[int | None, str]:
     """(peak bytes of a steady-state step or None, notes): a failure is recorded, not fatal."""
     model = step = None
     try:
-        model, step, _ = build(run, device, lambda _l: None)
+        model, step, _ = build(run, device)
         w = windows(run, 1)[0]
         step(0, w)  # warm-up: lazily created optimizer state, kernel autotuning
         torch.cuda.synchronize(device)

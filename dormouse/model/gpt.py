@@ -135,3 +135,42 @@ class GPT(nn.Module):
         for block, kv in zip(self.blocks, cache["kv"]):
             h = block(h, kv=kv)
         return self._logits(h)[:, -1]
+
+
+# ---- the baseline at equal total parameters ------------------------------------------
+
+#: How far a derived twin's count may sit from the target before the aspect rule gives way to
+#: the nearest count: `small`'s twin, gpt-small (384 x 5), is 2.0% under small's 9.34M.
+TWIN_TOLERANCE = 0.03
+#: GPT-2 small's width per layer (768 / 12), the aspect the twin is steered towards.
+TWIN_ASPECT = 64
+
+
+def gpt_params(d_model: int, n_layers: int, d_ffn: int, d_attn: int, max_seq_len: int,
+               vocab: int = 256) -> int:  # fmt: skip
+    """Parameters of GPT(cfg) from its shape: token and position tables (the head is tied),
+    per layer qkv + proj + the MLP's two matrices + two LayerNorms (gain and bias), and the
+    final LayerNorm."""
+    layer = 3 * d_model * d_attn + d_attn * d_model + 2 * d_model * d_ffn + 4 * d_model
+    return (vocab + max_seq_len) * d_model + n_layers * layer + 2 * d_model
+
+
+def gpt_twin(cfg: ModelConfig, total: int) -> ModelConfig:
+    """The plain GPT of about `total` parameters for a model of `cfg` (the baseline at equal
+    total parameters): heads of 64, an MLP of 4 x d_model, cfg's vocab, max_seq_len, init_std
+    and dropout. d_model runs over multiples of 64 with the n_layers nearest the count; among
+    shapes within TWIN_TOLERANCE of `total` the one nearest GPT-2's aspect (d_model / n_layers
+    = 64) wins, else the nearest count. gpt-small is what this gives for `small`."""
+    shapes = []
+    for d in range(64, 8192 + 1, 64):
+        per_layer = gpt_params(d, 1, 4 * d, d, cfg.max_seq_len, cfg.vocab) - \
+            gpt_params(d, 0, 4 * d, d, cfg.max_seq_len, cfg.vocab)  # fmt: skip
+        fixed = gpt_params(d, 0, 4 * d, d, cfg.max_seq_len, cfg.vocab)
+        n = max(1, round((total - fixed) / per_layer))
+        off = abs(fixed + n * per_layer - total) / total
+        shapes.append((off, abs(math.log(d / n / TWIN_ASPECT)), d, n))
+    close = [s for s in shapes if s[0] <= TWIN_TOLERANCE]
+    _, _, d, n = min(close, key=lambda s: s[1]) if close else min(shapes)
+    return ModelConfig(arch="gpt", vocab=cfg.vocab, d_model=d, n_layers=n, n_heads=d // 64,
+                       head_dim=64, d_ffn=4 * d, max_seq_len=cfg.max_seq_len,
+                       init_std=cfg.init_std, dropout=cfg.dropout)  # fmt: skip

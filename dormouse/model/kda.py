@@ -13,15 +13,20 @@ The per-step recurrence both arms must reproduce is `references/kda_naive.py`.
 
 from __future__ import annotations
 
+import logging
 import math
+import time
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dormouse import cache
 from dormouse.config import ModelConfig
 from dormouse.model.arms import Arm, announce, check_request, choose_arm
 from dormouse.model.layers import LowRankDelta, RMSNorm
+
+log = logging.getLogger(__name__)
 
 
 # ---- the torch arm -------------------------------------------------------------------
@@ -166,8 +171,10 @@ def kda_fla(
     del chunk_size
     if initial_state is not None:
         initial_state = initial_state.float().contiguous()
+    q_in = q.contiguous()
+    first = _FirstCall.begin(q_in, v)
     o, S = chunk_kda(
-        q.contiguous(),
+        q_in,
         k.contiguous().to(q.dtype),
         v.contiguous().to(q.dtype),
         g.float().contiguous(),
@@ -176,7 +183,72 @@ def kda_fla(
         initial_state=initial_state,
         output_final_state=output_final_state,
     )
+    if first is not None:
+        first.end(q_in, o)
     return o.to(q.dtype), (S if output_final_state else None)
+
+
+class _FirstCall:
+    """The first fla call of a process per shape, said before it runs and timed after.
+
+    Triton autotunes fla's kernels for each new shape: 178-209 s before the first step on a
+    fresh H200 (issue #16), silent unless said. Whether a call will tune cannot be known
+    cheaply (the winners may sit in Triton's cache), so the first call per shape is announced
+    and, when it took longer than SLOW_S, its forward and its backward are reported. The
+    device is synchronised on these first calls only."""
+
+    SLOW_S = 5.0
+    seen: set[tuple] = set()
+    clock = staticmethod(time.perf_counter)  # tests replace it
+
+    def __init__(self, words: str, device: torch.device):
+        self.words, self.device, self.t0 = words, device, self.now(device)
+
+    def now(self, device: torch.device) -> float:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return self.clock()
+
+    @classmethod
+    def begin(cls, q: torch.Tensor, v: torch.Tensor) -> _FirstCall | None:
+        B, T, H, D = q.shape
+        key = (B, T, H, D, v.shape[-1], q.dtype, q.device)
+        if key in cls.seen:
+            return None
+        cls.seen.add(key)
+        dt = str(q.dtype).replace("torch.", "")
+        words = f"shape {B} x {T} x {H} x {D} ({dt})"
+        cache.say_kernel_cache()
+        later = (f"cached in {cache.triton_dir()}; later runs start in seconds"
+                 if cache.autotune_cached() else
+                 f"NOT cached: {cache.TRITON_AUTOTUNE} is not 1, so every run tunes again")
+        log.info(f"kda: first fla call for {words}; on a fresh machine its kernels autotune for "
+                 f"~3 minutes ({later})")  # fmt: skip
+        return cls(words, q.device)
+
+    def _took(self, what: str, t0: float) -> float:
+        took = self.now(self.device) - t0
+        if took > self.SLOW_S:
+            log.info(f"kda: first fla {what} for {self.words} took {took:.1f} s")
+        return took
+
+    def end(self, q_in: torch.Tensor, o: torch.Tensor) -> None:
+        """After the forward: report it; hook the backward (from o's gradient arriving to
+        q's leaving chunk_kda, its only consumer) so the first backward is timed too."""
+        self._took("forward", self.t0)
+        if not (torch.is_grad_enabled() and o.requires_grad and q_in.requires_grad):
+            return
+        start: list[float] = []
+
+        def grad_in(_g):
+            start.append(self.now(self.device))
+
+        def grad_out(_g):
+            if start:
+                self._took("backward", start.pop())
+
+        o.register_hook(grad_in)
+        q_in.register_hook(grad_out)
 
 
 _KERNELS = {"torch": kda_torch, "fla": kda_fla}

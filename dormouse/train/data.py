@@ -50,6 +50,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from ..cache import cache_dir as dormouse_cache
 from ..errors import UserError
 
 log = logging.getLogger(__name__)
@@ -547,8 +548,7 @@ def default_corpus(cache_dir: str | os.PathLike | None = None,
     """
     cap_bytes = DEFAULT_CORPUS_CAP if cap_bytes is None else int(cap_bytes)
     root = Path(sysconfig.get_paths()["stdlib"])
-    where = cache_dir or os.environ.get("DORMOUSE_CACHE") or Path.home() / ".cache" / "dormouse"
-    where = Path(os.path.expanduser(os.fspath(where)))
+    where = Path(os.path.expanduser(os.fspath(cache_dir))) if cache_dir else dormouse_cache()
     plan = _stdlib_plan(root, cap_bytes)
     if not plan:
         raise DataError(
