@@ -47,16 +47,19 @@ def build(run: RunConfig, device: torch.device):
     from ..train.loop import lr_factor, train_step
     from ..train.optim import MixOptimizer
     from ..train.run import build_model, resolve_autocast
+    from ..train.scaler import LossScaler, loss_scaled
 
     t = run.train
     model = build_model(run).to(device).train()
     opt = MixOptimizer.from_config(model, t, device.type)
     dtype = resolve_autocast(run, device)
     ctx = DPContext.single(device, t.batch, t.seq_len)
+    # an fp16 forward times the loop's loss scaling too (the scale and unscale passes)
+    scaler = LossScaler(t.loss_scale_every) if loss_scaled(dtype, ctx) else None
 
     def step(i: int, w: torch.Tensor) -> bool:
         return train_step(model, model, opt, ctx, w[:, :-1], w[:, 1:], t, lr_factor(i, t),
-                          dtype)[2]  # fmt: skip
+                          dtype, scaler=scaler)[2]  # fmt: skip
 
     return model, step, dtype
 
