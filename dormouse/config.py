@@ -108,6 +108,9 @@ class TrainConfig:
     wd: float = 0.1
     grad_clip: float = 1.0
     max_skips: int = 10  # consecutive non-finite steps before the run stops
+    # dtype=fp16 (on any rank of a fleet): the dynamic loss scale doubles after this many clean
+    # steps in a row (train/scaler.py; torch.amp.GradScaler's default growth interval)
+    loss_scale_every: int = 2000
     # optimizer
     opt: Literal["mix", "adamw"] = "mix"
     ns_steps: int = 5
@@ -407,7 +410,7 @@ _CHOICES = {name: typing.get_args(tp) for cls in (ModelConfig, TrainConfig)
 _POSITIVE = (
     "vocab d_model n_layers max_iter n_heads head_dim conv_size kda_chunk d_ffn n_experts "
     "moe_topk engram_rows engram_dim engram_heads max_seq_len batch seq_len ns_steps "
-    "eval_batches max_skips"
+    "eval_batches max_skips loss_scale_every"
 ).split()
 _NON_NEGATIVE = (
     "rank gate_rank segment_len shared_rank moe_capacity moe_lb_coef steps warmup wd "

@@ -26,13 +26,14 @@ INSTRUMENT = ("policy_for + resolve_dtype('auto') on 8 synthetic DeviceRecords (
               "80, 75, 70, 61, 52; grouped_mm for torch <2.8, 2.8, >=2.9 and the running torch) "
               "vs references/policy_table.py; the arms a KDA mixer and a MoE pick (the `arm` "
               "method their forward calls) on each card described to them, every torch era; one "
-              "real probe() and the model's arms on it vs the table's rule; explicit bf16 and "
-              "fp16 on the sm_75 record")  # fmt: skip
+              "real probe() and the model's arms on it vs the table's rule; explicit bf16 on "
+              "the sm_75 record and fp16 on the sm_52 one")  # fmt: skip
 TOLERANCE = ("exact: every cell equals the hand-written row; each refusal is a DtypeError naming "
-             "the card, sm_75, sm_80 and the escape (fp16: the missing fp16 forward)")  # fmt: skip
+             "the card, its sm, the sm it needs (sm_80 for bf16, sm_53 for fp16) and the "
+             "escape")  # fmt: skip
 
 GiB = 1 << 30
-_DTYPE = {"bf16": torch.bfloat16, "fp32": torch.float32}
+_DTYPE = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def _record(row: Row):
@@ -176,15 +177,17 @@ def _refusals() -> tuple[list[str], int, bool]:
     from dormouse.train.device import DtypeError, resolve_dtype
 
     turing = _record(next(r for r in ROWS if r.sm == (7, 5)))
+    maxwell = _record(next(r for r in ROWS if r.sm == (5, 2)))
     cases = {
-        "bf16 on sm_75": ("bf16", (turing.name, "sm_75", "sm_80", "--set dtype=auto",
-                                   "dtype=fp32")),
-        "fp16": ("fp16", ("fp16 forward", "sm_75", "--set dtype=auto", "dtype=fp32")),
+        "bf16 on sm_75": (turing, "bf16", (turing.name, "sm_75", "sm_80", "--set dtype=auto",
+                                           "dtype=fp32")),
+        "fp16 on sm_52": (maxwell, "fp16", (maxwell.name, "sm_52", "sm_53", "--set dtype=auto",
+                                            "dtype=fp32")),
     }  # fmt: skip
     bad, loud = [], 0
-    for name, (dtype, must) in cases.items():
+    for name, (record, dtype, must) in cases.items():
         try:
-            got = resolve_dtype(dtype, turing)
+            got = resolve_dtype(dtype, record)
             bad.append(f"refusal {name}: accepted ({got[0]})")
         except DtypeError as e:
             missing = [m for m in must if m not in str(e)]
@@ -194,14 +197,14 @@ def _refusals() -> tuple[list[str], int, bool]:
                 loud += 1
     # Controls: the refusals are per card, not blanket.
     ampere = _record(next(r for r in ROWS if r.sm == (8, 0)))
-    maxwell = _record(next(r for r in ROWS if r.sm == (5, 2)))
     try:
-        controls = (resolve_dtype("bf16", ampere)[0], resolve_dtype("fp32", maxwell)[0])
+        controls = (resolve_dtype("bf16", ampere)[0], resolve_dtype("fp32", maxwell)[0],
+                    resolve_dtype("fp16", turing)[0])  # fmt: skip
     except DtypeError as e:
         controls = (f"refused: {e}",)
-    ok = controls == (torch.bfloat16, torch.float32)
+    ok = controls == (torch.bfloat16, torch.float32, torch.float16)
     if not ok:
-        bad.append(f"controls: bf16 on sm_80 / fp32 on sm_52 gave {controls}")
+        bad.append(f"controls: bf16 on sm_80 / fp32 on sm_52 / fp16 on sm_75 gave {controls}")
     return bad, loud, ok
 
 
@@ -229,7 +232,7 @@ def run(cuda: bool = False) -> Record:
                 f"{extra} {'equal' if not extra_bad else 'DIFFER'}; the model's own arms on the "
                 f"described cards: {arms - len(arm_bad)}/{arms} = table; real probe: "
                 f"{probe_text}; "
-                f"{loud}/2 refusals loud; controls (bf16 on sm_80, fp32 on sm_52) "
+                f"{loud}/2 refusals loud; controls (bf16 on sm_80, fp32 on sm_52, fp16 on sm_75) "
                 f"{'accepted' if controls_ok else 'REFUSED'}")  # fmt: skip
     if bad:
         measured += f"; {len(bad)} mismatch(es): " + " | ".join(bad[:6])

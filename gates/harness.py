@@ -59,7 +59,7 @@ GATES = [
     "g12_fsdp_checkpoint", "g13_policy", "g14_engram_ram_fleet", "g15_signal_stop",
     "g16_clip", "g17_bf16_reduce", "g18_causal", "g19_kernels", "g20_data", "g21_multinode",
     "g22_elastic", "g23_capacity_fleet", "g24_fsdp_muon", "g25_sharded_ckpt",
-    "g26_accumulation", "g27_resplit", "g28_rebalance", "g29_dropout",
+    "g26_accumulation", "g27_resplit", "g28_rebalance", "g29_dropout", "g30_mixed_dtype",
 ]  # fmt: skip
 
 
@@ -185,6 +185,9 @@ class FleetSpec:
     signal_step: int = -1  # ...during this 0-based training forward (the run must stop cleanly)
     cuda: bool = False
     mutation: str = ""  # a name from gates/mutations.py, applied inside every rank
+    # EMULATION of a mixed-dtype fleet: rank r trains with dtype=dtypes[r] (a card's policy
+    # rung, given by hand: every CPU rank would otherwise resolve auto alike); () = sets' dtype
+    dtypes: tuple[str, ...] = ()
 
     def key(self) -> str:
         return hashlib.sha256(repr(dataclasses.astuple(self)).encode()).hexdigest()[:16]
@@ -304,7 +307,8 @@ class Recorder:
         self.model = self.net = self.opt = self.ctx = None
         self.rec = {"fingerprints": [], "decisions": [], "losses": [], "local_losses": [],
                     "lfb": [], "params": {}, "grads": {}, "probe": [],
-                    "host_fingerprints": [], "host": {}, "gnorms": [], "states": []}  # fmt: skip
+                    "host_fingerprints": [], "host": {}, "gnorms": [], "states": [],
+                    "scales": []}  # fmt: skip
 
     def callbacks(self):
         from dormouse.train.loop import Callbacks
@@ -347,6 +351,7 @@ class Recorder:
     def after_step(self, info: dict) -> None:
         self._seen(info)
         self.rec["gnorms"].append(float(info["gnorm"]))
+        self.rec["scales"].append(info.get("scale"))
         self.rec["states"].append(state_hash(self.model, self.opt))
         self._journal({"state": self.rec["states"][-1]})
 
@@ -502,7 +507,7 @@ def _rank_body(rank: int, spec: FleetSpec, out: Path) -> dict:
     from references.single import build_model
 
     run_dir = out / (f"rank{rank}" if spec.per_rank_out else "run")
-    run = fixture_run(spec, run_dir, dist=True)
+    run = _rank_dtype(fixture_run(spec, run_dir, dist=True), spec, rank)
     model = build_model(run)
     inputs: list = []
     record_inputs(model, inputs)
@@ -542,7 +547,8 @@ def _rank_body(rank: int, spec: FleetSpec, out: Path) -> dict:
 
             export_checkpoint(ck, out / "first.pt")
         dist.barrier()
-        run2 = fixture_run(dataclasses.replace(spec, steps=spec.resume_steps), run_dir, dist=True)
+        run2 = _rank_dtype(fixture_run(dataclasses.replace(spec, steps=spec.resume_steps),
+                                       run_dir, dist=True), spec, rank)  # fmt: skip
         again = Recorder(journal=out / f"rank{rank}.resume.journal")
         model2 = build_model(run2)  # its values are replaced by the checkpoint's
         lines2: list[str] = []
@@ -555,6 +561,13 @@ def _rank_body(rank: int, spec: FleetSpec, out: Path) -> dict:
     return {"rank": rank, "rec": rec, "report": report, "lines": lines, "shapes": shapes,
             "stopped": stopped, "inputs": inputs,
             "run_dir": str(run_dir), "elapsed": elapsed, "resumed": resumed}  # fmt: skip
+
+
+def _rank_dtype(run, spec: FleetSpec, rank: int):
+    """This rank's compute dtype from spec.dtypes (each card's own on a real mixed fleet)."""
+    if not spec.dtypes:
+        return run
+    return dataclasses.replace(run, train=dataclasses.replace(run.train, dtype=spec.dtypes[rank]))
 
 
 class FleetFailed(RuntimeError):

@@ -353,6 +353,20 @@ def _phase_per_rank(orig):
     return phase
 
 
+def _scale_on_fp16_ranks_only(_orig):
+    import torch
+
+    return lambda autocast, ctx: autocast == torch.float16  # the fleet's dtypes unread
+
+
+def _unscale_off_rank1(orig):
+    def unscale_(self, inverse):
+        if _rank() != 1:  # rank 1 is the gate's fp16 rank
+            orig(self, inverse)
+
+    return unscale_
+
+
 MUTATIONS: list[Mutation] = [
     Mutation("loss_scale_world_squared",
              "the loss scale is world_size^2 * t_r / sum(t): every fleet gradient is world_size "
@@ -542,6 +556,16 @@ MUTATIONS: list[Mutation] = [
                lambda orig: lambda rates, total, caps=None: orig([1 / r for r in rates], total,
                                                                  caps)),),
              ("g28_rebalance",), scope="process"),
+    Mutation("loss_scale_on_fp16_ranks_only",
+             "only a rank computing fp16 carries the loss scale: beside it a bf16 rank's gradient "
+             "enters DDP's average unscaled, 2**16 times smaller than the fp16 rank's",
+             (("dormouse.train.loop:loss_scaled", _scale_on_fp16_ranks_only),),
+             ("g30_mixed_dtype",)),
+    Mutation("fp16_rank_forgets_unscale",
+             "the fp16 rank steps on the scaled gradient (no division by the scale before the "
+             "clip and the optimizer)",
+             (("dormouse.train.optim:MixOptimizer.unscale_", _unscale_off_rank1),),
+             ("g30_mixed_dtype",)),
 ]
 
 BY_NAME = {m.name: m for m in MUTATIONS}

@@ -9,9 +9,9 @@ The rules:
 
 * dtype ladder (the CUDA tensor-core table): fp16 arithmetic from sm_53 (Maxwell GM20B),
   bf16 from sm_80 (Ampere). The rung is the best of bf16 > fp16 > fp32 the card has.
-* what `dtype=auto` runs: the rung, except that the forward has no fp16 path yet, so an fp16
-  rung runs fp32 and says so (a counted fallback). An explicit bf16 is honoured exactly where
-  the card has bf16.
+* what `dtype=auto` runs: the rung (bf16, or fp16 with its loss scale below sm_80, or fp32);
+  no rung falls back. An explicit bf16 is honoured exactly where the card has bf16, an
+  explicit fp16 where it has fp16.
 * fla's KDA kernel (Triton): sm_80 and newer, given fla-core installed. Triton 3.3 moved its
   supported hardware to compute capability 8.0+ (tl.dot falls back to FMA below), and the
   torch versions dormouse runs on ship a newer Triton. So kda_impl=auto runs fla exactly
@@ -25,7 +25,7 @@ The rules:
   `grouped_mm_fused`: bf16 operands reach the fused kernel, which is where moe_impl=auto takes
   the grouped arm on a CUDA card (bf16); on the CPU auto takes grouped wherever it runs.
 * the CPU: no Triton arm; the rung and `auto` are fp32 (the CPU arm is the reference path);
-  an explicit bf16 is honoured (CPU autocast runs bf16); no fp16 arithmetic is claimed.
+  an explicit bf16 or fp16 is honoured (CPU autocast runs both, torch 2.13).
 
 Example names are cards of that compute capability, for the reader; the policy reads the sm.
 """
@@ -45,10 +45,10 @@ class Row:
     example: str
     sm: tuple[int, int] | None  # None: the CPU
     bf16: bool  # an explicit dtype=bf16 is honoured
-    fp16: bool  # the hardware computes fp16
+    fp16: bool  # an explicit dtype=fp16 is honoured
     rung: str  # bf16 | fp16 | fp32
-    auto: str  # what dtype=auto runs: bf16 | fp32
-    fp32_fallback: bool  # auto runs below the rung (fp16 rung, no fp16 forward)
+    auto: str  # what dtype=auto runs: bf16 | fp16 | fp32
+    fp32_fallback: bool  # auto runs below the rung (none since the fp16 forward)
     fla_kda: bool
     grouped_mm: dict[str, bool]  # era -> legal
     grouped_mm_fused: dict[str, bool]  # era -> reaches the fused kernel
@@ -71,14 +71,14 @@ ROWS: tuple[Row, ...] = (
     Row("NVIDIA A100-SXM4-40GB", (8, 0), bf16=True, fp16=True, rung="bf16", auto="bf16",
         fp32_fallback=False, fla_kda=True,
         grouped_mm=_LOOP_GMM, grouped_mm_fused=_NO_GMM),
-    Row("NVIDIA GeForce GTX 1650", (7, 5), bf16=False, fp16=True, rung="fp16", auto="fp32",
-        fp32_fallback=True, fla_kda=False,
+    Row("NVIDIA GeForce GTX 1650", (7, 5), bf16=False, fp16=True, rung="fp16", auto="fp16",
+        fp32_fallback=False, fla_kda=False,
         grouped_mm=_NO_GMM, grouped_mm_fused=_NO_GMM),
-    Row("Tesla V100-SXM2-16GB", (7, 0), bf16=False, fp16=True, rung="fp16", auto="fp32",
-        fp32_fallback=True, fla_kda=False,
+    Row("Tesla V100-SXM2-16GB", (7, 0), bf16=False, fp16=True, rung="fp16", auto="fp16",
+        fp32_fallback=False, fla_kda=False,
         grouped_mm=_NO_GMM, grouped_mm_fused=_NO_GMM),
-    Row("NVIDIA GeForce GTX 1080 Ti", (6, 1), bf16=False, fp16=True, rung="fp16", auto="fp32",
-        fp32_fallback=True, fla_kda=False,
+    Row("NVIDIA GeForce GTX 1080 Ti", (6, 1), bf16=False, fp16=True, rung="fp16", auto="fp16",
+        fp32_fallback=False, fla_kda=False,
         grouped_mm=_NO_GMM, grouped_mm_fused=_NO_GMM),
     Row("NVIDIA GeForce GTX 980", (5, 2), bf16=False, fp16=False, rung="fp32", auto="fp32",
         fp32_fallback=False, fla_kda=False,
@@ -96,7 +96,7 @@ EXTRA_ROWS: tuple[Row, ...] = (
         grouped_mm=_LOOP_GMM, grouped_mm_fused={"<2.8": False, "2.8": False, ">=2.9": True}),
 )  # fmt: skip
 
-CPU_ROW = Row("cpu", None, bf16=True, fp16=False, rung="fp32", auto="fp32", fp32_fallback=False,
+CPU_ROW = Row("cpu", None, bf16=True, fp16=True, rung="fp32", auto="fp32", fp32_fallback=False,
               fla_kda=False, grouped_mm=_LOOP_GMM,
               grouped_mm_fused=_NO_GMM)  # fmt: skip
 
@@ -122,6 +122,6 @@ def rule(sm: tuple[int, int] | None) -> Row:
     gmm = {"<2.8": False, "2.8": major == 9, ">=2.9": sm >= (8, 0)}
     fused = {"<2.8": False, "2.8": major == 9, ">=2.9": major in (9, 10)}
     return Row(f"sm_{major}{sm[1]}", sm, bf16=bf16, fp16=fp16, rung=rung,
-               auto="bf16" if bf16 else "fp32", fp32_fallback=rung == "fp16",
+               auto=rung, fp32_fallback=False,
                fla_kda=triton, grouped_mm=gmm,
                grouped_mm_fused=fused)  # fmt: skip

@@ -35,9 +35,11 @@ TABLE = {
     (8, 9): (1, 1, "bf16", "bf16", 1, 1),  # RTX 4090
     (8, 6): (1, 1, "bf16", "bf16", 1, 1),  # RTX 3090
     (8, 0): (1, 1, "bf16", "bf16", 1, 1),  # A100
-    (7, 5): (0, 1, "fp16", "fp32", 0, 0),  # GTX 1650: fp16 rung, no fp16 forward
-    (7, 0): (0, 1, "fp16", "fp32", 0, 0),  # V100
-    (6, 1): (0, 1, "fp16", "fp32", 0, 0),  # GTX 1080 Ti
+    # below sm_80 auto runs the fp16 rung: the fp16 forward with its loss scale (scaler.py)
+    # replaced the counted fp32 fallback these rows had
+    (7, 5): (0, 1, "fp16", "fp16", 0, 0),  # GTX 1650
+    (7, 0): (0, 1, "fp16", "fp16", 0, 0),  # V100
+    (6, 1): (0, 1, "fp16", "fp16", 0, 0),  # GTX 1080 Ti
     (5, 2): (0, 0, "fp32", "fp32", 0, 0),  # Maxwell GM20x: before fp16 arithmetic
 }
 
@@ -48,7 +50,7 @@ def test_policy_table(sm):
     p = policy_for(card(sm), torch_version="2.11.0")
     got = (p.bf16, p.fp16, p.rung, p.auto, p.fla_kda, p.grouped_mm)
     assert got == (bool(bf16), bool(fp16), rung, auto, bool(fla), bool(gmm))
-    assert bool(p.fallback) == (rung == "fp16")
+    assert not p.fallback  # auto runs every card's rung
     # every illegal arm carries its reason
     for arm, legal in (("fla_kda", fla), ("grouped_mm", gmm)):
         assert legal or any(w.startswith(arm) for w in p.why), (arm, p.why)
@@ -60,17 +62,15 @@ def test_auto_resolves_per_table(sm, caplog):
     before = dv.fallback_count()
     with caplog.at_level(logging.INFO, logger=dv.__name__):
         dtype, line = resolve_dtype("auto", card(sm, name="Card X"))
-    assert dtype == {"bf16": torch.bfloat16, "fp32": torch.float32}[auto]
+    assert dtype == {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[auto]
     assert [r.getMessage() for r in caplog.records if r.name == dv.__name__] == [line]
     p = policy_for(card(sm))
     assert f"sm={sm[0]}.{sm[1]} bf16={int(p.bf16)} fp16={int(p.fp16)} ->" in line  # the reading
     assert "device=Card X" in line and "budget=7.5GiB (free-512MiB)" in line
-    if rung == "fp16":  # a counted fallback naming the missing forward
-        assert dv.fallback_count() == before + 1
-        assert "-> fp16 -> fp32" in line and "no fp16 path" in line
-    else:
-        assert dv.fallback_count() == before
-        assert line.split(" -> ")[1].startswith(auto)
+    assert dv.fallback_count() == before  # no rung falls back any more
+    assert line.split(" -> ")[1].startswith(auto)
+    if rung == "fp16":  # the reason is in the line
+        assert "no bf16 below sm_80" in line and "loss scale" in line
 
 
 def test_grouped_mm_follows_the_torch_version():
@@ -93,9 +93,11 @@ def test_grouped_mm_follows_the_torch_version():
 def test_cpu_policy():
     cpu = DeviceRecord(0, "cpu", "cpu", None, GiB, GiB, None, None, 2)
     p = policy_for(cpu)
-    assert (p.bf16, p.auto, p.fla_kda, p.grouped_mm_fused) == (True, "fp32", False, False)
-    # explicit bf16 on the CPU is honoured (CPU autocast bf16 works); auto stays fp32
+    assert (p.bf16, p.fp16, p.auto, p.fla_kda, p.grouped_mm_fused) == (True, True, "fp32",
+                                                                         False, False)
+    # explicit bf16 and fp16 on the CPU are honoured (CPU autocast runs both); auto stays fp32
     assert resolve_dtype("bf16", cpu)[0] is torch.bfloat16
+    assert resolve_dtype("fp16", cpu)[0] is torch.float16
     assert resolve_dtype("auto", cpu)[0] is torch.float32
 
 
@@ -112,7 +114,7 @@ def test_real_probe():
         else:
             assert r.kind == "cpu" and r.sm is None and r.pcie_gen_max is None
         dtype, line = resolve_dtype("auto", r)
-        assert dtype in (torch.bfloat16, torch.float32) and r.name in line
+        assert dtype in (torch.bfloat16, torch.float16, torch.float32) and r.name in line
     if torch.cuda.is_available():
         # metadata only: the probe allocated nothing through torch's allocator
         assert torch.cuda.memory_allocated() == 0
@@ -128,15 +130,17 @@ def test_explicit_bf16_below_sm80_is_refused_loudly():
     assert isinstance(e.value, ValueError)
 
 
-def test_explicit_fp16_names_the_missing_forward():
-    for rec in (card((7, 5), name="GTX 1650"), card((9, 0)), None):
-        with pytest.raises(DtypeError) as e:
-            resolve_dtype("fp16", rec)
-        msg = str(e.value)
-        assert "no fp16 path" in msg and "fp16 forward" in msg
-        assert "dtype=auto" in msg and "dtype=fp32" in msg
-    with pytest.raises(DtypeError, match="sm_75"):
-        resolve_dtype("fp16", card((7, 5)))
+def test_explicit_fp16_from_sm53_and_refused_below():
+    # the fp16 forward exists (the loop carries its loss scale): honoured wherever the card
+    # computes fp16, bf16 cards included
+    for sm in ((7, 5), (6, 1), (9, 0)):
+        dtype, line = resolve_dtype("fp16", card(sm))
+        assert dtype is torch.float16 and "fp16 (explicit) with a dynamic loss scale" in line
+    with pytest.raises(DtypeError) as e:
+        resolve_dtype("fp16", card((5, 2), name="GTX 980"))
+    msg = str(e.value)
+    for part in ("GTX 980", "sm_52", "sm_53", "dtype=fp32", "dtype=auto"):
+        assert part in msg, (part, msg)
 
 
 def test_explicit_fp32_and_bf16_where_legal():
@@ -203,7 +207,7 @@ def test_probe_table_and_main(capsys):
     rows = [card((12, 0), name="RTX 5060 Ti"), card((7, 5), name="GTX 1650", free=-1)]
     table = format_probe_table(rows)
     assert "RTX 5060 Ti" in table and "GTX 1650" in table
-    assert "fp32 (fp16 rung)" in table and "no fp16 path" in table
+    assert "fp32 (fp16 rung)" not in table and "no fp16 path" not in table
     assert dv.main_probe([]) == 0
     out = capsys.readouterr().out
     assert "device" in out and "budget" in out

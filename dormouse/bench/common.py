@@ -49,6 +49,7 @@ def build(run: RunConfig, device: torch.device, *, compile: bool = False):
     from ..train.loop import lr_factor, train_step
     from ..train.optim import MixOptimizer
     from ..train.run import build_model, resolve_autocast
+    from ..train.scaler import LossScaler, loss_scaled
 
     t = run.train
     model = build_model(run).to(device).train()
@@ -56,10 +57,12 @@ def build(run: RunConfig, device: torch.device, *, compile: bool = False):
     dtype = resolve_autocast(run, device)
     ctx = DPContext.single(device, t.batch, t.seq_len)
     net = torch.compile(model, dynamic=False) if compile else model
+    # an fp16 forward times the loop's loss scaling too (the scale and unscale passes)
+    scaler = LossScaler(t.loss_scale_every) if loss_scaled(dtype, ctx) else None
 
     def step(i: int, w: torch.Tensor) -> bool:
         return train_step(model, net, opt, ctx, w[:, :-1], w[:, 1:], t, lr_factor(i, t),
-                          dtype)[2]  # fmt: skip
+                          dtype, scaler=scaler)[2]  # fmt: skip
 
     return model, step, dtype
 

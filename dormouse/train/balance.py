@@ -444,7 +444,8 @@ def _card_row(run, ctx: DPContext, cap: int) -> dict:
     dev = ctx.device
     card = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
     pol = policy_for(probe_device(dev))
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}.get(ctx.compute, torch.float32)
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16,
+             "fp16": torch.float16}.get(ctx.compute, torch.float32)  # fmt: skip
     kda, moe = require_arms(run.model, dev, dtype)
     return {"rank": ctx.rank, "card": card, "dtype": ctx.compute, "rung": pol.rung,
             "fallbacks": fallback_count(), "fallback": pol.fallback, "kda": kda.name,

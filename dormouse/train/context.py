@@ -75,6 +75,9 @@ class DPContext:
     shard: str = "none"  # none (DDP) | fsdp (FSDP2)
     bucket_mb: float = 0.0  # 0 = sized from the payload (link.bucket_mb_for)
     compute: str = "fp32"  # the forward's dtype, for the joining line
+    #: every rank's compute dtype, in rank order (gathered at join; () in one process): a
+    #: rank computing fp16 makes the whole fleet carry one loss scale (scaler.loss_scaled)
+    computes: tuple[str, ...] = ()
     #: the fleet's watchdog (watchdog.Heartbeat); None in one process
     heartbeat: object | None = field(default=None, compare=False, repr=False)
 

@@ -45,8 +45,10 @@ FP16_SM = (5, 3)
 BF16_SM = (8, 0)
 
 DTYPES = typing.get_args(Dtype)
-_TORCH_DTYPE = {"bf16": torch.bfloat16, "fp32": torch.float32}
-_NO_FP16 = "the forward has no fp16 path (the fp16 forward is not written yet)"
+_TORCH_DTYPE = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+#: Why auto picks fp16 on an fp16-rung card, said in its line.
+_WHY_FP16 = ("no bf16 below sm_80: fp16 autocast over fp32 masters, with a dynamic loss scale "
+             "the fleet agrees on")
 
 
 class DtypeError(UserError, ValueError):
@@ -272,10 +274,12 @@ class Policy:
 
     record: DeviceRecord
     bf16: bool  # an explicit dtype=bf16 is honoured
-    fp16: bool  # the hardware computes fp16 (the ladder's reading; the forward lacks it)
+    fp16: bool  # an explicit dtype=fp16 is honoured (the card computes fp16; the CPU emulates)
     rung: str  # the ladder verdict: bf16 | fp16 | fp32
-    auto: str  # what dtype=auto runs: bf16 | fp32
-    fallback: str  # "" or why auto runs below the rung
+    auto: str  # what dtype=auto runs: bf16 | fp16 | fp32
+    # "" or why auto runs below the rung. No rung falls back since the fp16 forward exists;
+    # kept so a future gap is counted and printed (fleet table, probe) the same way.
+    fallback: str
     fla_kda: bool  # fla's KDA kernel runs on this card (given fla-core installed)
     grouped_mm: bool  # torch's grouped matmul runs on this device and torch
     grouped_mm_fused: bool  # ... and moe_impl=auto takes it in bf16 (the fused kernel)
@@ -299,18 +303,18 @@ def policy_for(record: DeviceRecord, torch_version: str | None = None) -> Policy
                    "moe_impl=auto takes the batched arm")  # fmt: skip
     arms = dict(fla_kda=not no_fla, grouped_mm=not no_gmm, grouped_mm_fused=fused)
     if record.kind == "cpu":
-        # CPU autocast bf16 works, so an explicit request is honoured; auto stays fp32
-        # because the CPU arm is the reference path and bf16 there is opt-in, not a default.
-        why.append("auto: fp32 on the CPU (the reference arm); dtype=bf16 opts into autocast")
-        return Policy(record, bf16=True, fp16=False, rung="fp32", auto="fp32", fallback="",
+        # CPU autocast runs bf16 and (torch 2.13) fp16, so an explicit request is honoured;
+        # auto stays fp32 because the CPU arm is the reference path and a half dtype there is
+        # opt-in, not a default (and slower: the CPU converts instead of computing in it).
+        why.append("auto: fp32 on the CPU (the reference arm); dtype=bf16 or fp16 opts into "
+                   "autocast")  # fmt: skip
+        return Policy(record, bf16=True, fp16=True, rung="fp32", auto="fp32", fallback="",
                       why=tuple(why), **arms)  # fmt: skip
     sm = record.sm
     bf16 = sm >= BF16_SM
     fp16 = sm >= FP16_SM
     rung = "bf16" if bf16 else "fp16" if fp16 else "fp32"
     auto, fallback = rung, ""
-    if rung == "fp16":
-        auto, fallback = "fp32", f"fp16 is this card's rung but {_NO_FP16}"
     return Policy(record, bf16=bf16, fp16=fp16, rung=rung, auto=auto, fallback=fallback,
                   why=tuple(why), **arms)  # fmt: skip
 
@@ -349,14 +353,13 @@ def fallback_count() -> int:
 def resolve_dtype(requested: str, record: DeviceRecord | None = None) -> tuple[torch.dtype, str]:
     """Turn `dtype=` into the forward's compute dtype, with the line that says why (logged).
 
-    Returns torch.float32 for fp32 (plain, no autocast) and torch.bfloat16 for bf16; probes
-    the device `auto` would pick when `record` is None and the answer depends on the card.
+    Returns torch.float32 for fp32 (plain, no autocast), torch.bfloat16 for bf16 and
+    torch.float16 for fp16 (the loop then carries a loss scale, scaler.py); probes the device
+    `auto` would pick when `record` is None and the answer depends on the card.
     """
     global _fallbacks
     if requested not in DTYPES:
         raise DtypeError(f"dtype={requested!r} is not one of {DTYPES}; use --set dtype=auto")
-    if requested == "fp16":
-        raise DtypeError(_fp16_refusal(record))
     if requested == "fp32":
         where = f" device={record.name}" if record else ""
         dtype, line = "fp32", f"dtype=fp32{where} (explicit; every device honours it)"
@@ -372,28 +375,27 @@ def resolve_dtype(requested: str, record: DeviceRecord | None = None) -> tuple[t
                 f"({record.name}, {record.label}) is sm_{_sm(record.sm)}; use --set dtype=auto "
                 f"(this card's best rung that the forward runs: {pol.auto}) or --set dtype=fp32"
             )
-        if requested == "bf16":
-            dtype, verdict = "bf16", "bf16 (explicit)"
+        if requested == "fp16" and not pol.fp16:
+            raise DtypeError(
+                f"dtype=fp16 needs sm_{_sm(FP16_SM)} or newer; this card ({record.name}, "
+                f"{record.label}) is sm_{_sm(record.sm)}; use --set dtype=fp32 (this card's "
+                f"rung) or --set dtype=auto"
+            )
+        if requested in ("bf16", "fp16"):
+            dtype, verdict = requested, f"{requested} (explicit)"
+            if requested == "fp16":
+                verdict += " with a dynamic loss scale"
         elif pol.fallback:
             _fallbacks += 1
             verdict = (f"{pol.rung} -> {pol.auto} (counted fp32 fallback #{_fallbacks}: "
                        f"{pol.fallback})")  # fmt: skip
         elif record.kind == "cpu":
-            verdict = f"{pol.auto} (CPU: auto stays fp32; dtype=bf16 opts into CPU autocast)"
+            verdict = f"{pol.auto} (CPU: auto stays fp32; dtype=bf16 or fp16 opts into CPU autocast)"
+        elif pol.auto == "fp16":
+            verdict = f"fp16 ({_WHY_FP16})"
         line = f"dtype={requested} {reading} -> {verdict} {budget_text(record)}"
     log.info("%s", line)
     return _TORCH_DTYPE[dtype], line
-
-
-def _fp16_refusal(record: DeviceRecord | None) -> str:
-    card = ""
-    if record is not None and record.kind == "cuda":
-        card = f" (this card, {record.name}, is sm_{_sm(record.sm)})"
-    return (
-        f"dtype=fp16: {_NO_FP16}{card}, so an fp16 label would run a different experiment; "
-        f"use --set dtype=auto (bf16 where the card has it, else a counted fp32 fallback), "
-        f"--set dtype=fp32, or --set dtype=bf16 on sm_{_sm(BF16_SM)}+"
-    )
 
 
 # ---- the probe table ----------------------------------------------------------------

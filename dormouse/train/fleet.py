@@ -311,6 +311,9 @@ PER_RANK_FIELDS = {
               "must agree and is compared",
     "data": "a path may be spelled differently on each node; the BYTES behind it must agree "
             "and are compared (size + sampled blocks)",
+    "dtype": "the compute dtype is each card's (the device policy's rung: bf16 beside fp16 "
+             "beside fp32); what the fleet shares is gathered at join instead: the reduce dtype "
+             "(dist_reduce=auto) and whether every rank carries the fp16 loss scale",
 }
 
 
@@ -479,19 +482,23 @@ def join(
         shapes = _capacity(run, device, world, rate)
         refuse_uneven_fsdp(shapes, cfg.dist_shard)
         _agree_config(run, shapes, device, rank)
+        # every rank's compute dtype: a bf16 card beside an fp16 one is a fleet by design
+        codes = _agree([float(("fp32", "bf16", "fp16").index(compute))], device)
+        names = tuple(("fp32", "bf16", "fp16")[int(c)] for c in codes)
         reduce = cfg.dist_reduce
         if reduce == "auto":
-            codes = _agree([float(("fp32", "bf16", "fp16").index(compute))], device)
-            names = [("fp32", "bf16", "fp16")[int(c)] for c in codes]
             reduce = names[0] if len(set(names)) == 1 else "fp32"
             log.info(f"dist_reduce=auto -> {reduce} (fleet compute dtypes: {','.join(names)}"
                      f"{'; they differ: the exact fp32 reduce' if len(set(names)) > 1 else ''})")  # fmt: skip
+        if "fp16" in names and len(set(names)) > 1:
+            log.info(f"compute dtypes {','.join(names)} by rank: every rank carries the fp16 "
+                     f"ranks' loss scale (DDP averages scaled gradients), and all skip together")  # fmt: skip
     except BaseException as e:
         heartbeat.leave("failed", short(e))
         raise
     return DPContext(device, tuple(shapes), rank=rank, world=world, backend=backend,
                      reduce=reduce, shard=cfg.dist_shard, bucket_mb=float(cfg.bucket_mb),
-                     compute=compute, heartbeat=heartbeat)  # fmt: skip
+                     compute=compute, computes=names, heartbeat=heartbeat)  # fmt: skip
 
 
 def parse_slow(text: str, rank: int) -> float:

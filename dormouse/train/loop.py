@@ -31,6 +31,7 @@ from ..model.layers import row_keys
 from .balance import FleetStream
 from .context import DPContext
 from .data import DataError, fingerprint_mismatch, open_data
+from .scaler import LossScaler, loss_scaled
 
 LN2 = math.log(2.0)
 log = logging.getLogger(__name__)
@@ -239,7 +240,7 @@ class Callbacks:
     #: before the optimizer: + "local" (this rank's verdict), "agreed" (the fleet's)
     after_backward: Callable[[dict], None] | None = None
     #: at the end of every step, taken or skipped: + "stepped", "gnorm" (pre-clip, nan if
-    #: not finite)
+    #: not finite), "scale" (the loss scale after this step's verdict; None without fp16)
     after_step: Callable[[dict], None] | None = None
     #: at each log step: + "loss" (the fleet's token-weighted loss), "local_loss"
     on_log: Callable[[dict], None] | None = None
@@ -262,13 +263,17 @@ def dropout_keys(model, ctx: DPContext, seed: int, step: int | None, rows: int):
 
 
 def train_step(model, net, opt, ctx: DPContext, x, y, cfg, factor: float, autocast,
-               cb: Callbacks | None = None, step: int | None = None):
+               cb: Callbacks | None = None, step: int | None = None,
+               scaler: LossScaler | None = None):
     """One optimizer step on this rank's (x, y): returns (loss, aux, stepped).
 
     The whole step lives here so the loop and `dormouse bench` time the same code:
     schedule, forward, the scaled backward, the fleet's post-backward reductions, the
     non-finite decision (ONE collective: every rank skips together), clip, step, LFB.
     `step` keys the dropout masks by (seed, step, global row) when the model drops.
+    `scaler` (an fp16 forward on this rank or any rank of the fleet): the loss is multiplied
+    by its scale before backward, every gradient divided by it before the clip, and the
+    agreed verdict moves it (aux["scale_line"] says when it changed).
     """
     cb = cb or Callbacks()
     device = ctx.device
@@ -282,12 +287,19 @@ def train_step(model, net, opt, ctx: DPContext, x, y, cfg, factor: float, autoca
         # the reducer runs once, on the last micro-batch's backward
         with _no_sync(net, last=j == k - 1), _autocast(device, autocast):
             _, loss_j, aux = net(xj, yj, **kw[j])
-            (loss_j * ctx.loss_scale).backward()
+            weighted = loss_j * ctx.loss_scale
+            # x a power of two after the fleet's weight: exact, so an unscaled gradient is the
+            # same fp32 numbers as one never scaled
+            (weighted if scaler is None else weighted * scaler.scale).backward()
         losses.append(loss_j.detach())
     # equal micro-batches: their mean is the token-weighted mean of this rank's windows
     loss = losses[0] if k == 1 else torch.stack(losses).mean()
     # host-RAM Engram rows are no parameters: the fleet reduces them here, before the clip
     ctx.reduce_host_grads(model)
+    if scaler is not None:
+        # before the clip and the optimizer, host rows too; an overflow stays inf/nan and
+        # reaches the one verdict below through the clip's norm
+        opt.unscale_(scaler.inverse)
     finite = bool(torch.isfinite(loss))
     gnorm = float("nan")
     if finite:
@@ -297,19 +309,23 @@ def train_step(model, net, opt, ctx: DPContext, x, y, cfg, factor: float, autoca
         finite = math.isfinite(gnorm)
     aux["gnorm"] = gnorm
     agreed = ctx.all_finite(finite)
+    if scaler is not None:
+        # the agreed verdict, never this rank's: every rank's scale moves identically
+        aux["scale_line"] = scaler.update(agreed)
     seen = dict(model=model, net=net, opt=opt, ctx=ctx)
+    scale = None if scaler is None else scaler.scale
     _call(cb.after_backward, local=finite, agreed=agreed, **seen)
     if not agreed:
         # A skipped step leaves no trace: no gradient carried into the next step, and the
         # routers' counts of the dropped batch do not steer the load balancer.
         opt.zero_grad(set_to_none=True)
         model.lfb_discard()
-        _call(cb.after_step, stepped=False, gnorm=gnorm, **seen)
+        _call(cb.after_step, stepped=False, gnorm=gnorm, scale=scale, **seen)
         return loss, aux, False
     opt.step()
     opt.zero_grad(set_to_none=True)
     model.lfb_update(reduce=ctx.lfb_reduce)
-    _call(cb.after_step, stepped=True, gnorm=gnorm, **seen)
+    _call(cb.after_step, stepped=True, gnorm=gnorm, scale=scale, **seen)
     return loss, aux, True
 
 
@@ -441,6 +457,8 @@ def train(
     path = ckpt_path(run)
     best_file = best_path(run)
     best = _Best()
+    # fp16 anywhere in the fleet: one loss scale, the same on every rank (scaler.py)
+    scaler = LossScaler(cfg.loss_scale_every) if loss_scaled(autocast, ctx) else None
     metrics_path = out / "metrics.jsonl"
     start = 0
     if resume:
@@ -468,6 +486,14 @@ def train(
             )
         ckpt.set_rng_state(ckpt.rank_rng(ck, ctx.rank))
         best = _Best.load(ck.get("extra"))
+        saved_scale = (ck.get("extra") or {}).get("loss_scale")
+        if scaler is not None and saved_scale is not None:
+            scaler.load_state_dict(saved_scale)
+            log.info(f"loss scale {scaler.scale:g} restored ({scaler.clean} clean steps since "
+                     f"it last moved)")  # fmt: skip
+        elif scaler is not None:
+            log.info(f"loss scale: {path} holds none (it was not trained in fp16): starting at "
+                     f"{scaler.scale:g}")  # fmt: skip
         start = int(ck["step"])
         log.info(f"resumed from {path} at step {start}")
         for change in ckpt.resume_changes(ck["run"], run):
@@ -488,7 +514,16 @@ def train(
             ckpt.remove_checkpoint(best_file)
         (out / "config.json").write_text(run.to_json())
     log.info(f"run {run.source}: {ctx.describe()} steps={cfg.steps} lr={cfg.lr} "
-             f"dtype={'fp32' if autocast is None else str(autocast).replace('torch.', '')}")  # fmt: skip
+             f"dtype={'fp32' if autocast is None else str(autocast).replace('torch.', '')}"
+             + ("" if scaler is None else
+                f" loss_scale={scaler.scale:g} (x2 every {scaler.every} clean steps, /2 and a "
+                f"skip on overflow{'; the fleet shares it' if ctx.world > 1 else ''})"))  # fmt: skip
+
+    def extra_state() -> dict:
+        extra = best.state()
+        if scaler is not None:
+            extra["loss_scale"] = scaler.state_dict()
+        return extra
 
     def save(step: int, where: Path = path) -> None:
         # Every rank takes part: under FSDP2 each writes its shards and rank 0 commits them;
@@ -498,7 +533,7 @@ def train(
         try:
             ckpt.save_state(where, net, opt, run=run, step=step, data_state=stream.state_dict(),
                             data_fingerprint=data_print, main=main,
-                            extra=best.state())  # fmt: skip
+                            extra=extra_state())  # fmt: skip
         except ckpt.CheckpointError as e:  # NaN parameters, a full disk...
             refused = e
         else:
@@ -599,20 +634,28 @@ def train(
             x, y = stream.next()
             ctx = stream.ctx
             loss, aux, ok = train_step(model, net, opt, ctx, x, y, cfg, factor, autocast, cb,
-                                       step=step)  # fmt: skip
+                                       step=step, scaler=scaler)  # fmt: skip
             if step == start:  # the first step may be long on one rank (kernel autotune)
                 beat.settled()
+            moved = aux.get("scale_line")
             if not ok:
                 skips += 1
                 consecutive += 1
-                log.info(f"step={step} skipped: non-finite loss or gradient (skips={skips})")
+                log.info(f"step={step} skipped: non-finite loss or gradient (skips={skips})"
+                         + (f"; {moved}" if moved else ""))  # fmt: skip
                 if consecutive >= cfg.max_skips:
+                    fp16 = ("" if scaler is None else
+                            f"; the fp16 loss scale fell to {scaler.scale:g}, so the forward "
+                            f"itself is non-finite (an fp16 overflow past 65504 if fp32 trains): "
+                            f"--set dtype=bf16 on sm_80+ or dtype=fp32")  # fmt: skip
                     raise TrainingError(
                         f"{consecutive} consecutive non-finite steps (max_skips={cfg.max_skips}) "
                         f"at step {step}: the run diverged; lower --set lr (now {cfg.lr}) or "
-                        f"check the data"
+                        f"check the data{fp16}"
                     )
                 continue
+            if moved:
+                log.info(f"step={step} {moved}")
             consecutive = 0
             tokens_seen += ctx.global_tokens
             steps_since_log += 1
@@ -630,11 +673,13 @@ def train(
                 last_loss = fleet
                 lr_now = cfg.lr * factor
                 bar.clear()
+                said = "" if scaler is None else f" scale={scaler.scale:g}"
                 log.info(f"step={done} loss={fleet:.4f} bpb={fleet / LN2:.4f} lr={lr_now:.3e} "
-                    f"gnorm={aux['gnorm']:.3f} tok/s={tps:.0f} ms={ms:.1f}")  # fmt: skip
+                    f"gnorm={aux['gnorm']:.3f}{said} tok/s={tps:.0f} ms={ms:.1f}")  # fmt: skip
                 write_metrics({"kind": "train", "step": done, "loss": fleet, "bpb": fleet / LN2,
                                "lr": lr_now, "gnorm": aux["gnorm"], "tok_s": tps, "ms": ms,
-                               "load": aux["load"].tolist() if aux.get("load") is not None else None})  # fmt: skip
+                               "load": aux["load"].tolist() if aux.get("load") is not None else None,
+                               **({} if scaler is None else {"scale": scaler.scale})})  # fmt: skip
             bar.update(done, last_loss)
             evals = bool(cfg.eval_every and done % cfg.eval_every == 0 and done != end
                          and data.has_val)  # fmt: skip

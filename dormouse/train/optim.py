@@ -328,6 +328,22 @@ class MixOptimizer(torch.optim.Optimizer):
             store.zero_grad()
 
     @torch.no_grad()
+    def unscale_(self, inverse: float) -> None:
+        """Multiply every gradient this optimizer steps by `inverse` (the loss scaler's
+        1/scale, a power of two: exact), host-table rows included: they are no parameters,
+        so a loop over param_groups alone would leave them scale times too large."""
+        grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
+        for _, store in self._host:
+            holder = store.consolidate()
+            if holder is not None:
+                grads.append(holder.grad)
+        # torch's foreach kernels take DTensors or plain tensors, not both in one list
+        for on_mesh in (True, False):
+            group = [t for t in grads if hasattr(t, "placements") == on_mesh]
+            if group:
+                torch._foreach_mul_(group, inverse)
+
+    @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float) -> Tensor:
         """torch.nn.utils.clip_grad_norm_ (2-norm) over every gradient this optimizer steps,
         host-table rows included; returns the total norm, as torch does.

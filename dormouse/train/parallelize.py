@@ -95,7 +95,8 @@ def _fsdp(model: torch.nn.Module, ctx: DPContext) -> torch.nn.Module:
     mesh = init_device_mesh(ctx.device.type, (ctx.world,))
     # the forward's weights in the compute dtype the device policy chose (the all-gathers move
     # half the bytes); the optimizer keeps fp32 shards and fp32 gradients
-    param = torch.bfloat16 if ctx.compute == "bf16" else None
+    # (bf16 on every rank: all-gathers of one dtype; ranks of mixed dtypes gather fp32)
+    param = torch.bfloat16 if set(ctx.computes or (ctx.compute,)) == {"bf16"} else None
     mp = MixedPrecisionPolicy(param_dtype=param, reduce_dtype=REDUCE_DTYPES[ctx.reduce])
     for block in getattr(model, "blocks", []):
         fully_shard(block, mesh=mesh, mp_policy=mp)
