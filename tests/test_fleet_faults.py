@@ -420,7 +420,9 @@ def test_the_agreement_covers_every_field_but_the_per_rank_ones():
     run = preset("tiny")
     fields = agreement_fields(run, [RankShape(2, 32)] * 2, "cpu", [])
     everything = {**run.to_dict()["model"], **run.to_dict()["train"]}
-    assert set(everything) - set(fields) == set(PER_RANK_FIELDS) == {"out_dir", "device", "data"}
+    # dtype: each card computes in its own (a bf16 rank beside an fp16 one: gate g30)
+    assert set(everything) - set(fields) == set(PER_RANK_FIELDS) == {"out_dir", "device", "data",
+                                                                      "dtype"}  # fmt: skip
     assert {"capacity split", "device type", "data bytes", "preset/source"} <= set(fields)
 
 
