@@ -117,7 +117,9 @@ def _fleet(args, capacity: str, every: int) -> dict:
     tail = walls[len(walls) // 2:]  # the second half: after the re-balancer settled
     return {"tok_s": args.global_batch * args.seq / statistics.median(tail),
             "start": got["splits"][0], "end": got["splits"][-1],
-            "resplits": [ln for ln in got["lines"] if "->" in ln and ln.startswith("rebalance")]}
+            # a taken re-split says "OLD -> NEW" before its rates; a kept split says "kept"
+            "resplits": [ln for ln in got["lines"] if ln.startswith("rebalance")
+                         and "->" in ln.split(" (rates")[0]]}  # fmt: skip
 
 
 def run(args, command: str) -> str:
