@@ -80,10 +80,6 @@ class GPT(nn.Module):
                                                                         "out.weight")) else 1.0
                 nn.init.normal_(p, std=cfg.init_std / scale)
 
-    @property
-    def head_weight(self) -> torch.Tensor:
-        return self.embed.weight  # tied
-
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         return F.linear(self.norm_f(h), self.embed.weight.to(h.dtype))
 

@@ -709,7 +709,7 @@ def train_bytes(train_cfg) -> int:
     window = t.batch * (t.seq_len + 1)
     total = 0
     for p in paths:
-        n = ByteCorpus(p).__len__()
+        n = len(ByteCorpus(p))
         total += n - val_length(n, t.val_frac, t.val_bytes, window, name=str(p))
     return total
 

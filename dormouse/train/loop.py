@@ -19,7 +19,7 @@ import threading
 import time
 from contextlib import nullcontext
 from pathlib import Path
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -376,12 +376,10 @@ class _Best:
     step: int | None = None
     loss: float = math.inf
     since: int = 0
-    history: list = None  # [(step, val loss, train loss)], the last OVERFIT_EVALS + 1
+    # [(step, val loss, train loss)], the last OVERFIT_EVALS + 1
+    history: list = field(default_factory=list)
     train_s: float = 0.0  # seconds spent in training steps (not eval, saves or the 1st step)
     warned: int | None = None  # the best step the overfitting line last spoke of: once each
-
-    def __post_init__(self):
-        self.history = list(self.history or [])
 
     def state(self) -> dict:
         return {"best_step": self.step, "best_loss": self.loss if self.step is not None else None,
