@@ -98,7 +98,11 @@ class TrainConfig:
     seed: int = 0
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     dtype: Dtype = "auto"
+    # torch.compile the model's training forward (and so its backward): fla's kernels stay
+    # eager between compiled regions; compile_mode is torch.compile's mode (reduce-overhead
+    # replays the compiled regions as CUDA graphs). Evaluation runs uncompiled.
     compile: bool = False
+    compile_mode: Literal["default", "reduce-overhead", "max-autotune-no-cudagraphs"] = "default"
     # schedule
     lr: float = 3e-3
     min_lr_frac: float = 0.1
@@ -551,10 +555,14 @@ def validate(run: RunConfig) -> RunConfig:
     _check_path(t.out_dir, "out_dir")
     for d in t.data:
         _check_path(d, "data")
-    if t.compile and not t.dist:
+    graphs = t.compile and t.compile_mode == "reduce-overhead"
+    if graphs and not t.dist and t.global_batch > t.batch:
+        # a CUDA graph's outputs live in its pool until the next replay: a micro-batch's
+        # gradients, accumulated into .grad, would be overwritten by the next micro-batch's
         raise ConfigError(
-            "compile=true: compile is not implemented yet, so this run would train uncompiled "
-            "while its config says compiled; use --set compile=false"
+            f"compile_mode=reduce-overhead with accumulation (global_batch={t.global_batch} > "
+            f"batch={t.batch}): every micro-batch's replay reuses the CUDA graphs' gradient "
+            f"buffers. Use --set compile_mode=default, or --set batch={t.global_batch}"
         )
     if t.dist_capacity.strip() and not t.dist:
         raise ConfigError(

@@ -242,3 +242,20 @@ def test_step_bench_runs_a_gpt_preset(capsys):
     assert main_bench(argv) == 0
     row = dict(zip(HEADER, _table_rows(capsys.readouterr().out)[2]))
     assert row["preset"] == "gpt-small" and row["MoE arm"] == "- (GELU MLP)"
+
+
+def test_profile_prints_the_step_and_its_phases(capsys):
+    assert main_bench(["profile", "tiny", "--device", "cpu", "--steps", "1", "--warmup", "0"]) == 0
+    out = capsys.readouterr().out
+    phases = {line.split("|")[2].strip() for line in out.splitlines() if line.startswith("| tiny |")}
+    # the loop's own ranges (loop.PHASES) reach the profile: forward, backward, clip, optimizer
+    assert {"forward", "backward", "clip", "optimizer"} <= phases
+    assert "GPU busy" in out and "n/a (CPU)" in out
+
+
+def test_profile_union_of_kernel_intervals():
+    from dormouse.bench.profile import _union_us
+
+    # overlapping streams count once; a gap is idle
+    assert _union_us([(0, 10), (5, 15), (20, 30), (22, 25)]) == 25
+    assert _union_us([]) == 0

@@ -351,3 +351,61 @@ def test_mixer_fla_matches_torch_and_decodes():
         cache: dict = {}
         steps = [m_f(h[:, t : t + 1], iteration=1, cache=cache)[0] for t in range(16)]
         assert _rel_err(torch.cat(steps, 1), b[:, :16]) <= 1e-2
+
+
+def _op_inputs(B, T, H, D, seed):
+    """Inputs as the mixer hands them to the kernel: bf16 q, k (L2-normalised), v, beta; g fp32."""
+    q, k, v, g, beta, _ = (x.cuda() for x in _inputs(B, T, H, D, D, seed=seed))
+    return [q.bfloat16(), k.bfloat16(), v.bfloat16(), g.float(), beta.bfloat16()]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _fla_ready(), reason="fla arm needs CUDA sm_80+ and fla-core")
+def test_kda_op_equals_fla_autograd():
+    # The custom op (compile=true's path) runs fla's own forward and backward kernels on the
+    # same inputs (its backward recomputes the forward first): bitwise the autograd path.
+    base = _op_inputs(2, 128, 4, 64, seed=21)
+    w = torch.randn(2, 128, 4, 64, device="cuda")
+
+    def run(fn):
+        xs = [x.clone().requires_grad_(True) for x in base]
+        o = fn(*xs)
+        (o.float() * w).sum().backward()
+        return [o.detach(), *(x.grad for x in xs)]
+
+    eager = run(lambda *a: kda_fla(*a)[0])
+    op = run(lambda *a: torch.ops.dormouse.kda_chunk(*a, 64 ** -0.5))
+    for name, a, b in zip("o dq dk dv dg dbeta".split(), op, eager):
+        assert a.dtype == b.dtype and a.shape == b.shape, name
+        assert torch.equal(a, b), (name, _rel_err(a, b))
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _fla_ready(), reason="fla arm needs CUDA sm_80+ and fla-core")
+@pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
+def test_kda_compiled_matches_eager(mode):
+    # torch.compile around kda_fla (the op inside the graph; reduce-overhead: in a CUDA graph)
+    # against eager: the kernels are the same, the ops around them fused by inductor, so
+    # bf16 round-off of the fused casts and norms is all that differs (measured on an H200:
+    # see the assertion's bound).
+    base = _op_inputs(2, 128, 4, 64, seed=22)
+    w = torch.randn(2, 128, 4, 64, device="cuda")
+
+    def f(q, k, v, g, beta):
+        q, k = q * 1.5, k * 0.5  # ops around the kernel, for inductor to fuse
+        return kda_fla(q, k, v, g, beta)[0] * 2
+
+    fc = torch.compile(f, mode=mode, dynamic=False)
+    outs = []
+    for fn in (f, fc, fc):  # the compiled one twice: a replay after the recording
+        if fn is fc:
+            torch.compiler.cudagraph_mark_step_begin()
+        xs = [x.clone().requires_grad_(True) for x in base]
+        o = fn(*xs)
+        (o.float() * w).sum().backward()
+        # a CUDA graph's outputs (o, and the gradients its backward returns) live in its
+        # memory pool until the next replay: kept as copies
+        outs.append([o.detach().clone(), *(x.grad.clone() for x in xs)])
+    for got in outs[1:]:
+        for name, a, b in zip("o dq dk dv dg dbeta".split(), got, outs[0]):
+            assert _rel_err(a, b) <= 1e-2, (mode, name, _rel_err(a, b))

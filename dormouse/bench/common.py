@@ -39,12 +39,13 @@ def configure(name: str, sets, batch: int | None = None, seq: int | None = None)
     return validate(apply_sets(preset(name), sets))
 
 
-def build(run: RunConfig, device: torch.device, *, compile: bool = False):
+def build(run: RunConfig, device: torch.device, *, compile: bool | str = False):
     """(model, step, dtype): the seeded model and optimizer as `dormouse train` builds them;
     step(i, window) is the loop's own step on a [batch, seq+1] window (False: skipped as
     non-finite); dtype is the forward's compute dtype (None = fp32). `compile`: the forward
     runs through torch.compile(model) (the loop's `net`; the optimizer holds the model's own
-    parameters, which the compiled module shares)."""
+    parameters, which the compiled module shares); a string is torch.compile's mode
+    ("default", "reduce-overhead", "max-autotune-no-cudagraphs")."""
     from ..train.context import DPContext
     from ..train.loop import lr_factor, train_step
     from ..train.optim import MixOptimizer
@@ -56,7 +57,14 @@ def build(run: RunConfig, device: torch.device, *, compile: bool = False):
     opt = MixOptimizer.from_config(model, t, device.type)
     dtype = resolve_autocast(run, device)
     ctx = DPContext.single(device, t.batch, t.seq_len)
-    net = torch.compile(model, dynamic=False) if compile else model
+    mode = compile if isinstance(compile, str) else None
+    if run.train.compile:  # --set compile=true: the dormouse row compiled as train compiles it
+        from ..train.run import compiled
+
+        net = compiled(model, run, device)
+    else:
+        kw = {"mode": mode} if mode else {}
+        net = torch.compile(model, dynamic=False, **kw) if compile else model
     # an fp16 forward times the loop's loss scaling too (the scale and unscale passes)
     scaler = LossScaler(t.loss_scale_every) if loss_scaled(dtype, ctx) else None
 

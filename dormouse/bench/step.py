@@ -141,6 +141,7 @@ def bench_preset(run: RunConfig, device: torch.device, steps: int, warmup: int,
     model, step, dtype = build(run, device, compile=compile)
     data, taken = windows(run, warmup + steps), []
     compile_s = None
+    compile = compile or run.train.compile
     if compile:  # dynamo traces and inductor compiles on the first call: timed alone
         try:
             compile_s = timed(lambda i: step(0, data[0]), 1, 0, device)[0] / 1000
@@ -211,8 +212,8 @@ def run(args, command: str) -> str:
                      f"warm-up + {steps} timed step(s)")  # fmt: skip
             row, skips, compile_s = bench_preset(x, device, steps, warmup, c)
             if args.baseline:
-                row += ["- (as train runs it)" if j == 0 else
-                        f"on ({compile_s:.1f} s first step)" if c else "off"]  # fmt: skip
+                row += [f"on ({compile_s:.1f} s first step)" if compile_s is not None else
+                        "- (as train runs it)" if j == 0 else "off"]  # fmt: skip
             rows.append(row)
             skipped += [f"{row[0]}: {skips}/{steps}"] if skips else []
         if args.baseline:

@@ -95,7 +95,10 @@ def _constants(cfg, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """[n_tables, P + 1] multipliers (column j reads P - j bytes back; 0 past the order)
     and [n_tables] salts, built once per (orders, heads, device)."""
     key = (tuple(cfg.engram_orders), cfg.engram_heads, str(device))
-    if key not in _CONSTS:
+    # Traced by torch.compile: built in the graph (inductor folds them to constants), never
+    # cached, since a tensor made inside a compiled graph and kept across calls is that
+    # graph's output, which a CUDA-graph replay overwrites.
+    if key not in _CONSTS or torch.compiler.is_compiling():
         p = max(cfg.engram_orders) - 1
         mult, salt = [], []
         for n in cfg.engram_orders:
@@ -103,10 +106,11 @@ def _constants(cfg, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
                 # A zero multiplier makes the term 0, the identity of XOR.
                 mult.append([hash_multiplier(n, j, p - c) if p - c < n else 0 for c in range(p + 1)])
                 salt.append(hash_salt(n, j))
-        _CONSTS[key] = (
-            torch.tensor(mult, dtype=torch.int64, device=device),
-            torch.tensor(salt, dtype=torch.int64, device=device),
-        )
+        made = (torch.tensor(mult, dtype=torch.int64, device=device),
+                torch.tensor(salt, dtype=torch.int64, device=device))  # fmt: skip
+        if torch.compiler.is_compiling():
+            return made
+        _CONSTS[key] = made
     return _CONSTS[key]
 
 

@@ -161,6 +161,35 @@ def kda_fla(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`kda_torch`'s contract on fla-core's `chunk_kda` (CUDA, Triton).
 
+    Eager: fla's own autograd Function (`_kda_fla_eager`). Under torch.compile (compile=true)
+    the training call (no state in, none out) goes through the custom op
+    `dormouse::kda_chunk` instead, which the compiled graph holds as one opaque call, so
+    compile_mode=reduce-overhead captures fla's kernels in the same CUDA graph as the ops
+    around them (fla marks its own entry point torch.compiler.disable, which would split the
+    graph at every layer)."""
+    if torch.compiler.is_compiling() and initial_state is None and not output_final_state:
+        dt = q.dtype
+        o = torch.ops.dormouse.kda_chunk(
+            q.contiguous(), k.contiguous().to(dt), v.contiguous().to(dt), g.float().contiguous(),
+            beta.contiguous().to(dt), q.shape[-1] ** -0.5 if scale is None else float(scale))
+        return o, None
+    return _kda_fla_eager(q, k, v, g, beta, scale, initial_state, output_final_state, chunk_size)
+
+
+@torch.compiler.disable  # fla's kernels run eager; compiled code stops around this call
+def _kda_fla_eager(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    chunk_size: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`kda_torch`'s contract on fla-core's `chunk_kda` (CUDA, Triton).
+
     `chunk_size` is accepted for symmetry and ignored: the kernel picks its own (64).
     fla wants the state in fp32; the decay is handed over in fp32 too, since its cumulative
     sum is the precision-critical part. Only keywords that every fla-core release with KDA
@@ -186,6 +215,79 @@ def kda_fla(
     if first is not None:
         first.end(q_in, o)
     return o.to(q.dtype), (S if output_final_state else None)
+
+
+# ---- fla's kernel as a custom op, for compiled graphs --------------------------------------
+
+
+class _SavedCtx:
+    """What fla's ChunkKDAFunction.forward/backward expect of their ctx: a place for the
+    saved tensors and the attributes they set (autocast's included)."""
+
+    def save_for_backward(self, *tensors):
+        self.saved_tensors = tensors
+
+
+def _chunk_forward(q, k, v, g, beta, scale: float):
+    """fla's forward as its autograd Function runs it, with a plain ctx: (ctx, o)."""
+    from fla.ops.kda.chunk import ChunkKDAFunction
+
+    first = _FirstCall.begin(q, v)
+    ctx = _SavedCtx()
+    # positional: A_log, dt_bias, scale, initial_state, output_final_state; the rest at
+    # chunk_kda's defaults (no in-kernel norm, gate or sigmoid; chunk 64)
+    o, _ = ChunkKDAFunction.forward(ctx, q, k, v, g, beta, None, None, scale, None, False)
+    if first is not None:
+        first.end(q, o)
+    return ctx, o
+
+
+@torch.library.custom_op("dormouse::kda_chunk", mutates_args=())
+def _kda_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+               beta: torch.Tensor, scale: float) -> torch.Tensor:  # fmt: skip
+    """o = chunk_kda(q, k, v, g, beta) with no state in or out (q, k, v, beta in the compute
+    dtype, g fp32; all contiguous)."""
+    return _chunk_forward(q, k, v, g, beta, scale)[1]
+
+
+@_kda_chunk.register_fake
+def _(q, k, v, g, beta, scale):
+    return q.new_empty(v.shape)
+
+
+@torch.library.custom_op("dormouse::kda_chunk_bwd", mutates_args=())
+def _kda_chunk_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                   beta: torch.Tensor, do: torch.Tensor,
+                   scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                          torch.Tensor]:  # fmt: skip
+    """(dq, dk, dv, dg, dbeta) of `dormouse::kda_chunk`. The forward's intermediates are not
+    kept between the two ops (an op's outputs must be tensors, fla's are a varying set):
+    the backward runs fla's forward again (KDA's forward is ~1/4 of its GPU time at small's
+    shapes) and then fla's own backward on what it saved."""
+    from fla.ops.kda.chunk import ChunkKDAFunction
+
+    ctx, _ = _chunk_forward(q, k, v, g, beta, scale)
+    grads = ChunkKDAFunction.backward(ctx, do, None)[:5]
+    return tuple(t.clone() if any(t is x for x in (q, k, v, g, beta, do)) else t for t in grads)
+
+
+@_kda_chunk_bwd.register_fake
+def _(q, k, v, g, beta, do, scale):
+    return tuple(torch.empty_like(t) for t in (q, k, v, g, beta))
+
+
+def _kda_chunk_setup(ctx, inputs, output):
+    *tensors, ctx.scale = inputs
+    ctx.save_for_backward(*tensors)
+
+
+def _kda_chunk_backward(ctx, do):
+    q, k, v, g, beta = ctx.saved_tensors
+    return (*torch.ops.dormouse.kda_chunk_bwd(q, k, v, g, beta, do.contiguous(), ctx.scale),
+            None)  # fmt: skip
+
+
+_kda_chunk.register_autograd(_kda_chunk_backward, setup_context=_kda_chunk_setup)
 
 
 class _FirstCall:
@@ -255,6 +357,13 @@ _KERNELS = {"torch": kda_torch, "fla": kda_fla}
 
 
 # ---- the mixer -----------------------------------------------------------------------
+
+
+@torch.compiler.assume_constant_result
+def _arm_name(impl: str, head_dim: int, device: torch.device, dtype: torch.dtype) -> str:
+    """KDAMixer.arm's name, announced. A compiled graph calls this once while tracing and keeps
+    the answer (asking the card for its name and capability inside the graph would split it)."""
+    return announce(choose_arm("kda", impl, device, dtype, {"head_dim": head_dim})).name
 
 
 class ShortConv(nn.Module):
@@ -383,7 +492,7 @@ class KDAMixer(nn.Module):
 
     def _kernel(self, x: torch.Tensor):
         if self._impl is None or self._impl_device != x.device:
-            self._impl = announce(self.arm(x.device, _compute_dtype(x))).name
+            self._impl = _arm_name(self.cfg.kda_impl, self.head_dim, x.device, _compute_dtype(x))
             self._impl_device = x.device
         return _KERNELS[self._impl]
 

@@ -88,6 +88,34 @@ def _experts_batched(xs, slot, n_experts, width, w1, w3, w2):
     return torch.bmm(h, w2).view(n_experts * width, d)[slot]
 
 
+#: Under torch.compile (compile=true) these run eager, between compiled regions: the grouped
+#: matmul's CPU kernel takes fp32 where inductor's lowering asks for bf16 ("Expected inputs
+#: of BF16", torch 2.13 CPU), and the dropless batched arm's width is the batch's largest
+#: expert load, read to the host, on which a compiled graph would specialise and recompile at
+#: every new width (measured: past torch's recompile limit within 5 steps of tiny).
+_experts_grouped_eager = torch.compiler.disable(_experts_grouped)
+
+
+@torch.compiler.disable
+def _experts_dropless_batched(xs, counts, e_sorted, n_experts, w1, w3, w2):
+    """The batched arm without capacity: each expert's buffer is as wide as the batch's
+    largest expert load (+1 trash slot, unused here)."""
+    a = xs.shape[0]
+    width = int(counts.max().item()) if a else 0
+    start = torch.cumsum(counts, 0) - counts
+    place = torch.arange(a, device=xs.device) - start[e_sorted]
+    slot = e_sorted * (width + 1) + place
+    return _experts_batched(xs, slot, n_experts, width + 1, w1, w3, w2)
+
+
+@torch.compiler.assume_constant_result
+def _arm_name(impl: str, d_model: int, d_ffn: int, device: torch.device, dtype: torch.dtype) -> str:
+    """MoE.arm's name, announced. A compiled graph calls this once while tracing and keeps the
+    answer (asking the card for its name and capability inside the graph would split it)."""
+    shape = {"d_model": d_model, "d_ffn": d_ffn}
+    return announce(choose_arm("moe", impl, device, dtype, shape)).name
+
+
 class SharedExpert(nn.Module):
     """The always-on SwiGLU of hidden width `rank` (a low-rank FFN every token passes)."""
 
@@ -183,7 +211,7 @@ class MoE(nn.Module):
         grp = (torch.arange(B, device=dev).view(B, 1, 1) * E + experts).reshape(-1)
         # A stable sort by (row, expert) keeps each group in arrival order: rank = offset in it.
         order = torch.sort(grp, stable=True).indices
-        sizes = torch.bincount(grp, minlength=B * E)
+        sizes = grp.new_zeros(B * E).index_add_(0, grp, torch.ones_like(grp))  # = bincount
         start = torch.cumsum(sizes, 0) - sizes
         rank = torch.empty_like(order)
         rank[order] = torch.arange(order.numel(), device=dev) - start[grp[order]]
@@ -243,7 +271,9 @@ class MoE(nn.Module):
         n, k, E = x.shape[0], self.topk, self.n_experts
         s, experts, gates = self.route(x, key)
         flat_e = experts.reshape(-1)
-        counts = torch.bincount(flat_e, minlength=E)
+        # bincount's length depends on the data (max(E, largest id + 1)) and splits a
+        # compiled graph; an index_add over E slots is the same integers at a fixed length
+        counts = flat_e.new_zeros(E).index_add_(0, flat_e, torch.ones_like(flat_e))
         # An activation-checkpoint recompute runs this forward again inside backward; the
         # controller must see each token once.
         if self.training and self.lb_coef != 0 and torch._C._current_graph_task_id() == -1:
@@ -294,13 +324,12 @@ class MoE(nn.Module):
             g_sorted = torch.where(keep, g_sorted, torch.zeros((), device=dev))
 
         w1, w3, w2 = (w.to(cdt) for w in (self.w1, self.w3, self.w2))
-        if announce(self.arm(dev, cdt)).name == "grouped":
-            ys = _experts_grouped(xs, counts, w1, w3, w2)
+        if _arm_name(self.impl, self.d_model, self.d_ffn, dev, cdt) == "grouped":
+            grouped = _experts_grouped if dev.type == "cuda" else _experts_grouped_eager
+            ys = grouped(xs, counts, w1, w3, w2)
+        elif place is None:
+            ys = _experts_dropless_batched(xs, counts, e_sorted, E, w1, w3, w2)
         else:
-            if place is None:
-                width = int(counts.max().item()) if a else 0
-                start = torch.cumsum(counts, 0) - counts
-                place = torch.arange(a, device=dev) - start[e_sorted]
             # Each row owns `cap` slots of each expert (capacity) and slot `width` is the
             # trash slot for dropped assignments, so no slot depends on another row.
             slot = e_sorted * (width + 1) + place

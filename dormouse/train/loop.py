@@ -283,32 +283,43 @@ def train_step(model, net, opt, ctx: DPContext, x, y, cfg, factor: float, autoca
     keys = dropout_keys(model, ctx, cfg.seed, step, x.shape[0])
     kw = [{} for _ in range(k)] if keys is None else [{"keys": kj} for kj in keys.chunk(k)]
     losses = []
+    # compile_mode=reduce-overhead replays the compiled regions as CUDA graphs, whose outputs
+    # the next replay overwrites: each forward is a new graph step, what outlives it a copy
+    graphs = getattr(cfg, "compile", False) and cfg.compile_mode == "reduce-overhead"
     for j, (xj, yj) in enumerate(zip(x.chunk(k), y.chunk(k))):
         # the reducer runs once, on the last micro-batch's backward
         with _no_sync(net, last=j == k - 1), _autocast(device, autocast):
-            _, loss_j, aux = net(xj, yj, **kw[j])
+            if graphs:
+                torch.compiler.cudagraph_mark_step_begin()
+            with _phase("forward"):
+                _, loss_j, aux = net(xj, yj, **kw[j])
+            if graphs:
+                loss_j = loss_j.clone()
+                aux = {n: v.clone() if torch.is_tensor(v) else v for n, v in aux.items()}
             weighted = loss_j * ctx.loss_scale
             # x a power of two after the fleet's weight: exact, so an unscaled gradient is the
             # same fp32 numbers as one never scaled
-            (weighted if scaler is None else weighted * scaler.scale).backward()
+            with _phase("backward"):
+                (weighted if scaler is None else weighted * scaler.scale).backward()
         losses.append(loss_j.detach())
     # equal micro-batches: their mean is the token-weighted mean of this rank's windows
     loss = losses[0] if k == 1 else torch.stack(losses).mean()
-    # host-RAM Engram rows are no parameters: the fleet reduces them here, before the clip
-    ctx.reduce_host_grads(model)
-    if scaler is not None:
-        # before the clip and the optimizer, host rows too; an overflow stays inf/nan and
-        # reaches the one verdict below through the clip's norm
-        opt.unscale_(scaler.inverse)
-    finite = bool(torch.isfinite(loss))
-    gnorm = float("nan")
-    if finite:
-        # the optimizer's clip: it also sees host-RAM Engram rows (not parameters); the norm
-        # it returns is the pre-clip global norm (the fleet's, once the reducer has run)
-        gnorm = float(opt.clip_grad_norm_(cfg.grad_clip if cfg.grad_clip > 0 else float("inf")))
-        finite = math.isfinite(gnorm)
-    aux["gnorm"] = gnorm
-    agreed = ctx.all_finite(finite)
+    with _phase("clip"):  # the host-row reduction, unscale, clip and the agreed verdict
+        # host-RAM Engram rows are no parameters: the fleet reduces them here, before the clip
+        ctx.reduce_host_grads(model)
+        if scaler is not None:
+            # before the clip and the optimizer, host rows too; an overflow stays inf/nan and
+            # reaches the one verdict below through the clip's norm
+            opt.unscale_(scaler.inverse)
+        finite = bool(torch.isfinite(loss))
+        gnorm = float("nan")
+        if finite:
+            # the optimizer's clip: it also sees host-RAM Engram rows (not parameters); the norm
+            # it returns is the pre-clip global norm (the fleet's, once the reducer has run)
+            gnorm = float(opt.clip_grad_norm_(cfg.grad_clip if cfg.grad_clip > 0 else float("inf")))
+            finite = math.isfinite(gnorm)
+        aux["gnorm"] = gnorm
+        agreed = ctx.all_finite(finite)
     if scaler is not None:
         # the agreed verdict, never this rank's: every rank's scale moves identically
         aux["scale_line"] = scaler.update(agreed)
@@ -322,11 +333,24 @@ def train_step(model, net, opt, ctx: DPContext, x, y, cfg, factor: float, autoca
         model.lfb_discard()
         _call(cb.after_step, stepped=False, gnorm=gnorm, scale=scale, **seen)
         return loss, aux, False
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-    model.lfb_update(reduce=ctx.lfb_reduce)
+    with _phase("optimizer"):
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    with _phase("lfb"):
+        model.lfb_update(reduce=ctx.lfb_reduce)
     _call(cb.after_step, stepped=True, gnorm=gnorm, scale=scale, **seen)
     return loss, aux, True
+
+
+#: The step's phases as `dormouse bench profile` attributes GPU time to them (each a
+#: record_function range named "dormouse.<phase>", opened only while a profiler records).
+PHASES = ("forward", "backward", "clip", "optimizer", "lfb")
+
+
+def _phase(name: str):
+    if torch.autograd._profiler_enabled():
+        return torch.profiler.record_function(f"dormouse.{name}")
+    return nullcontext()
 
 
 @contextlib.contextmanager

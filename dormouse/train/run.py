@@ -125,6 +125,28 @@ def prepare(run: RunConfig, device_type: str | None = None, local_rank: int | No
     return run, device, autocast
 
 
+def compiled(model: torch.nn.Module, run: RunConfig, device: torch.device) -> torch.nn.Module:
+    """The loop's `net`: `model` itself, or with compile=true torch.compile(model) in
+    compile_mode (static shapes: a run's windows never change shape). The optimizer, the
+    checkpoints and evaluation hold `model`, whose parameters the compiled module shares.
+    fla's KDA kernels and the Engram hash constants are torch.compiler.disable'd, so they run
+    eager between the compiled regions."""
+    t = run.train
+    if not t.compile:
+        if device.type == "cuda" and run.model.arch == "dormouse":
+            log.info("compile=false: on an H200 --set compile=true --set "
+                     "compile_mode=reduce-overhead measured 4.2x faster steps for small "
+                     "(docs/performance.md)")  # fmt: skip
+        return model
+    if t.compile_mode == "reduce-overhead" and device.type != "cuda":
+        log.info(f"compile_mode=reduce-overhead on {device.type}: CUDA graphs need a GPU; "
+                 f"inductor compiles without them here")  # fmt: skip
+    log.info(f"compile=true: torch.compile(model, mode={t.compile_mode}, dynamic=False) on "
+             f"{device.type}; the first step traces and compiles (tens of seconds; inductor "
+             f"caches its work for the next run), evaluation runs uncompiled")  # fmt: skip
+    return torch.compile(model, mode=t.compile_mode, dynamic=False)
+
+
 def _optimizer(net: torch.nn.Module, run: RunConfig, device: torch.device):
     from .optim import MixOptimizer
 
@@ -157,8 +179,8 @@ def train_run(
         t = run.train
         ctx = DPContext.single(device, t.batch, t.seq_len, t.global_batch)
         model = (model if model is not None else build_model(run)).to(device).train()
-        return train(model, model, _optimizer(model, run, device), ctx, run, autocast=autocast,
-                     resume=resume, stop_at=stop_at, progress=progress,
+        return train(model, compiled(model, run, device), _optimizer(model, run, device), ctx,
+                     run, autocast=autocast, resume=resume, stop_at=stop_at, progress=progress,
                      callbacks=callbacks)  # fmt: skip
     return _train_fleet(run, resume=resume, stop_at=stop_at, model=model, callbacks=callbacks,
                         device_type=device_type, rate=rate, timeout_s=timeout_s, close=close)
