@@ -120,9 +120,12 @@ class TrainConfig:
     ns_steps: int = 5
     ns_kind: Literal["quintic", "polar_express"] = "quintic"
     ns_dtype: Literal["auto", "fp32", "bf16"] = "auto"
-    muon_state_dtype: Literal["fp32", "bf16"] = "fp32"
-    # the Engram tables' Adam moments (the bulk of b1's optimizer state): bf16 halves them
-    engram_state_dtype: Literal["fp32", "bf16"] = "fp32"
+    # Muon's momentum: bf16 halves it; int8 (8-bit codes, an fp32 scale per 256 values) takes
+    # 1.016 B a value
+    muon_state_dtype: Literal["fp32", "bf16", "int8"] = "fp32"
+    # the Engram tables' Adam moments (the bulk of b1's optimizer state): bf16 halves them,
+    # int8 (8-bit codes, an fp32 scale per table row and moment) ~quarters them (train/quant.py)
+    engram_state_dtype: Literal["fp32", "bf16", "int8"] = "fp32"
     muon_variant: Literal["nesterov", "plain"] = "nesterov"
     muon_sf: Literal["rms", "jordan"] = "rms"
     muon_momentum: float = 0.95

@@ -178,17 +178,19 @@ def test_a_state_with_other_keys_is_refused():
         ckpt.load_model_state(_tiny(), state)
 
 
+@pytest.mark.parametrize("state", ["fp32", "int8"])
 @pytest.mark.parametrize("ram", [False, True])
-def test_one_process_round_trip_needs_no_process_group(ram):
+def test_one_process_round_trip_needs_no_process_group(ram, state):
     import torch.distributed as dist
 
     assert not dist.is_initialized()
+    kw = dict(lr=0.01, opt="mix", muon_state_dtype=state, engram_state_dtype=state)
     model = _tiny(ram)
-    opt = MixOptimizer(model, lr=0.01, opt="mix")
+    opt = MixOptimizer(model, **kw)
     _step(model, opt)
     saved = _snapshot(model, opt)
     fresh = _tiny(ram, seed=1)
-    opt2 = MixOptimizer(fresh, lr=0.01, opt="mix")
+    opt2 = MixOptimizer(fresh, **kw)
     ckpt.load_model_state(fresh, saved["model"])
     ckpt.load_optimizer_state(fresh, opt2, saved["optimizer"])
     _assert_same(_snapshot(fresh, opt2), saved)

@@ -253,6 +253,10 @@ def _tiny(*sets):
     "sets, cause, escape",
     [
         (["dist_shard=fsdp", "optim_8bit=true"], "optim_8bit", "optim_8bit=false"),
+        (["dist_shard=fsdp", "muon_state_dtype=int8"], "muon_state_dtype=int8",
+         "muon_state_dtype=bf16"),
+        (["dist_shard=fsdp", "engram_state_dtype=int8"], "engram_state_dtype=int8",
+         "dist_shard=none"),
         (["compile=true"], "compile=true", "compile=false"),
     ],
 )
@@ -268,6 +272,7 @@ def test_fleet_correct_features_are_allowed():
     refuse_incompatible(_tiny("dist_shard=fsdp", "opt=adamw"), 2)  # FSDP2 + AdamW (gate g04)
     refuse_incompatible(_tiny("dist_shard=fsdp"), 2)  # FSDP2 + Muon (gate g24)
     refuse_incompatible(_tiny("dist_shard=fsdp", "muon_state_dtype=bf16"), 2)  # elementwise
+    refuse_incompatible(_tiny("muon_state_dtype=int8", "engram_state_dtype=int8"), 2)  # DDP
     refuse_incompatible(_tiny("dist_shard=fsdp", "engram_ram=true"), 3)  # (gate g24)
     refuse_incompatible(_tiny("engram_ram=true"), 2)  # host rows reduced by hand (gate g14)
     refuse_incompatible(_tiny("moe_capacity=1.0"), 2)  # per-row drops (gate g23)

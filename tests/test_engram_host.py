@@ -295,12 +295,14 @@ def _run_cfg(ram: bool):
     return replace(TINY, model=replace(TINY.model, engram_ram=ram))
 
 
+@pytest.mark.parametrize("state", ["fp32", "int8"])
 @pytest.mark.parametrize("resume_ram", [True, False])
-def test_checkpoint_resume_is_bit_exact_and_crosses_stores(tmp_path, resume_ram):
+def test_checkpoint_resume_is_bit_exact_and_crosses_stores(tmp_path, resume_ram, state):
     # Train 3 host steps, checkpoint, resume (into a host model, or a VRAM one: the key
     # and the Adam state are the same), 3 more: equal to 6 uninterrupted host steps.
+    kw = dict(KW, muon_state_dtype=state, engram_state_dtype=state)
     straight = _model(True)
-    opt = MixOptimizer(straight, **KW)
+    opt = MixOptimizer(straight, **kw)
     for step in range(3):
         _cycle(straight, opt, step)
     path = ckpt.save_checkpoint(tmp_path / "ck.pt", run=_run_cfg(True), model=straight,
@@ -311,7 +313,7 @@ def test_checkpoint_resume_is_bit_exact_and_crosses_stores(tmp_path, resume_ram)
     ck = ckpt.read_checkpoint(path)
     resumed = _model(resume_ram, seed=5)
     ckpt.load_model(resumed, ck, path)
-    opt2 = MixOptimizer(resumed, **KW)
+    opt2 = MixOptimizer(resumed, **kw)
     ckpt.load_optimizer_state(resumed, opt2, ck["optimizer"], path)
     for step in range(3, 6):
         _cycle(resumed, opt2, step)

@@ -89,6 +89,11 @@ def test_each_mechanism_removes_what_it_claims(hand_split):
     bf = estimate(replace(run, train=replace(run.train, muon_state_dtype="bf16")))
     assert bf.muon == 2 * 1000
     assert bf.opt_work == base.opt_work + 4 * 600  # momentum widened for the update
+    i8 = estimate(replace(run, train=replace(run.train, muon_state_dtype="int8",
+                                             engram_state_dtype="int8")))  # fmt: skip
+    assert i8.muon == 1000 + 4 * 4  # the codes, and an fp32 absmax per 256 values (4 blocks)
+    assert i8.engram == 2 * 10 + (4 + 2 * 4) * (10 // run.model.engram_dim)  # + 2 row scales
+    assert i8.opt_work == base.opt_work  # the fp32 momentum is freed before the polar
     b8 = estimate(replace(run, train=replace(run.train, optim_8bit=True)))
     assert (b8.adamw, b8.engram) == (2 * 100, base.engram)  # Engram moments are not 8-bit
 
@@ -160,6 +165,53 @@ def test_8bit_only_where_bitsandbytes_is_found(hand_split, monkeypatch):
                         lambda n: object() if n == "bitsandbytes" else real(n))  # fmt: skip
     planned, est, engaged = plan_fit(run, gb)
     assert "optim_8bit" in engaged and planned.train.optim_8bit
+
+
+def test_int8_state_is_a_rung_after_bf16_and_replaces_it(hand_split, monkeypatch):
+    names = fit.MECHANISM_NAMES
+    for knob in ("muon_state_dtype", "engram_state_dtype"):
+        assert names.index(f"{knob}=bf16") < names.index(f"{knob}=int8") < names.index(
+            "optim_8bit")  # fmt: skip
+        assert f"{knob}=int8" in fit.LOSSY
+    # A Muon-heavy split: after accumulation and bf16 momentum only int8 momentum fits it.
+    heavy = replace(SPLIT, total=10**6 + 1110, muon=10**6 + 1000)
+    monkeypatch.setattr(fit, "param_split", lambda run: heavy)
+    run = _run()
+    one = replace(run, train=replace(run.train, batch=1, global_batch=2))
+    gb = _gb_for(estimate(fit.engage(one, "muon_state_dtype=int8")).total)
+    assert estimate(fit.engage(one, "muon_state_dtype=bf16")).total > fit.usable_bytes(gb)
+    planned, est, engaged = plan_fit(run, gb)
+    assert planned.train.muon_state_dtype == "int8" and est.total <= fit.usable_bytes(gb)
+    assert "muon_state_dtype=int8" in engaged and "muon_state_dtype=bf16" not in engaged
+    assert all(fit.mechanism_on(planned, m) for m in engaged)
+    # released, an int8 rung goes back to bf16, the rung it replaced
+    assert fit.disengage(planned, "muon_state_dtype=int8").train.muon_state_dtype == "bf16"
+    # the command the fleet table prints names the field once
+    two = [fit.RankPlan(r, gb, 1, 1, est) for r in range(2)]
+    line = next(x for x in fit.format_fleet_table(planned, two) if "train it" in x)
+    assert line.count("muon_state_dtype") == 1 and "muon_state_dtype=int8" in line
+    fsdp = replace(run, train=replace(run.train, dist_shard="fsdp"))
+    assert "FSDP2" in fit.unavailable("muon_state_dtype=int8", fsdp, world=2)
+    assert fit.unavailable("muon_state_dtype=int8", fsdp, world=1) is None
+
+
+def test_printed_arithmetic_multiplies_out_to_the_estimate():
+    # each optimizer-state line's "bytes x count" terms give the GiB printed beside them, which
+    # is the estimate's (they once disagreed: the Engram rows' step counts were not printed)
+    term = re.compile(r"(\(1 B \+ 4 B / 256\)|\d+ B) x ([\d.]+)M")
+    for sets in ({}, {"muon_state_dtype": "bf16", "engram_state_dtype": "bf16"},
+                 {"muon_state_dtype": "int8", "engram_state_dtype": "int8"}):  # fmt: skip
+        run = replace(preset("small"), train=replace(preset("small").train, **sets))
+        est = estimate(run)
+        lines = {ln.split()[0]: ln for ln in fit.format_arithmetic(run, est)[1:]}
+        for name in ("adamw", "muon", "engram"):
+            terms = term.findall(lines[name])
+            per = [1 + 4 / 256 if b.startswith("(") else float(b.split()[0]) for b, _ in terms]
+            total = sum(b * float(n) * 1e6 for b, (_, n) in zip(per, terms))
+            # the counts are printed to 0.01M: 0.005M of error a term, times its bytes
+            slack = sum(0.005e6 * b for b in per)
+            assert terms and abs(total - getattr(est, name)) <= slack, (name, sets, lines[name])
+            assert lines[name].endswith(f"= {getattr(est, name) / GiB:.2f} GiB"), lines[name]
 
 
 def test_b1_on_4gb_is_loud_and_never_allocated(monkeypatch):

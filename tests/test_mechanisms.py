@@ -9,8 +9,9 @@ Engram table included, wherever it lives).
 
 * exact: moe_offload, engram_ram, act_ckpt (no quantization), and all three at once. Each
   case also shows the mechanism engaged, so a mechanism that quietly does nothing cannot pass.
-* approximate: muon_state_dtype=bf16 and act_ckpt_quant. The deviation is measured, printed,
-  recorded (record_property) and held under a bound whose reason sits next to it.
+* approximate: muon_state_dtype and engram_state_dtype = bf16 or int8, and act_ckpt_quant.
+  The deviation is measured, printed, recorded (record_property) and held under a bound whose
+  reason sits next to it.
 * optim_8bit: bitsandbytes + CUDA only; here it must be refused loudly.
 """
 
@@ -40,6 +41,10 @@ TABLE = "engram.store.table"
 EXACT_TOL = 1e-6
 #: bf16's unit roundoff (8 significant bits): the relative error of one rounding.
 BF16_U = 2.0**-8
+#: int8 codes' rms error per rounding, relative to the rms of a block of 256 Gaussian values:
+#: the error is uniform over one code step (absmax / 127), so its rms is absmax / (127 x
+#: sqrt 12), and such a block's absmax is ~2.9 x its rms. 6.6e-3: ~6x bf16's rms (u / sqrt 3).
+INT8_RMS = 2.9 / (127 * math.sqrt(12))
 
 #: The seed of the three windows every case trains on.
 WINDOWS = 20260601
@@ -273,6 +278,50 @@ def test_bf16_engram_moments_deviation(ram, record_property):
     # 3.9e-2 as for Muon's bf16 momentum. Measured (torch 2.13 CPU): the table's update_rel
     # 8.2e-4, param_rel 6.8e-6, the same for a VRAM and a host table (the same row Adam).
     assert table < 10 * BF16_U, f
+    assert f["param_rel"] < 1e-2, f
+
+
+def test_int8_momentum_deviation(record_property):
+    off = _off()
+    on = _train(train_sets=dict(muon_state_dtype="int8"))
+    codes = [st["momentum_q"] for st in on.opt.state.values() if "momentum_q" in st]
+    assert codes and all(c.dtype == torch.int8 for c in codes)
+    f = _report("muon_state_dtype=int8", on, off, record_property)
+    muon = [k for g in on.opt.param_groups if g.get("kind") == "muon" for k in g["names"]]
+    f["muon_update_rel"] = _update_dev(on, off, muon)
+    record_property("muon_update_rel", f["muon_update_rel"])
+    print(f"  Muon-owned parameters only: update_rel {f['muon_update_rel']:.2e}")
+    assert f["grad_rel"] == 0.0  # the first gradient precedes any optimizer state
+    assert f["update_rel"] > 0, "int8 momentum changed nothing: the state is not rounded"
+    # Measured (torch 2.13 CPU): muon_update_rel 1.7e-02 (bf16's 3.3e-03: 5.2x), update_rel
+    # 8.1e-03, param_rel 1.1e-04, param_max_rel 4.1e-02. Bound: bf16's reasoning (4 roundings,
+    # x2.5 for the polar's sensitivity) with int8's error per rounding: 10 x INT8_RMS ~ 6.6e-2.
+    assert f["muon_update_rel"] < 10 * INT8_RMS, f
+    assert f["update_rel"] < 10 * INT8_RMS, f
+    assert f["param_rel"] < 1e-2, f
+
+
+@pytest.mark.parametrize("ram", [False, True], ids=["vram_table", "host_table"])
+def test_int8_engram_moments_deviation(ram, record_property):
+    model = dict(engram_ram=True) if ram else {}
+    off = _train(model)
+    on = _train(model, train_sets=dict(engram_state_dtype="int8"))
+    states = list(on.opt.host_state.values()) if ram else [
+        st for st in on.opt.state.values() if "exp_avg_q" in st]
+    assert states and all(st["exp_avg_q"].dtype == torch.int8
+                          and st["exp_avg_sq_q"].dtype == torch.uint8 for st in states)  # fmt: skip
+    f = _report(f"engram_state_dtype=int8 ({'host' if ram else 'vram'})", on, off,
+                record_property)  # fmt: skip
+    table = _update_dev(on, off, [TABLE])
+    record_property("table_update_rel", table)
+    print(f"  the Engram table only: update_rel {table:.2e}")
+    assert f["grad_rel"] == 0.0  # the first gradient precedes any optimizer state
+    assert table > 0, "int8 moments changed nothing: the state is not rounded"
+    # Measured (torch 2.13 CPU): the table's update_rel 4.2e-03 (bf16's 8.2e-04: 5.1x),
+    # param_rel 3.5e-05, the same for a VRAM and a host table (the same row Adam). Bound:
+    # bf16's reasoning with int8's error per rounding, 10 x INT8_RMS ~ 6.6e-2 (a row of 8
+    # values has absmax nearer its rms than 256 do, so its rounding error is smaller).
+    assert table < 10 * INT8_RMS, f
     assert f["param_rel"] < 1e-2, f
 
 

@@ -18,6 +18,7 @@ from dormouse.config import ConfigError, TrainConfig
 from dormouse.model.engram import HostTables
 from dormouse.train import checkpoint as ckpt
 from dormouse.train.optim import MixOptimizer
+from dormouse.train.quant import BLOCK, dequantize_signed
 from dormouse.train.routing import format_routes, route_params, strip_name
 from references.muon_single import muon_single_step
 
@@ -315,6 +316,7 @@ def test_routing_of_preset_models_on_meta(preset_name):
 
 _VARIANTS = [dict(ns_kind="quintic", muon_state_dtype="fp32"),
              dict(ns_kind="polar_express", muon_state_dtype="bf16", ns_dtype="bf16"),
+             dict(muon_state_dtype="int8", engram_state_dtype="int8"),
              dict(opt="adamw")]  # fmt: skip
 # optim_8bit has no CPU variant: bitsandbytes steps CUDA tensors only (refused below).
 
@@ -429,12 +431,44 @@ def test_resume_is_bit_exact(kw, via):
     else:
         ckpt.load_model_state(resumed, ck["model"])
         ckpt.load_optimizer_state(resumed, opt2, ck["opt"])
-    muon = [opt2.state[p]["momentum_buffer"] for g in opt2._muon_groups for p in g["params"]]
+    muon = [t for g in opt2._muon_groups for p in g["params"] for t in opt2.state[p].values()]
     assert all(b._base is not None for b in muon)  # loaded into the views, not replacing them
     _run(resumed, opt2, range(3, 6))
     _assert_bitwise(_tensors(dict(resumed.named_parameters())),
                     _tensors(dict(straight.named_parameters())))  # fmt: skip
     _assert_bitwise(_tensors(opt2.state_dict()), _tensors(opt.state_dict()))
+
+
+def test_int8_momentum_is_per_parameter_blocks_of_one_stack():
+    torch.manual_seed(0)
+    model = StandIn()
+    opt = MixOptimizer(model, lr=0.01, muon_state_dtype="int8")
+    for g, (codes, offsets, absmax) in zip(opt._muon_groups, opt._stacks, strict=True):
+        for p, a, b in zip(g["params"], offsets, offsets[1:]):
+            st = opt.state[p]
+            assert st["momentum_q"].shape == (b - a, BLOCK) == (-(-p.numel() // BLOCK), BLOCK)
+            assert st["momentum_q"]._base is codes and st["momentum_absmax"]._base is absmax
+    padded = [p for p in model.parameters()
+              if "momentum_q" in opt.state[p] and p.numel() % BLOCK]  # fmt: skip
+    assert padded  # delta.A [4, 32]: 128 values in a block of 256
+    # After one step the momentum is the gradient: the codes give it back within half a code
+    # step (absmax / 254) of each block; a padded block's tail stays 0; a parameter without
+    # a gradient (step 1 drops one) keeps zero codes.
+    grads = _grads(model, 1, _DROPS[1])
+    _set_grads(model, grads)
+    opt.step()
+    for n, p in model.named_parameters():
+        st, g = opt.state[p], grads[strip_name(n)]
+        if "momentum_q" not in st:
+            continue
+        q, a = st["momentum_q"], st["momentum_absmax"]
+        if g is None:
+            assert not q.any() and not a.any(), n
+            continue
+        m, g = dequantize_signed(q, a).reshape(-1), g.reshape(-1)
+        assert not m[g.numel():].any(), n
+        bound = a.repeat_interleave(BLOCK)[:g.numel()] / 254 * (1 + 2**-20)  # + fp32 slack
+        assert bool(((m[:g.numel()] - g).abs() <= bound).all()), n
 
 
 def test_load_refuses_a_state_from_another_model():

@@ -76,9 +76,10 @@ def measure_rank(run, rank: int, world: int, shard: str) -> dict:
         "grads": sum(local_shard(p.grad).numel() * p.grad.element_size()
                      for p in params if p.grad is not None),
         # the momentum_buffer entries are views of the stacks: each storage counted once
-        "optimizer": _storage_bytes([b for b, _ in opt._stacks] + [
-            local_shard(v) for st in opt.state.values() for v in st.values()
-            if torch.is_tensor(v)]),
+        "optimizer": _storage_bytes(
+            [t for buf, _, absmax in opt._stacks for t in (buf, absmax) if t is not None]
+            + [local_shard(v) for st in opt.state.values() for v in st.values()
+               if torch.is_tensor(v)]),
         "host": _storage_bytes(v for st in opt.host_state.values() for v in st.values()),
         "buckets": 0,
     }  # fmt: skip

@@ -23,6 +23,7 @@ from ..config import RunConfig, preset, preset_names, validate
 from ..errors import UserError
 from ..model.arms import Arm, card_of, choose_arm
 from .context import accumulate
+from .quant import BLOCK
 
 log = logging.getLogger(__name__)
 
@@ -49,8 +50,15 @@ ACT_ROUTED = ((7.0, 8.0), (10.0, 16.0))
 #: act_ckpt: each application's input h, kept in the fp32 residual dtype (bf16 if quantized)
 ACT_CKPT_INPUT = (4.0, 2.0)
 
+#: Bytes of Muon's momentum per value, by muon_state_dtype. int8: the code and one fp32 absmax
+#: per BLOCK (256) values (train/quant.py). A parameter's last block is padded, up to 255 B a
+#: tensor more; every preset's Muon tensors are multiples of 256 values, so none is padded.
+MUON_STATE_BYTES = {"fp32": 4, "bf16": 2, "int8": 1 + 4 / BLOCK}
 #: Bytes of the two Adam moments of one Engram table value, by engram_state_dtype.
-ENGRAM_MOMENT_BYTES = {"fp32": 8, "bf16": 4}
+ENGRAM_MOMENT_BYTES = {"fp32": 8, "bf16": 4, "int8": 2}
+#: Bytes per Engram table row beside the moments: its int32 step count, and for int8 the two
+#: moments' fp32 scales (a block is one row: train/rowadam.py `row_state`).
+ENGRAM_ROW_BYTES = {"fp32": 4, "bf16": 4, "int8": 12}
 
 #: The ladder, cheapest first: (name, config field, value that engages it, its default).
 MECHANISMS: tuple[tuple[str, str, object, object], ...] = (
@@ -58,6 +66,9 @@ MECHANISMS: tuple[tuple[str, str, object, object], ...] = (
     ("engram_ram", "engram_ram", True, False),
     ("muon_state_dtype=bf16", "muon_state_dtype", "bf16", "fp32"),
     ("engram_state_dtype=bf16", "engram_state_dtype", "bf16", "fp32"),
+    # the int8 rungs supersede the bf16 ones of the same field; released, they go back to it
+    ("muon_state_dtype=int8", "muon_state_dtype", "int8", "bf16"),
+    ("engram_state_dtype=int8", "engram_state_dtype", "int8", "bf16"),
     ("optim_8bit", "optim_8bit", True, False),
     ("act_ckpt", "act_ckpt", True, False),
 )
@@ -229,7 +240,10 @@ def _muon_workspace(run: RunConfig, split: ParamSplit, lay: Layout | None = None
     per_local = 8  # the fp32 gradient stack and the Nesterov blend
     if t.muon_state_dtype == "bf16":
         per_local += 4  # the momentum is widened to fp32 for the update
-    if t.muon_variant != "nesterov":
+    # int8: the momentum dequantised to fp32 and its new codes (5 B) are freed before the
+    # polar, whose workspace is larger, so they add nothing; the plain variant's update is a
+    # copy of the fp32 momentum (the momentum is re-quantised in place), so it keeps its 4 B
+    if t.muon_variant != "nesterov" and t.muon_state_dtype != "int8":
         per_local -= 4  # the update is the momentum itself: no blend tensor
     per_whole = 6 if ns_half else 8  # the polar's normalised input and its iterate
     s = min(rows, cols)
@@ -348,6 +362,18 @@ def _comm(run: RunConfig, lay: Layout, world: int, shard: str) -> tuple[int, int
 SHARDS = ("none", "fsdp")
 
 
+def muon_state_bytes(dtype: str, values: int) -> int:
+    """Bytes of Muon's momentum over `values` values (int8: codes + a scale per block)."""
+    if dtype == "int8":
+        return values + 4 * -(-values // BLOCK)
+    return MUON_STATE_BYTES[dtype] * values
+
+
+def engram_state_bytes(dtype: str, values: int, rows: int) -> int:
+    """Bytes of the Engram tables' row-sparse Adam state: both moments and the per-row terms."""
+    return ENGRAM_MOMENT_BYTES[dtype] * values + ENGRAM_ROW_BYTES[dtype] * rows
+
+
 def estimate(run: RunConfig, batch: int | None = None, seq: int | None = None, *,
              world: int = 1, shard: str = "none") -> Estimate:  # fmt: skip
     """Device bytes of one steady-state training step of `run` at batch x seq on ONE rank of
@@ -371,10 +397,10 @@ def estimate(run: RunConfig, batch: int | None = None, seq: int | None = None, *
     masters = 4 * lay.dev
     grads = 4 * lay.dev
     adamw = (2 if t.optim_8bit else 8) * lay.adamw
-    muon = (2 if t.muon_state_dtype == "bf16" else 4) * lay.muon
+    muon = muon_state_bytes(t.muon_state_dtype, lay.muon)
     # The Engram group is dormouse's own row-sparse Adam (m and v in engram_state_dtype,
-    # whatever optim_8bit says) plus one int32 step count per row.
-    engram = ENGRAM_MOMENT_BYTES[t.engram_state_dtype] * lay.engram + 4 * lay.engram_rows
+    # whatever optim_8bit says) plus one int32 step count per row (and int8's row scales).
+    engram = engram_state_bytes(t.engram_state_dtype, lay.engram, lay.engram_rows)
 
     apps = m.n_layers * m.max_iter
     tokens = batch * seq
@@ -451,6 +477,13 @@ def _set(run: RunConfig, key: str, value) -> RunConfig:
     return replace(run, train=replace(run.train, **{key: value}))
 
 
+def _superseded(run: RunConfig, name: str) -> bool:
+    """Whether a later rung of the same field is on (int8 state beyond the bf16 rung)."""
+    key = _mechanism(name)[0]
+    later = MECHANISM_NAMES[MECHANISM_NAMES.index(name) + 1:]
+    return any(_mechanism(n)[0] == key and mechanism_on(run, n) for n in later)
+
+
 def mechanism_on(run: RunConfig, name: str) -> bool:
     if name == "accumulation":  # the global batch in more than one micro-batch a step
         return run.train.global_batch > run.train.batch
@@ -476,6 +509,8 @@ def unavailable(name: str, run: RunConfig | None = None, world: int = 1) -> str 
         return "bitsandbytes is not installed (pip install bitsandbytes; CUDA only)"
     if name == "optim_8bit" and run is not None and world > 1 and run.train.dist_shard == "fsdp":
         return "bitsandbytes' AdamW8bit steps plain tensors, not FSDP2's shards (the fleet refuses it)"
+    if name.endswith("=int8") and run is not None and world > 1 and run.train.dist_shard == "fsdp":
+        return "int8 optimizer state is not implemented for FSDP2's shards (the fleet refuses it)"
     return None
 
 
@@ -519,7 +554,7 @@ def ladder(run: RunConfig, usable: int, world: int = 1) -> tuple[RunConfig, Esti
                     engaged.append("accumulation")
                     if est.total <= usable:
                         break
-        if mechanism_on(run, name):
+        if mechanism_on(run, name) or _superseded(run, name):
             continue
         why = unavailable(name, run, world)
         if why:
@@ -534,6 +569,9 @@ def ladder(run: RunConfig, usable: int, world: int = 1) -> tuple[RunConfig, Esti
             )
             continue
         run, est = cand, e2
+        # an int8 rung replaces the bf16 rung of its field (releasing it goes back to bf16)
+        field = _mechanism(name)[0]
+        engaged = [n for n in engaged if n == "accumulation" or _mechanism(n)[0] != field]
         engaged.append(name)
     # A later rung can move the peak to another phase, where an earlier rung no longer
     # helps (bf16 Muon momentum shrinks the resident state but widens the step's
@@ -555,7 +593,8 @@ def ladder(run: RunConfig, usable: int, world: int = 1) -> tuple[RunConfig, Esti
 
 
 #: Rungs that change the arithmetic (rounded optimizer state): accumulation comes first.
-LOSSY = ("muon_state_dtype=bf16", "engram_state_dtype=bf16", "optim_8bit")
+LOSSY = ("muon_state_dtype=bf16", "engram_state_dtype=bf16", "muon_state_dtype=int8",
+         "engram_state_dtype=int8", "optim_8bit")
 
 
 def _accumulated(run: RunConfig, usable: int, world: int) -> RunConfig | None:
@@ -708,8 +747,20 @@ def format_arithmetic(run: RunConfig, est: Estimate) -> list[str]:
     split = param_split(run)
     M = 1e6
     td = est.tokens * m.d_model
-    per_row = ENGRAM_MOMENT_BYTES[t.engram_state_dtype]
-    eng = "0 (host RAM)" if m.engram_ram else f"{per_row} B x {split.engram / M:.2f}M"
+    # the counts the estimate multiplies: one rank's (its shards under FSDP2)
+    lay = layout(split, m, est.world, est.shard)
+    ed = t.engram_state_dtype
+    per_value, per_row = ENGRAM_MOMENT_BYTES[ed], ENGRAM_ROW_BYTES[ed]
+    if m.engram_ram:
+        rows = split.engram // m.engram_dim
+        host = engram_state_bytes(ed, split.engram, rows)
+        eng = (f"0 on the card (host RAM: {per_value} B x {split.engram / M:.2f}M + {per_row} B "
+               f"x {rows / M:.2f}M rows = {_g(host)} GiB)")
+    else:
+        eng = (f"{per_value} B x {lay.engram / M:.2f}M + {per_row} B x "
+               f"{lay.engram_rows / M:.2f}M rows")
+    muon_b = f"(1 B + 4 B / {BLOCK})" if t.muon_state_dtype == "int8" else (
+        f"{MUON_STATE_BYTES[t.muon_state_dtype]} B")
     lines = [
         f"{run.source}: {split.total / M:.2f}M parameters (muon {split.muon / M:.2f}M, "
         f"adamw {split.adamw / M:.2f}M, engram tables {split.engram / M:.2f}M"
@@ -718,9 +769,8 @@ def format_arithmetic(run: RunConfig, est: Estimate) -> list[str]:
         f"({est.arm_reason})",
         f"  masters  4 B x {est.params / M:.2f}M = {_g(est.masters)} GiB",
         f"  grads    4 B x {est.params / M:.2f}M = {_g(est.grads)} GiB",
-        f"  adamw    {2 if t.optim_8bit else 8} B x {split.adamw / M:.2f}M = {_g(est.adamw)} GiB",
-        f"  muon     {2 if t.muon_state_dtype == 'bf16' else 4} B x {split.muon / M:.2f}M = "
-        f"{_g(est.muon)} GiB",
+        f"  adamw    {2 if t.optim_8bit else 8} B x {lay.adamw / M:.2f}M = {_g(est.adamw)} GiB",
+        f"  muon     {muon_b} x {lay.muon / M:.2f}M = {_g(est.muon)} GiB",
         f"  engram   {eng} = {_g(est.engram)} GiB",
         f"  casts    {_g(est.casts)} GiB (half-precision weight copies autograd keeps"
         f"{'' if est.half else '; none in fp32'})",
@@ -868,9 +918,10 @@ def format_fleet_table(planned: RunConfig, rows: list[RankPlan]) -> list[str]:
         )
     cap = capacity_for(planned, rows)
     sets = [f"global_batch={t.global_batch}"] if t.global_batch else []
-    for _, key, _, off in MECHANISMS:
+    for key in dict.fromkeys(k for _, k, _, _ in MECHANISMS):  # a field once (bf16, int8 rungs)
         v = getattr(planned.model if hasattr(planned.model, key) else t, key)
-        if v != off:
+        default = next(off for _, k, _, off in MECHANISMS if k == key)  # its first rung's off
+        if v != default:
             sets.append(f"{key}={str(v).lower()}")
     if world > 1:
         lines.append(f"train it: torchrun --nproc_per_node={world} -m dormouse train "

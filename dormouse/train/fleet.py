@@ -279,7 +279,8 @@ def refuse_incompatible(run: RunConfig, world_size: int) -> None:
     `DPContext.lfb_reduce`, gate g11), host-RAM Engram tables under DDP and FSDP2 (their rows
     are reduced by `DPContext.reduce_host_grads`, gates g14 and g24), Muon under FSDP2 (whole
     matrices all-gathered for the polar, each rank applying its rows; muon_state_dtype=bf16
-    too: the momentum update is elementwise on the shard; gate g24), a data mixture (its
+    too: the momentum update is elementwise on the shard; gate g24), int8 optimizer state
+    under DDP (every rank holds and steps the whole state alike), a data mixture (its
     source for step s is a hash of (seed, s), so every rank picks the same source: gate g20),
     and the capacity-padded MoE (its cap and drops are decided per row, so splitting the
     global batch across ranks changes no drop: gate g23).
@@ -292,6 +293,13 @@ def refuse_incompatible(run: RunConfig, world_size: int) -> None:
         raise RefusedError(
             "dist_shard=fsdp with optim_8bit=true: bitsandbytes' AdamW8bit steps plain CUDA "
             "tensors, not FSDP2's DTensor shards. Use --set optim_8bit=false or dist_shard=none"
+        )
+    int8 = [k for k in ("muon_state_dtype", "engram_state_dtype") if getattr(t, k) == "int8"]
+    if t.dist_shard == "fsdp" and int8:
+        raise RefusedError(
+            f"dist_shard=fsdp with {'=int8, '.join(int8)}=int8: the 8-bit optimizer state is "
+            f"not implemented for FSDP2 shards (a resume at another world size would have to "
+            f"reshard it through fp32). Use --set {int8[0]}=bf16 or dist_shard=none"
         )
     if t.compile:
         raise RefusedError(

@@ -23,6 +23,7 @@ from torch import Tensor
 
 from ..config import ConfigError
 from .context import local_shard
+from .quant import BLOCK, dequantize_signed, quantize_signed_
 
 # Keller Jordan's quintic Newton-Schulz coefficients (https://kellerjordan.github.io/posts/muon/),
 # the same triple torch.optim.Muon uses by default.
@@ -54,7 +55,8 @@ POLAR_EXPRESS = tuple(
 #: orthogonalises to exactly zero instead of NaN; torch.optim.Muon uses the same 1e-7.
 NS_EPS = 1e-7
 
-#: ns_dtype / muon_state_dtype names
+#: ns_dtype / muon_state_dtype names (muon_state_dtype="int8" is no dtype: int8 codes with
+#: one scale per block, `dormouse.train.quant`)
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
@@ -100,14 +102,18 @@ def muon_scale(sf: str, rows: int, cols: int) -> float:
     raise ConfigError(f"muon_sf={sf!r} is not one of ('rms', 'jordan')")
 
 
-def muon_step_(g: dict, buf: Tensor, offsets: list[int]) -> None:
+def muon_step_(g: dict, buf: Tensor, offsets: list[int], absmax: Tensor | None = None) -> None:
     """One Muon step of shape group g (its params, matrix [R, C] and hyperparameters), in place.
 
     buf: the group's momentum, one flat tensor (fp32 or bf16) of this process's elements of
     its parameters (all of them, or the local shards of FSDP2 DTensors), parameter i's from
-    offsets[i] to offsets[i + 1]. A parameter whose grad is None does not move and its
-    momentum does not change. A bf16 buf is APPROXIMATE by design: the update is computed in
-    fp32 from the rounded buffer and the new buffer is rounded again.
+    offsets[i] to offsets[i + 1]. With `absmax` (muon_state_dtype=int8) buf is instead int8
+    codes [blocks, BLOCK] with one absmax per block (`dormouse.train.quant`), parameter i's
+    blocks from offsets[i] to offsets[i + 1], its last block zero-padded. A parameter whose
+    grad is None does not move and its momentum does not change. A bf16 or int8 buf is
+    APPROXIMATE by design: the update is computed in fp32 from the stored momentum and the new
+    momentum is rounded again (bf16: to 8 significant bits; int8: to the nearest of 255
+    levels spanning its block).
 
     The momentum update is elementwise, so it runs on whatever elements this process holds;
     the polar needs whole matrices, so sharded directions are all-gathered first
@@ -122,16 +128,21 @@ def muon_step_(g: dict, buf: Tensor, offsets: list[int]) -> None:
     mu = g["momentum"]
     grads = [local_shard(params[i].grad).reshape(-1) for i in have]
     G = (torch.cat(grads) if len(grads) > 1 else grads[0]).to(torch.float32)
-    sizes = [offsets[i + 1] - offsets[i] for i in have]
-    # Only the slots of parameters that have a gradient take part; the others' momentum is
-    # neither decayed nor touched. One fp32 slot (the usual case: every parameter has a
-    # gradient) is updated in place; anything else in an fp32 copy, written back.
-    slots = [buf] if len(have) == len(params) else [buf[offsets[i]:offsets[i + 1]] for i in have]
-    M = (slots[0] if len(slots) == 1 else torch.cat(slots)).float()
-    M.mul_(mu).add_(G)
-    U = G.add(M, alpha=mu) if g["nesterov"] else M
-    if M is not slots[0]:
-        torch._foreach_copy_(slots, list(M.split([t.numel() for t in slots])))
+    sizes = [t.numel() for t in grads]
+    if absmax is not None:
+        U = _momentum_int8_(g, buf, absmax, [(offsets[i], offsets[i + 1]) for i in have], G,
+                            sizes, whole=len(have) == len(params))  # fmt: skip
+    else:
+        # Only the slots of parameters that have a gradient take part; the others' momentum is
+        # neither decayed nor touched. One fp32 slot (the usual case: every parameter has a
+        # gradient) is updated in place; anything else in an fp32 copy, written back.
+        slots = ([buf] if len(have) == len(params)
+                 else [buf[offsets[i]:offsets[i + 1]] for i in have])  # fmt: skip
+        M = (slots[0] if len(slots) == 1 else torch.cat(slots)).float()
+        M.mul_(mu).add_(G)
+        U = G.add(M, alpha=mu) if g["nesterov"] else M
+        if M is not slots[0]:
+            torch._foreach_copy_(slots, list(M.split([t.numel() for t in slots])))
     mine = [params[i] for i in have]
     O = newton_schulz(_whole_matrices(mine, U, sizes, R, C), g["ns_steps"], g["ns_kind"],
                       DTYPES[g["ns_dtype"]])  # fmt: skip
@@ -141,6 +152,49 @@ def muon_step_(g: dict, buf: Tensor, offsets: list[int]) -> None:
         torch._foreach_mul_(views, 1.0 - lr * wd)
     O = _own_rows(mine, O.to(views[0].dtype))
     torch._foreach_add_(views, O, alpha=-lr * muon_scale(g["muon_sf"], R, C))
+
+
+def _momentum_int8_(g: dict, codes: Tensor, absmax: Tensor, spans: list[tuple[int, int]],
+                    G: Tensor, sizes: list[int], whole: bool) -> Tensor:  # fmt: skip
+    """muon_step_'s momentum update on int8 blocks: the blocks `spans` (of the parameters with
+    a gradient; `whole`: all of them) dequantised to fp32, m <- mu*m + g there, quantised back
+    (round to nearest). Returns the direction u (flat fp32, those parameters' elements).
+
+    The fp32 momentum and its new codes are freed on return, before the polar (whose own
+    workspace is larger): the step's peak is fp32 momentum's (docs/fit.md)."""
+    mu = g["momentum"]
+    if whole:
+        M = dequantize_signed(codes, absmax)
+    else:
+        M = torch.cat([dequantize_signed(codes[a:b], absmax[a:b]) for a, b in spans])
+    flat = M.view(-1)
+    # each parameter's elements start its own first block; the padding after them stays 0
+    # (0 * mu + 0), so a padded block quantises as its real values alone
+    starts = [0]
+    for a, b in spans[:-1]:
+        starts.append(starts[-1] + (b - a) * BLOCK)
+    padded = flat.numel() != G.numel()
+    if padded:
+        Gp = torch.zeros_like(flat)
+        for s, piece in zip(starts, G.split(sizes), strict=True):
+            Gp[s:s + piece.numel()] = piece
+    else:
+        Gp = G
+    flat.mul_(mu).add_(Gp)
+    U = Gp.add(flat, alpha=mu) if g["nesterov"] else flat
+    if padded:
+        U = torch.cat([U[s:s + n] for s, n in zip(starts, sizes, strict=True)])
+    elif U is flat:
+        U = flat.clone()  # quantize_signed_ overwrites M, and the polar still needs it
+    q, scale = quantize_signed_(M)
+    if whole:
+        codes.copy_(q)
+        absmax.copy_(scale)
+    else:
+        n = [b - a for a, b in spans]
+        torch._foreach_copy_([codes[a:b] for a, b in spans], list(q.split(n)))
+        torch._foreach_copy_([absmax[a:b] for a, b in spans], list(scale.split(n)))
+    return U
 
 
 # ---- FSDP2: whole matrices for the polar, own rows for the update ----------------------------

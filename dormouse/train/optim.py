@@ -39,12 +39,15 @@ from ..model.engram import HostTables, touched_rows
 from .context import local_shard
 from .muon import DTYPES, muon_step_
 from .routing import Route, route_params, strip_name
-from .rowadam import row_adam_, row_state
+from .quant import BLOCK
+from .rowadam import moments, row_adam_, row_state
 
 log = logging.getLogger(__name__)
 
 #: Adam's epsilon for the Engram group (torch AdamW's default, as the AdamW groups use).
 ENGRAM_EPS = 1e-8
+#: muon_state_dtype / engram_state_dtype values; "int8": blockwise codes (dormouse.train.quant)
+STATE_DTYPES = ("fp32", "bf16", "int8")
 #: Group entries a load leaves as built: the kernel choice is this machine's, not the run's.
 _KEEP_ON_LOAD = ("params", "fused", "foreach")
 
@@ -78,6 +81,21 @@ def _check(name: str, value, options: tuple) -> None:
         raise ConfigError(f"{name}={value!r} is not one of {options}")
 
 
+def _refuse_sharded_int8(named: list, muon_state_dtype: str, engram_state_dtype: str) -> None:
+    """int8 state is kept per process in blocks of the local elements; an FSDP2 shard's would
+    have to be resharded through fp32 whenever the world size changes (nothing does that)."""
+    on = [r.name for r, p in named if hasattr(p, "placements")
+          and (r.owner == "muon" and muon_state_dtype == "int8"
+               or r.owner == "engram" and engram_state_dtype == "int8")]  # fmt: skip
+    if on:
+        raise ConfigError(
+            f"muon_state_dtype={muon_state_dtype}, engram_state_dtype={engram_state_dtype}: "
+            f"int8 optimizer state is not implemented for FSDP2 shards ({len(on)} sharded "
+            f"parameters, first {on[0]}); use --set muon_state_dtype=bf16 --set "
+            f"engram_state_dtype=bf16, or --set dist_shard=none (DDP)"
+        )
+
+
 class MixOptimizer(torch.optim.Optimizer):
     """Muon (batched by matrix shape) + torch AdamW, behind one torch.optim.Optimizer surface.
 
@@ -95,7 +113,13 @@ class MixOptimizer(torch.optim.Optimizer):
     `muon_state_dtype="bf16"` stores the stacked momentum in bf16: half the memory, and
     APPROXIMATE by design (it drifts from the fp32 trajectory by bf16 round-off).
     `engram_state_dtype="bf16"` does the same for the Engram tables' Adam moments (computed
-    in fp32, stored in bf16): the bulk of b1's optimizer state.
+    in fp32, stored in bf16): the bulk of b1's optimizer state. "int8" stores either as 8-bit
+    codes with an fp32 scale per block (`dormouse.train.quant`: 256-value blocks of the
+    momentum, one table row for the moments), about a quarter of fp32 and as approximate;
+    its state entries are the codes and scales (momentum_q/momentum_absmax; exp_avg_q,
+    exp_avg_absmax, exp_avg_sq_q, exp_avg_sq_sqrtmax), plain tensors that a checkpoint saves
+    and loads bit for bit. Not under FSDP2 (refused): a sharded int8 momentum would be
+    resharded through fp32 on a resume at another world size, which nothing here does.
     """
 
     def __init__(
@@ -119,9 +143,9 @@ class MixOptimizer(torch.optim.Optimizer):
         _check("opt", opt, ("mix", "adamw"))
         _check("ns_kind", ns_kind, ("quintic", "polar_express"))
         _check("ns_dtype", ns_dtype, ("auto", "fp32", "bf16"))
-        _check("muon_state_dtype", muon_state_dtype, ("fp32", "bf16"))
-        _check("engram_state_dtype", engram_state_dtype, ("fp32", "bf16"))
-        self._engram_state_dtype = DTYPES[engram_state_dtype]
+        _check("muon_state_dtype", muon_state_dtype, STATE_DTYPES)
+        _check("engram_state_dtype", engram_state_dtype, STATE_DTYPES)
+        self._engram_state_dtype = engram_state_dtype
         _check("muon_variant", muon_variant, ("nesterov", "plain"))
         _check("muon_sf", muon_sf, ("rms", "jordan"))
         if ns_steps < 1:
@@ -196,6 +220,8 @@ class MixOptimizer(torch.optim.Optimizer):
         super().__init__(all_groups, {"lr": lr})
         self._sealed = True  # Optimizer.__init__ used add_param_group; nobody else may
         self._engram_group = self.param_groups[-1] if engram else None
+        if "int8" in (muon_state_dtype, engram_state_dtype):
+            _refuse_sharded_int8(named, muon_state_dtype, engram_state_dtype)
         self._init_state(muon_state_dtype)
 
     # ---- construction helpers ----
@@ -231,13 +257,26 @@ class MixOptimizer(torch.optim.Optimizer):
     @torch.no_grad()
     def _init_state(self, muon_state_dtype: str) -> None:
         """Every parameter's state, and the host tables' (see the module docstring)."""
-        self._stacks: list[tuple[Tensor, list[int]]] = []  # (flat momentum, offsets)
+        # (flat momentum, offsets, None) or, for int8, (codes [blocks, BLOCK], block offsets,
+        # absmax [blocks]): muon_step_'s arguments
+        self._stacks: list[tuple[Tensor, list[int], Tensor | None]] = []
         for g in self._muon_groups:
             sizes = [local_shard(p).numel() for p in g["params"]]
+            dev = g["params"][0].device
+            if muon_state_dtype == "int8":
+                # each parameter's elements start a block (its last block padded), so its
+                # codes and scales are slices of its own: state by parameter, as torch keeps it
+                blocks = [-(-n // BLOCK) for n in sizes]
+                offsets = [sum(blocks[:i]) for i in range(len(blocks) + 1)]
+                codes = torch.zeros(offsets[-1], BLOCK, dtype=torch.int8, device=dev)
+                absmax = torch.zeros(offsets[-1], dtype=torch.float32, device=dev)
+                self._stacks.append((codes, offsets, absmax))
+                for p, a, b in zip(g["params"], offsets, offsets[1:]):
+                    self.state[p].update(momentum_q=codes[a:b], momentum_absmax=absmax[a:b])
+                continue
             offsets = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
-            buf = torch.zeros(offsets[-1], dtype=DTYPES[muon_state_dtype],
-                              device=g["params"][0].device)  # fmt: skip
-            self._stacks.append((buf, offsets))
+            buf = torch.zeros(offsets[-1], dtype=DTYPES[muon_state_dtype], device=dev)
+            self._stacks.append((buf, offsets, None))
             for p, a, b in zip(g["params"], offsets, offsets[1:]):
                 self.state[p]["momentum_buffer"] = _placed_like(p, buf[a:b])
         if self.adamw is not None:
@@ -311,15 +350,17 @@ class MixOptimizer(torch.optim.Optimizer):
             rows = touched_rows(grad)
             if rows.numel():
                 st = self.state[p]
-                mine = (local_shard(t) for t in (p, st["exp_avg"], st["exp_avg_sq"], st["step"]))
-                row_adam_(*mine, rows, grad.index_select(0, rows), *hyper)
+                m, v, scales = moments(st)
+                mine = (local_shard(t) for t in (p, m, v, st["step"]))
+                row_adam_(*mine, rows, grad.index_select(0, rows), *hyper, scales=scales)
         for name, store in self._host:
             rows, grad = store.pending()
             store.zero_grad()  # the cycle ends here, with or without rows to step
             if rows.numel():
                 st = self.host_state[name]
-                row_adam_(store.table, st["exp_avg"], st["exp_avg_sq"], st["step"], rows,
-                          grad.to("cpu", torch.float32), *hyper)  # fmt: skip
+                m, v, scales = moments(st)
+                row_adam_(store.table, m, v, st["step"], rows, grad.to("cpu", torch.float32),
+                          *hyper, scales=scales)  # fmt: skip
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """torch's zero_grad over every group, and the end of the host stores' cycle."""
@@ -467,7 +508,9 @@ def _copy_state(mine: dict, saved: dict | None, name: str) -> None:
     if saved is None or saved.keys() != mine.keys():
         raise ConfigError(
             f"optimizer state of {name}: saved {sorted(saved or {})}, this optimizer keeps "
-            f"{sorted(mine)}; the checkpoint is from another optimizer (--set opt, optim_8bit)"
+            f"{sorted(mine)}; the checkpoint is from another optimizer (--set opt, optim_8bit) "
+            f"or state dtype (int8 keeps codes and scales: resume with the checkpoint's "
+            f"muon_state_dtype / engram_state_dtype)"
         )
     for k, t in mine.items():
         src = saved[k]

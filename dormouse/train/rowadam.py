@@ -11,22 +11,45 @@ from __future__ import annotations
 
 import torch
 
+from .quant import dequantize_signed, dequantize_sqrt, quantize_signed_, quantize_sqrt_
 
-def row_state(table: torch.Tensor, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+
+def row_state(table: torch.Tensor, state_dtype: str = "fp32") -> dict[str, torch.Tensor]:
     """Fresh Adam state of a [n_tables, rows, dim] table, shaped like it (a DTensor's is one
     too, placed like it, so an FSDP2 shard holds its own rows' state).
 
-    step [n_tables, rows] int32 (Adam steps each row has taken: 4 B per row), exp_avg and
-    exp_avg_sq like the table, in `dtype` (default the table's: fp32; bf16 halves the
-    moments, which `row_adam_` still computes in fp32)."""
-    dtype = dtype or table.dtype
-    return {
-        "step": torch.zeros_like(table[..., 0], dtype=torch.int32,
-                                 memory_format=torch.contiguous_format),  # fmt: skip
-        "exp_avg": torch.zeros_like(table, dtype=dtype, memory_format=torch.contiguous_format),
-        "exp_avg_sq": torch.zeros_like(table, dtype=dtype,
-                                       memory_format=torch.contiguous_format),  # fmt: skip
-    }
+    step [n_tables, rows] int32 (Adam steps each row has taken: 4 B per row), and the moments,
+    which `row_adam_` always computes in fp32, stored by `state_dtype`:
+
+    * "fp32" / "bf16": exp_avg and exp_avg_sq like the table, in that dtype (bf16 halves them).
+    * "int8" (`dormouse.train.quant`): exp_avg_q (int8) and exp_avg_sq_q (uint8 codes of
+      sqrt(v)) like the table, and per ROW one fp32 scale each, exp_avg_absmax and
+      exp_avg_sq_sqrtmax [n_tables, rows]. A block is one table row because the row-sparse
+      step reads and writes whole rows: re-quantising a touched row touches its own codes and
+      scales and nothing else, and no block mixes a touched row with an untouched one. Cost:
+      1 B per value per moment + 4 B per row per moment (dim 32: 1.125 B a value, dim 128:
+      1.03 B), against 4 B (fp32) and 2 B (bf16).
+    """
+    def like(dtype, t=table):
+        return torch.zeros_like(t, dtype=dtype, memory_format=torch.contiguous_format)
+
+    state = {"step": like(torch.int32, table[..., 0])}
+    if state_dtype == "int8":
+        state.update(exp_avg_q=like(torch.int8), exp_avg_absmax=like(torch.float32, table[..., 0]),
+                     exp_avg_sq_q=like(torch.uint8),
+                     exp_avg_sq_sqrtmax=like(torch.float32, table[..., 0]))  # fmt: skip
+        return state
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[state_dtype]
+    state.update(exp_avg=like(dtype), exp_avg_sq=like(dtype))
+    return state
+
+
+def moments(state: dict[str, torch.Tensor]) -> tuple:
+    """`row_adam_`'s moment arguments from a `row_state`: (exp_avg, exp_avg_sq, scales)."""
+    if "exp_avg_q" in state:
+        return (state["exp_avg_q"], state["exp_avg_sq_q"],
+                (state["exp_avg_absmax"], state["exp_avg_sq_sqrtmax"]))  # fmt: skip
+    return state["exp_avg"], state["exp_avg_sq"], None
 
 
 def row_adam_(
@@ -39,6 +62,7 @@ def row_adam_(
     lr: float,
     betas: tuple[float, float],
     eps: float,
+    scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """Adam on the listed rows only, in place; every other row and its moments stay as they are.
 
@@ -46,6 +70,9 @@ def row_adam_(
     view; row_step: the matching [...] int32 (Adam steps each row has taken); rows: LongTensor
     [U] of distinct row numbers on param's device; grad: [U, dim], the summed gradient of
     those rows. No weight decay (a decayed table would erase the n-grams a batch did not see).
+    scales: None for fp32/bf16 moments; for int8 ones (`row_state(..., "int8")`) exp_avg and
+    exp_avg_sq are the codes and scales = (exp_avg_absmax, exp_avg_sq_sqrtmax), one per row:
+    the listed rows are dequantised, stepped in fp32 and quantised back, each row on its own.
 
     Lazy semantics, as torch.optim.SparseAdam: a row's moments move only on the steps
     that touch it. Unlike SparseAdam, the bias correction uses the ROW's own step count,
@@ -66,9 +93,14 @@ def row_adam_(
     row_step = row_step.view(-1)
     b1, b2 = betas
     p = param.index_select(0, rows)
-    # moments kept in bf16 are computed in the table's dtype and rounded back once per step
-    m = exp_avg.index_select(0, rows).to(p.dtype)
-    v = exp_avg_sq.index_select(0, rows).to(p.dtype)
+    if scales is None:
+        # moments kept in bf16 are computed in the table's dtype and rounded back once per step
+        m = exp_avg.index_select(0, rows).to(p.dtype)
+        v = exp_avg_sq.index_select(0, rows).to(p.dtype)
+    else:
+        m_scale, v_scale = (t.view(-1) for t in scales)
+        m = dequantize_signed(exp_avg.index_select(0, rows), m_scale.index_select(0, rows))
+        v = dequantize_sqrt(exp_avg_sq.index_select(0, rows), v_scale.index_select(0, rows))
     k = row_step.index_select(0, rows) + 1
     g = grad.to(p.dtype)
     m.lerp_(g, 1 - b1)
@@ -79,6 +111,12 @@ def row_adam_(
     denom = (v.sqrt() / bc2_sqrt).add_(eps)
     p.add_((-step_size) * m / denom)  # addcdiv's order: (value * m) / denom
     param.index_copy_(0, rows, p)
-    exp_avg.index_copy_(0, rows, m.to(exp_avg.dtype))
-    exp_avg_sq.index_copy_(0, rows, v.to(exp_avg_sq.dtype))
     row_step.index_copy_(0, rows, k.to(row_step.dtype))
+    if scales is None:
+        exp_avg.index_copy_(0, rows, m.to(exp_avg.dtype))
+        exp_avg_sq.index_copy_(0, rows, v.to(exp_avg_sq.dtype))
+        return
+    for codes, scale, (q, s) in ((exp_avg, m_scale, quantize_signed_(m)),
+                                 (exp_avg_sq, v_scale, quantize_sqrt_(v))):  # fmt: skip
+        codes.index_copy_(0, rows, q)
+        scale.index_copy_(0, rows, s)
