@@ -367,6 +367,21 @@ def _unscale_off_rank1(orig):
     return unscale_
 
 
+def _strip_module_first(orig):
+    """The name rule that peels a leading 'module' before the wrapper tokens: under
+    torch.compile(DDP(model)) '_orig_mod.module.head.weight' keeps 'module.' and the head
+    falls to Muon."""
+    from dormouse.train.routing import _WRAPPER_TOKENS
+
+    def strip_name(name):
+        parts = name.split(".")
+        while parts and parts[0] == "module":
+            parts = parts[1:]
+        return ".".join(p for p in parts if p not in _WRAPPER_TOKENS)
+
+    return strip_name
+
+
 MUTATIONS: list[Mutation] = [
     Mutation("loss_scale_world_squared",
              "the loss scale is world_size^2 * t_r / sum(t): every fleet gradient is world_size "
@@ -566,6 +581,11 @@ MUTATIONS: list[Mutation] = [
              "clip and the optimizer)",
              (("dormouse.train.optim:MixOptimizer.unscale_", _unscale_off_rank1),),
              ("g30_mixed_dtype",)),
+    Mutation("compiled_ddp_names_keep_module",
+             "parameter names under torch.compile(DDP(model)) keep 'module.' (the rule peels it "
+             "before dropping _orig_mod): the head is routed to Muon instead of AdamW",
+             (("dormouse.train.routing:strip_name", _strip_module_first),),
+             ("g31_compile_fleet",)),
 ]
 
 BY_NAME = {m.name: m for m in MUTATIONS}

@@ -299,6 +299,11 @@ def test_routing_strips_wrapper_prefixes():
     wrapped = Wrap(nn.ModuleDict({"_orig_mod": StandIn()}))  # module._orig_mod.embed.weight
     plain = [(r.name, r.owner) for r in route_params(StandIn())]
     assert [(r.name, r.owner) for r in route_params(wrapped)] == plain
+    # torch.compile(DDP(model)) nests the other way round: _orig_mod.module.NAME (found by
+    # gate g31: head.weight went to Muon on a compiled fleet)
+    outer = nn.ModuleDict({"_orig_mod": Wrap(StandIn())})
+    assert [(r.name, r.owner) for r in route_params(outer)] == plain
+    assert strip_name("_orig_mod.module.head.weight") == "head.weight"
 
 
 @pytest.mark.parametrize("preset_name", ["tiny", "small"])

@@ -282,8 +282,9 @@ def refuse_incompatible(run: RunConfig, world_size: int) -> None:
     too: the momentum update is elementwise on the shard; gate g24), int8 optimizer state
     under DDP (every rank holds and steps the whole state alike), a data mixture (its
     source for step s is a hash of (seed, s), so every rank picks the same source: gate g20),
-    and the capacity-padded MoE (its cap and drops are decided per row, so splitting the
-    global batch across ranks changes no drop: gate g23).
+    the capacity-padded MoE (its cap and drops are decided per row, so splitting the global
+    batch across ranks changes no drop: gate g23), and compile=true under DDP in compile_mode
+    default (torch.compile of the DDP module: dynamo splits the graph at the buckets: g31).
     """
     if world_size <= 1:
         return
@@ -301,11 +302,17 @@ def refuse_incompatible(run: RunConfig, world_size: int) -> None:
             f"not implemented for FSDP2 shards (a resume at another world size would have to "
             f"reshard it through fp32). Use --set {int8[0]}=bf16 or dist_shard=none"
         )
-    if t.compile:
+    if t.compile and t.dist_shard == "fsdp":
         raise RefusedError(
-            f"compile=true on {fleet}: torch.compile under DDP/FSDP2 has no gate here (graph "
-            f"breaks at the reducer's hooks change what runs), so its result is unverified. "
-            f"Use --set compile=false"
+            f"compile=true with dist_shard=fsdp on {fleet}: torch.compile around FSDP2's "
+            f"per-block all-gathers has no gate here, so its result is unverified. Use --set "
+            f"compile=false, or dist_shard=none (DDP compiles: gate g31)"
+        )
+    if t.compile and t.compile_mode == "reduce-overhead":
+        raise RefusedError(
+            f"compile_mode=reduce-overhead on {fleet}: DDP's gradient all-reduce runs from hooks "
+            f"between the compiled pieces, which CUDA graphs would have to capture; no gate "
+            f"covers it. Use --set compile_mode=default (gate g31) or compile=false"
         )
 
 

@@ -356,7 +356,9 @@ def _phase(name: str):
 @contextlib.contextmanager
 def _no_sync(net, last: bool):
     """Gradients of a non-final micro-batch stay local (DDP's no_sync, FSDP2's
-    set_requires_gradient_sync); the last micro-batch's backward reduces their sum."""
+    set_requires_gradient_sync); the last micro-batch's backward reduces their sum. A
+    compiled net (compile=true) is asked through the module it wraps."""
+    net = getattr(net, "_orig_mod", net)
     if hasattr(net, "set_requires_gradient_sync"):  # an FSDP2 module
         net.set_requires_gradient_sync(last)
         yield

@@ -41,10 +41,11 @@ class Route:
 
 def strip_name(name: str) -> str:
     """Drop DDP / torch.compile / FSDP1 / checkpoint-wrapper tokens from a parameter name."""
-    parts = name.split(".")
+    parts = [p for p in name.split(".") if p not in _WRAPPER_TOKENS]
+    # after the tokens: torch.compile(DDP(model)) names a parameter _orig_mod.module.NAME
     while parts and parts[0] == "module":
         parts = parts[1:]
-    return ".".join(p for p in parts if p not in _WRAPPER_TOKENS)
+    return ".".join(parts)
 
 
 def _classify(name: str, shape: tuple[int, ...], kind: str) -> tuple[str, str, bool]:

@@ -214,7 +214,7 @@ def _train_fleet(run: RunConfig, *, resume, stop_at, model, callbacks, device_ty
     try:
         log.info(ctx.line(), extra={"every_rank": True})
         model = (model if model is not None else build_model(run)).to(device).train()
-        net = parallelize(model, ctx)
+        net = compiled(parallelize(model, ctx), run, device)
         try:
             report = train(model, net, _optimizer(net, run, device), ctx, run,
                            autocast=autocast, resume=resume, stop_at=stop_at,
