@@ -316,7 +316,8 @@ def train_step(model, net, opt, ctx: DPContext, x, y, cfg, factor: float, autoca
         if finite:
             # the optimizer's clip: it also sees host-RAM Engram rows (not parameters); the norm
             # it returns is the pre-clip global norm (the fleet's, once the reducer has run)
-            gnorm = float(opt.clip_grad_norm_(cfg.grad_clip if cfg.grad_clip > 0 else float("inf")))
+            clip = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
+            gnorm = float(opt.clip_grad_norm_(clip))
             finite = math.isfinite(gnorm)
         aux["gnorm"] = gnorm
         agreed = ctx.all_finite(finite)
