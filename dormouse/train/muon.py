@@ -102,7 +102,8 @@ def muon_scale(sf: str, rows: int, cols: int) -> float:
     raise ConfigError(f"muon_sf={sf!r} is not one of ('rms', 'jordan')")
 
 
-def muon_step_(g: dict, buf: Tensor, offsets: list[int], absmax: Tensor | None = None) -> None:
+def muon_step_(g: dict, buf: Tensor, offsets: list[int], absmax: Tensor | None = None,
+               lr_t: Tensor | None = None) -> None:
     """One Muon step of shape group g (its params, matrix [R, C] and hyperparameters), in place.
 
     buf: the group's momentum, one flat tensor (fp32 or bf16) of this process's elements of
@@ -119,6 +120,13 @@ def muon_step_(g: dict, buf: Tensor, offsets: list[int], absmax: Tensor | None =
     the polar needs whole matrices, so sharded directions are all-gathered first
     (`_whole_matrices`), every rank runs the same batched polar on the same bytes, and each
     applies its own rows (`_own_rows`).
+
+    `lr_t` (the step captured in a CUDA graph, `MixOptimizer.capture_step`): a float64 0-dim
+    tensor on the device holding g["lr"], read by every replay; the decay factor and the
+    update's scale are then computed on the device from it (1 - lr*wd and -lr*scale in
+    float64, rounded to fp32 as the Python scalars are) and the scaled direction added in a
+    second pass, where the float path adds lr*scale*O in one (its fused multiply-add rounds
+    once: the two differ by an ulp of the update).
     """
     params = g["params"]
     have = [i for i, p in enumerate(params) if p.grad is not None]
@@ -148,10 +156,17 @@ def muon_step_(g: dict, buf: Tensor, offsets: list[int], absmax: Tensor | None =
                       DTYPES[g["ns_dtype"]])  # fmt: skip
     lr, wd = g["lr"], g["weight_decay"]
     views = [local_shard(p).view(-1) for p in mine]
+    scale = muon_scale(g["muon_sf"], R, C)
+    if lr_t is not None:
+        if wd:
+            torch._foreach_mul_(views, (1.0 - lr_t * wd).to(torch.float32))
+        O = O.to(views[0].dtype) * (-lr_t * scale).to(torch.float32)
+        torch._foreach_add_(views, _own_rows(mine, O))
+        return
     if wd:
         torch._foreach_mul_(views, 1.0 - lr * wd)
     O = _own_rows(mine, O.to(views[0].dtype))
-    torch._foreach_add_(views, O, alpha=-lr * muon_scale(g["muon_sf"], R, C))
+    torch._foreach_add_(views, O, alpha=-lr * scale)
 
 
 def _momentum_int8_(g: dict, codes: Tensor, absmax: Tensor, spans: list[tuple[int, int]],

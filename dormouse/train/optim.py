@@ -40,7 +40,7 @@ from .context import local_shard
 from .muon import DTYPES, muon_step_
 from .routing import Route, route_params, strip_name
 from .quant import BLOCK
-from .rowadam import moments, row_adam_, row_state
+from .rowadam import moments, row_adam_, row_adam_dense_, row_state
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +50,9 @@ ENGRAM_EPS = 1e-8
 STATE_DTYPES = ("fp32", "bf16", "int8")
 #: Group entries a load leaves as built: the kernel choice is this machine's, not the run's.
 _KEEP_ON_LOAD = ("params", "fused", "foreach")
+#: Eager steps before the optimizer step is captured (`MixOptimizer.capture_step`): AdamW's
+#: kernels, cuBLAS's workspace on the capture stream and the allocator settle first.
+GRAPH_WARMUP = 2
 
 
 def _check_sharding(name: str, p: Tensor) -> None:
@@ -219,6 +222,7 @@ class MixOptimizer(torch.optim.Optimizer):
             raise ConfigError("the model has no parameters to optimise")
         super().__init__(all_groups, {"lr": lr})
         self._sealed = True  # Optimizer.__init__ used add_param_group; nobody else may
+        self._graph: _StepGraph | None = None
         self._engram_group = self.param_groups[-1] if engram else None
         if "int8" in (muon_state_dtype, engram_state_dtype):
             _refuse_sharded_int8(named, muon_state_dtype, engram_state_dtype)
@@ -310,17 +314,25 @@ class MixOptimizer(torch.optim.Optimizer):
 
     @classmethod
     def from_config(cls, model: nn.Module, train_cfg, device_type: str) -> MixOptimizer:
-        """Build from a TrainConfig; ns_dtype="auto" -> bf16 on cuda, fp32 elsewhere (logged)."""
+        """Build from a TrainConfig; ns_dtype="auto" -> bf16 on cuda, fp32 elsewhere (logged).
+        compile_mode=reduce-overhead on CUDA also captures the optimizer step in a CUDA graph
+        (`capture_step`; logged, with the reason when it cannot)."""
         t = train_cfg
         ns_dtype = _resolve_ns_dtype(t.ns_dtype, device_type) if t.opt == "mix" else (
             "fp32" if t.ns_dtype == "auto" else t.ns_dtype)
-        return cls(
+        opt = cls(
             model, lr=t.lr, wd=t.wd, opt=t.opt, ns_steps=t.ns_steps, ns_kind=t.ns_kind,
             ns_dtype=ns_dtype, muon_state_dtype=t.muon_state_dtype, muon_variant=t.muon_variant,
             muon_sf=t.muon_sf, momentum=t.muon_momentum, adam_betas=tuple(t.adam_betas),
             engram_lr_mult=t.engram_lr_mult, optim_8bit=t.optim_8bit,
             engram_state_dtype=t.engram_state_dtype,
         )  # fmt: skip
+        if t.compile and t.compile_mode == "reduce-overhead" and device_type == "cuda":
+            why = opt.capture_step()
+            log.info("compile_mode=reduce-overhead: the optimizer step " + (
+                f"stays eager: {why}" if why else
+                f"is captured in a CUDA graph after {GRAPH_WARMUP} eager steps"))
+        return opt
 
     def set_lr_factor(self, factor: float) -> None:
         """group["lr"] = group["base_lr"] * factor on every group (the loop's schedule)."""
@@ -333,18 +345,50 @@ class MixOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for g, stack in zip(self._muon_groups, self._stacks, strict=True):
-            muon_step_(g, *stack)
-        if self.adamw is not None:
-            self.adamw.step()
-        if self._engram_group is not None:
-            self._engram_step(self._engram_group)
+        if self._graph is not None:
+            self._graph.step()
+        else:
+            self._step_body(None)
         return loss
 
-    def _engram_step(self, g: dict) -> None:
+    def _step_body(self, lrs: Tensor | None) -> None:
+        """The step. `lrs` (graph mode): every group's lr, in param_groups' order, as one
+        float64 tensor on the device (the floats in param_groups are copied into it before
+        each replay), so nothing the step launches reads a host value that changes."""
+        for i, (g, stack) in enumerate(zip(self._muon_groups, self._stacks, strict=True)):
+            muon_step_(g, *stack, lr_t=None if lrs is None else lrs[i])
+        if self.adamw is not None:
+            if lrs is None or not self.adamw.param_groups[0].get("fused"):
+                self.adamw.step()  # (foreach AdamW, the CPU's, takes no tensor lr)
+            else:
+                self._adamw_step_on(lrs)
+        if self._engram_group is not None:
+            self._engram_step(self._engram_group, None if lrs is None else lrs[-1])
+
+    def _adamw_step_on(self, lrs: Tensor) -> None:
+        """torch's fused AdamW reading lr from the device (fp32, as it reads a float lr), for
+        the length of one step; param_groups keep their floats for every other reader."""
+        first = len(self._muon_groups)
+        groups = self.adamw.param_groups
+        lr32 = lrs[first:first + len(groups)].to(torch.float32)
+        floats = [g["lr"] for g in groups]
+        try:
+            for g, t in zip(groups, lr32.unbind(0)):
+                g["lr"] = t
+            self.adamw.step()
+        finally:
+            for g, f in zip(groups, floats):
+                g["lr"] = f
+
+    def _engram_step(self, g: dict, lr_t: Tensor | None = None) -> None:
         hyper = (g["lr"], tuple(g["betas"]), g["eps"])
         for p in g["params"]:
             if p.grad is None:
+                continue
+            if lr_t is not None:  # graph mode: rows by mask, no host synchronisation
+                st = self.state[p]
+                row_adam_dense_(p, st["exp_avg"], st["exp_avg_sq"], st["step"], p.grad, lr_t,
+                                *hyper[1:])  # fmt: skip
                 continue
             grad = local_shard(p.grad).reshape(-1, p.shape[-1])
             rows = touched_rows(grad)
@@ -361,6 +405,46 @@ class MixOptimizer(torch.optim.Optimizer):
                 m, v, scales = moments(st)
                 row_adam_(store.table, m, v, st["step"], rows, grad.to("cpu", torch.float32),
                           *hyper, scales=scales)  # fmt: skip
+
+    # ---- the step as one CUDA graph ----
+
+    def capture_step(self, warmup: int = GRAPH_WARMUP, capture: bool = True) -> str:
+        """From now on step() replays one CUDA graph of the whole optimizer step (every Muon
+        group's momentum and polar, the fused AdamW, the Engram rows) instead of launching
+        its ~500 kernels one by one from Python: `warmup` eager steps, then a capture, then
+        a replay per step. Returns "" when on, else why it cannot be (nothing changes then).
+
+        What the graph reads that changes between steps lives on the device: the learning
+        rates (one float64 tensor written before each replay), AdamW's step counters (fused:
+        on the device already), the Engram rows to step (picked by a mask: `row_adam_dense_`,
+        where the eager step asks `nonzero`). The gradients are copied into the tensors the
+        graph was captured on (one foreach copy); a step whose parameters with a gradient
+        are not the captured ones runs eagerly (the same arithmetic). The graph keeps the
+        step's temporaries (the polar's workspace) reserved in its own memory pool.
+        `capture=False` runs that device-side arithmetic eagerly, on any device (the tests
+        compare it with the host-side step on the CPU)."""
+        why = self._graph_refusal(capture)
+        if why:
+            return why
+        self._graph = _StepGraph(self, warmup if capture else None)
+        return ""
+
+    def _graph_refusal(self, capture: bool) -> str:
+        params = [p for g in self.param_groups for p in g["params"]]
+        devices = sorted({str(p.device) for p in params})
+        if capture and (len(devices) != 1 or not devices[0].startswith("cuda")):
+            return f"the parameters live on {devices}, not on one CUDA device"
+        if any(hasattr(p, "placements") for p in params):
+            return "FSDP2 shards (DTensors) step through collectives"
+        if self._host:
+            return "host-RAM Engram tables (engram_ram) step on the CPU"
+        if self.optim_8bit:
+            return "optim_8bit: bitsandbytes' AdamW8bit is not captured"
+        if any(absmax is not None for _, _, absmax in self._stacks):
+            return "muon_state_dtype=int8: its blockwise codes step eagerly"
+        if self._engram_group is not None and self._engram_state_dtype == "int8":
+            return "engram_state_dtype=int8: its row codes step eagerly"
+        return ""
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """torch's zero_grad over every group, and the end of the host stores' cycle."""
@@ -491,6 +575,81 @@ class MixOptimizer(torch.optim.Optimizer):
         """Copy the host tables' row state in ({table name: state}, as state_dict's "host")."""
         for name, st in self.host_state.items():
             _copy_state(st, host.get(name), name)
+
+
+class _StepGraph:
+    """MixOptimizer.step as one CUDA graph (`MixOptimizer.capture_step`); warmup=None: the
+    same device-side arithmetic, eagerly, never captured."""
+
+    def __init__(self, opt: MixOptimizer, warmup: int | None):
+        self.opt = opt
+        self.params = [p for g in opt.param_groups for p in g["params"]]
+        self.device = self.params[0].device
+        self.lrs = torch.zeros(len(opt.param_groups), dtype=torch.float64, device=self.device)
+        # the host side of the lr copy: pinned, so the copy queues without waiting for the
+        # device (the step's one synchronisation, the verdict, has already waited for the
+        # previous copy before this buffer is written again)
+        self.host_lrs = torch.zeros(len(opt.param_groups), dtype=torch.float64,
+                                    pin_memory=warmup is not None)  # fmt: skip
+        self.warmup = warmup
+        self.steps = 0
+        self.graph = None
+        self.key: tuple[bool, ...] = ()
+        self.static: list[Tensor] = []
+        self.stream = torch.cuda.Stream(self.device) if warmup is not None else None
+        self.said = False
+
+    def step(self) -> None:
+        opt = self.opt
+        for i, g in enumerate(opt.param_groups):
+            self.host_lrs[i] = float(g["lr"])
+        self.lrs.copy_(self.host_lrs, non_blocking=True)
+        grads = [p.grad for p in self.params]
+        key = tuple(g is not None for g in grads)
+        self.steps += 1
+        if self.graph is not None and key == self.key:
+            torch._foreach_copy_(self.static, [g for g in grads if g is not None])
+            self.graph.replay()
+            return
+        if self.warmup is None:
+            opt._step_body(self.lrs)
+            return
+        if self.graph is None and self.steps > self.warmup:
+            self._capture(key)
+            self.graph.replay()
+            return
+        if self.graph is not None and not self.said:
+            self.said = True
+            log.info(f"optimizer graph: step {self.steps} has gradients on "
+                     f"{sum(key)}/{len(key)} parameters, the graph was captured with "
+                     f"{sum(self.key)}; such steps run eagerly")  # fmt: skip
+        # eager, on the capture stream: its cuBLAS workspace and allocations are warm
+        main = torch.cuda.current_stream(self.device)
+        self.stream.wait_stream(main)
+        with torch.cuda.stream(self.stream):
+            opt._step_body(self.lrs)
+        main.wait_stream(self.stream)
+
+    def _capture(self, key: tuple[bool, ...]) -> None:
+        opt = self.opt
+        have = [p for p, k in zip(self.params, key) if k]
+        self.static = [p.grad.detach().clone() for p in have]
+        for p, s in zip(have, self.static):
+            p.grad = s
+        adam = opt.adamw.param_groups if opt.adamw is not None else []
+        for g in adam:
+            g["capturable"] = True  # torch refuses a capture otherwise
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph, stream=self.stream):
+                opt._step_body(self.lrs)
+        finally:
+            for g in adam:
+                g["capturable"] = False
+        self.graph, self.key = graph, key
+        log.info(f"optimizer graph: the step captured after {self.steps - 1} eager step(s) "
+                 f"({sum(key)} parameters with gradients); replayed from now on")  # fmt: skip
 
 
 def _placed_like(p: Tensor, flat: Tensor) -> Tensor:
