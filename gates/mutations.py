@@ -198,6 +198,17 @@ def _unweighted_fleet_loss(_orig):
     return fleet_loss
 
 
+def _first_copy_only(orig):
+    def backward(ctx, g):
+        (back,) = ctx.saved_tensors
+        gx = g.index_select(0, back)
+        if ctx.k > 1:
+            gx = gx.view(-1, ctx.k, g.shape[-1])[:, 0]
+        return gx, None, None, None
+
+    return staticmethod(backward)
+
+
 def _clip_over_parameters(_orig):
     def clip_grad_norm_(self, max_norm):
         import torch
@@ -365,6 +376,14 @@ def _unscale_off_rank1(orig):
             orig(self, inverse)
 
     return unscale_
+
+
+def _keep_orig_mod(orig):
+    def strip_name(name):
+        out = orig(name)
+        return f"_orig_mod.{out}" if name.startswith("_orig_mod.") else out
+
+    return strip_name
 
 
 def _strip_module_first(orig):
@@ -535,6 +554,11 @@ MUTATIONS: list[Mutation] = [
              (("dormouse.model.moe:MoE.capacity_of",
                lambda orig: lambda self, row_len: orig(self, row_len) + 1),),
              ("g19_kernels",), scope="process"),
+    Mutation("moe_backward_first_copy_only",
+             "the MoE dispatch's backward reads back only each token's first assignment: the "
+             "gradient into a token misses its other k-1 experts' shares",
+             (("dormouse.model.moe:_GatherRows.backward", _first_copy_only),),
+             ("g19_kernels",), scope="process"),
     Mutation("dropout_keys_by_local_row",
              "dropout masks keyed by a rank's own row number (rows 0.. on every rank) instead of "
              "the row's place in the global batch",
@@ -585,6 +609,11 @@ MUTATIONS: list[Mutation] = [
              "parameter names under torch.compile(DDP(model)) keep 'module.' (the rule peels it "
              "before dropping _orig_mod): the head is routed to Muon instead of AdamW",
              (("dormouse.train.routing:strip_name", _strip_module_first),),
+             ("g31_compile_fleet",)),
+    Mutation("compiled_names_keep_orig_mod",
+             "the name rule forgets torch.compile's _orig_mod. prefix (DDP and FSDP2 alike): "
+             "'_orig_mod.head.weight' is no head, and the head falls to Muon",
+             (("dormouse.train.routing:strip_name", _keep_orig_mod),),
              ("g31_compile_fleet",)),
 ]
 

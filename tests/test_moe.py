@@ -552,3 +552,28 @@ def test_cuda_offload_exact():
         res.append([out.detach(), xi.grad] + [p.grad for p in m.parameters()])
     for a, b in zip(*res):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_gather_rows_backward_equals_autograd_index_backward(k):
+    """The dispatch's gather (moe._GatherRows): each token read k times in expert order; its
+    backward (a gather through the inverse permutation and a fixed-order sum of the k copies)
+    against autograd's own backward of x[order // k] (an index_put with accumulation)."""
+    from dormouse.model.moe import _GatherRows
+
+    g = torch.Generator().manual_seed(k)
+    n, d = 37, 5
+    x = torch.randn(n, d, generator=g, requires_grad=True)
+    order = torch.randperm(n * k, generator=g)
+    inv = torch.empty_like(order)
+    inv[order] = torch.arange(n * k)
+    probe = torch.randn(n * k, d, generator=g)
+    out = _GatherRows.apply(x, order // k, inv, k)
+    (out * probe).sum().backward()
+    ours = x.grad.clone()
+    x.grad = None
+    ref = x[order // k]
+    (ref * probe).sum().backward()
+    assert torch.equal(out, ref)
+    # k = 1, 2: one addend or a commutative pair, bit for bit; k = 3: another summation order
+    torch.testing.assert_close(ours, x.grad, rtol=0, atol=0 if k < 3 else 1e-6)

@@ -68,6 +68,28 @@ from dormouse.model.arms import Arm, announce, check_request, choose_arm
 _GMM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 
 
+class _GatherRows(torch.autograd.Function):
+    """out = x[fwd] where every row of x is read exactly k times (the k assignments of a
+    token, or k = 1: a permutation), and `back` lists, for row r of x, its k readers in
+    order: x.grad[r] = sum_c g[back[r * k + c]]. Autograd's own backward of x[fwd] is an
+    index_put with accumulation, a sort and a serial kernel: 3.3 ms of small's step on the
+    H200 (13% of its GPU time); this is one gather and a fixed-order sum, deterministic."""
+
+    @staticmethod
+    def forward(ctx, x, fwd, back, k: int):
+        ctx.save_for_backward(back)
+        ctx.k = k
+        return x.index_select(0, fwd)
+
+    @staticmethod
+    def backward(ctx, g):
+        (back,) = ctx.saved_tensors
+        gx = g.index_select(0, back)
+        if ctx.k > 1:
+            gx = gx.view(-1, ctx.k, g.shape[-1]).sum(1)
+        return gx, None, None, None
+
+
 def _experts_grouped(xs, counts, w1, w3, w2):
     """xs [A, D] sorted by expert, counts [E] -> [A, D]: one grouped GEMM per projection."""
     offs = torch.cumsum(counts, 0, dtype=torch.int32)
@@ -272,8 +294,12 @@ class MoE(nn.Module):
         s, experts, gates = self.route(x, key)
         flat_e = experts.reshape(-1)
         # bincount's length depends on the data (max(E, largest id + 1)) and splits a
-        # compiled graph; an index_add over E slots is the same integers at a fixed length
-        counts = flat_e.new_zeros(E).index_add_(0, flat_e, torch.ones_like(flat_e))
+        # compiled graph. Not an index_add either: under inductor an accumulating index_put,
+        # whose sorted kernel adds each expert's thousands of ones serially (the H200's
+        # compiled profile of small: `indexing_backward_kernel_stride_1`, 8 calls a step =
+        # one per MoE call, 3.3 of 22 GPU ms; absent from the eager profile). A compare
+        # against the E ids and a column sum: the same integers, one fused reduction.
+        counts = (flat_e.unsqueeze(1) == torch.arange(E, device=flat_e.device)).sum(0)
         # An activation-checkpoint recompute runs this forward again inside backward; the
         # controller must see each token once.
         if self.training and self.lb_coef != 0 and torch._C._current_graph_task_id() == -1:
@@ -315,13 +341,17 @@ class MoE(nn.Module):
             cdt = torch.get_autocast_dtype(dev.type)
         else:
             cdt = x.dtype
-        xs = x[order // k].to(cdt)
-        g_sorted = flat_g[order]
+        inv = torch.empty_like(order)
+        inv[order] = torch.arange(a, device=dev)
+        # sorted slot j holds assignment order[j] of token order[j] // k; token t's k
+        # assignments sit at slots inv[t*k : t*k+k]
+        xs = _GatherRows.apply(x, order // k, inv, k).to(cdt)
+        gates = flat_g
         if place is not None:
+            gates = torch.where(place < width, flat_g, torch.zeros((), device=dev))
             place = place[order]
             keep = place < width
             xs = torch.where(keep[:, None], xs, torch.zeros((), dtype=cdt, device=dev))
-            g_sorted = torch.where(keep, g_sorted, torch.zeros((), device=dev))
 
         w1, w3, w2 = (w.to(cdt) for w in (self.w1, self.w3, self.w2))
         if _arm_name(self.impl, self.d_model, self.d_ffn, dev, cdt) == "grouped":
@@ -337,9 +367,7 @@ class MoE(nn.Module):
 
         # Undo the sort (a permutation: gather, not scatter) and sum each token's k
         # contributions in a fixed order, so the forward is deterministic on any device.
-        inv = torch.empty_like(order)
-        inv[order] = torch.arange(a, device=dev)
-        contrib = ys[inv].float() * g_sorted[inv][:, None]
+        contrib = _GatherRows.apply(ys, inv, order, 1).float() * gates[:, None]
         return contrib.view(n, k, self.d_model).sum(1)
 
     # ---- LFB controller ------------------------------------------------------------

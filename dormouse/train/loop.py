@@ -311,15 +311,16 @@ def train_step(model, net, opt, ctx: DPContext, x, y, cfg, factor: float, autoca
             # before the clip and the optimizer, host rows too; an overflow stays inf/nan and
             # reaches the one verdict below through the clip's norm
             opt.unscale_(scaler.inverse)
-        finite = bool(torch.isfinite(loss))
-        gnorm = float("nan")
-        if finite:
-            # the optimizer's clip: it also sees host-RAM Engram rows (not parameters); the norm
-            # it returns is the pre-clip global norm (the fleet's, once the reducer has run)
-            clip = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
-            gnorm = float(opt.clip_grad_norm_(clip))
-            finite = math.isfinite(gnorm)
-        aux["gnorm"] = gnorm
+        # the optimizer's clip: it also sees host-RAM Engram rows (not parameters); the norm
+        # it returns is the pre-clip global norm (the fleet's, once the reducer has run). It
+        # runs whatever the loss: a skipped step's gradients are dropped below, and under
+        # FSDP2 the norm is a collective every rank must enter.
+        clip = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
+        norm = opt.clip_grad_norm_(clip)
+        # the loss's and the norm's verdicts reach the host together: one synchronisation
+        loss_ok, gnorm = torch.stack([torch.isfinite(loss).to(norm.dtype), norm.detach()]).tolist()
+        finite = bool(loss_ok) and math.isfinite(gnorm)
+        aux["gnorm"] = gnorm if loss_ok else float("nan")
         agreed = ctx.all_finite(finite)
     if scaler is not None:
         # the agreed verdict, never this rank's: every rank's scale moves identically
