@@ -103,6 +103,11 @@ class TrainConfig:
     # replays the compiled regions as CUDA graphs). Evaluation runs uncompiled.
     compile: bool = False
     compile_mode: Literal["default", "reduce-overhead", "max-autotune-no-cudagraphs"] = "default"
+    # torch.compile's backend: inductor generates fused kernels; aot_eager runs the same
+    # dynamo graphs and AOTAutograd's forward/backward split with eager kernels (no codegen:
+    # seconds, not minutes, on a CPU) to check what compiling does to a run's arithmetic
+    # routing, wrappers and hooks apart from inductor's own kernels
+    compile_backend: Literal["inductor", "aot_eager"] = "inductor"
     # schedule
     lr: float = 3e-3
     min_lr_frac: float = 0.1
@@ -558,6 +563,12 @@ def validate(run: RunConfig) -> RunConfig:
     _check_path(t.out_dir, "out_dir")
     for d in t.data:
         _check_path(d, "data")
+    if t.compile_backend != "inductor" and t.compile_mode != "default":
+        raise ConfigError(
+            f"compile_mode={t.compile_mode} is inductor's (CUDA graphs, autotuning); "
+            f"compile_backend={t.compile_backend} has no modes. Use --set compile_mode=default "
+            f"or compile_backend=inductor"
+        )
     graphs = t.compile and t.compile_mode == "reduce-overhead"
     if graphs and not t.dist and t.global_batch > t.batch:
         # a CUDA graph's outputs live in its pool until the next replay: a micro-batch's

@@ -560,8 +560,16 @@ def _rank_body(rank: int, spec: FleetSpec, out: Path) -> dict:
     dist.barrier()  # before teardown: without it gloo aborts intermittently
     dist.destroy_process_group()
     return {"rank": rank, "rec": rec, "report": report, "lines": lines, "shapes": shapes,
-            "stopped": stopped, "inputs": inputs,
+            "stopped": stopped, "inputs": inputs, "graphs": compiled_graphs(),
             "run_dir": str(run_dir), "elapsed": elapsed, "resumed": resumed}  # fmt: skip
+
+
+def compiled_graphs() -> int:
+    """Graphs dynamo compiled in this process so far: 0 means compile=true compiled nothing
+    (a wrapper dynamo skips whole would still train, eagerly, and pass any trajectory check)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
 
 
 def _rank_dtype(run, spec: FleetSpec, rank: int):

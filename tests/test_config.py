@@ -96,6 +96,8 @@ def test_preset_param_targets_listed():
         (["ckpt_name="], "not a plain file name"),
         (["compile=true", "compile_mode=reduce-overhead", "global_batch=8"],
          "reduce-overhead with accumulation"),
+        (["compile=true", "compile_backend=aot_eager", "compile_mode=reduce-overhead"],
+         "has no modes"),
         (["dist_capacity=4,2"], "no --dist"),
         (["d_model=16777216"], "beyond any model"),
         (["n_experts=4096", "d_ffn=16777215"], "beyond any card"),

@@ -257,8 +257,6 @@ def _tiny(*sets):
          "muon_state_dtype=bf16"),
         (["dist_shard=fsdp", "engram_state_dtype=int8"], "engram_state_dtype=int8",
          "dist_shard=none"),
-        (["compile=true", "dist_shard=fsdp"], "compile=true with dist_shard=fsdp",
-         "dist_shard=none"),
         (["compile=true", "compile_mode=reduce-overhead"], "compile_mode=reduce-overhead",
          "compile_mode=default"),
     ],
@@ -280,6 +278,7 @@ def test_fleet_correct_features_are_allowed():
     refuse_incompatible(_tiny("engram_ram=true"), 2)  # host rows reduced by hand (gate g14)
     refuse_incompatible(_tiny("moe_capacity=1.0"), 2)  # per-row drops (gate g23)
     refuse_incompatible(_tiny("compile=true"), 2)  # DDP, compile_mode=default (gate g31)
+    refuse_incompatible(_tiny("compile=true", "dist_shard=fsdp"), 2)  # FSDP2 too (gate g31)
     refuse_incompatible(_tiny("data=a.bin,b.bin", "data_weights=1,3"), 4)  # mixture, below
 
 

@@ -283,8 +283,10 @@ def refuse_incompatible(run: RunConfig, world_size: int) -> None:
     under DDP (every rank holds and steps the whole state alike), a data mixture (its
     source for step s is a hash of (seed, s), so every rank picks the same source: gate g20),
     the capacity-padded MoE (its cap and drops are decided per row, so splitting the global
-    batch across ranks changes no drop: gate g23), and compile=true under DDP in compile_mode
-    default (torch.compile of the DDP module: dynamo splits the graph at the buckets: g31).
+    batch across ranks changes no drop: gate g23), and compile=true in compile_mode default
+    under DDP (torch.compile of the DDP module: dynamo splits the graph at the buckets) and
+    under FSDP2 (its all-gather and reduce-scatter hooks run between the compiled pieces):
+    gate g31 for both.
     """
     if world_size <= 1:
         return
@@ -301,12 +303,6 @@ def refuse_incompatible(run: RunConfig, world_size: int) -> None:
             f"dist_shard=fsdp with {'=int8, '.join(int8)}=int8: the 8-bit optimizer state is "
             f"not implemented for FSDP2 shards (a resume at another world size would have to "
             f"reshard it through fp32). Use --set {int8[0]}=bf16 or dist_shard=none"
-        )
-    if t.compile and t.dist_shard == "fsdp":
-        raise RefusedError(
-            f"compile=true with dist_shard=fsdp on {fleet}: torch.compile around FSDP2's "
-            f"per-block all-gathers has no gate here, so its result is unverified. Use --set "
-            f"compile=false, or dist_shard=none (DDP compiles: gate g31)"
         )
     if t.compile and t.compile_mode == "reduce-overhead":
         raise RefusedError(

@@ -135,15 +135,19 @@ def compiled(model: torch.nn.Module, run: RunConfig, device: torch.device) -> to
     if not t.compile:
         if device.type == "cuda" and run.model.arch == "dormouse":
             log.info("compile=false: on an H200 --set compile=true --set "
-                     "compile_mode=reduce-overhead measured 4.2x faster steps for small "
+                     "compile_mode=reduce-overhead measured 5.6x faster steps for small "
                      "(docs/performance.md)")  # fmt: skip
         return model
     if t.compile_mode == "reduce-overhead" and device.type != "cuda":
         log.info(f"compile_mode=reduce-overhead on {device.type}: CUDA graphs need a GPU; "
                  f"inductor compiles without them here")  # fmt: skip
-    log.info(f"compile=true: torch.compile(model, mode={t.compile_mode}, dynamic=False) on "
+    how = (f"mode={t.compile_mode}" if t.compile_backend == "inductor" else
+           f"backend={t.compile_backend}")  # fmt: skip
+    log.info(f"compile=true: torch.compile(model, {how}, dynamic=False) on "
              f"{device.type}; the first step traces and compiles (tens of seconds; inductor "
              f"caches its work for the next run), evaluation runs uncompiled")  # fmt: skip
+    if t.compile_backend != "inductor":
+        return torch.compile(model, backend=t.compile_backend, dynamic=False)
     return torch.compile(model, mode=t.compile_mode, dynamic=False)
 
 
