@@ -91,7 +91,6 @@ def row_adam_(
     d = param.shape[-1]
     param, exp_avg, exp_avg_sq = param.view(-1, d), exp_avg.view(-1, d), exp_avg_sq.view(-1, d)
     row_step = row_step.view(-1)
-    b1, b2 = betas
     p = param.index_select(0, rows)
     if scales is None:
         # moments kept in bf16 are computed in the table's dtype and rounded back once per step
@@ -102,14 +101,7 @@ def row_adam_(
         m = dequantize_signed(exp_avg.index_select(0, rows), m_scale.index_select(0, rows))
         v = dequantize_sqrt(exp_avg_sq.index_select(0, rows), v_scale.index_select(0, rows))
     k = row_step.index_select(0, rows) + 1
-    g = grad.to(p.dtype)
-    m.lerp_(g, 1 - b1)
-    v.mul_(b2).addcmul_(g, g, value=1 - b2)
-    kd = k.to(torch.float64)
-    step_size = (lr / (1 - torch.pow(b1, kd))).to(p.dtype).unsqueeze(1)
-    bc2_sqrt = (1 - torch.pow(b2, kd)).sqrt().to(p.dtype).unsqueeze(1)
-    denom = (v.sqrt() / bc2_sqrt).add_(eps)
-    p.add_((-step_size) * m / denom)  # addcdiv's order: (value * m) / denom
+    p = _adam_rows(p, m, v, k, grad.to(p.dtype), lr, betas, eps)
     param.index_copy_(0, rows, p)
     row_step.index_copy_(0, rows, k.to(row_step.dtype))
     if scales is None:
@@ -120,6 +112,22 @@ def row_adam_(
                                  (exp_avg_sq, v_scale, quantize_sqrt_(v))):  # fmt: skip
         codes.index_copy_(0, rows, q)
         scale.index_copy_(0, rows, s)
+
+
+def _adam_rows(p, m, v, k, g, lr, betas: tuple[float, float], eps: float) -> torch.Tensor:
+    """Adam on whole rows: m and v ([rows, dim], the table's dtype) move in place; returns the
+    rows' new values. k [rows] is each row's step count after this step (its bias correction);
+    lr a float or a 0-dim tensor. torch.optim.AdamW's foreach order: lerp for m, mul +
+    addcmul for v, step size and sqrt of the bias correction in float64, then the update in
+    addcdiv's order, (value * m) / denom."""
+    b1, b2 = betas
+    m.lerp_(g, 1 - b1)
+    v.mul_(b2).addcmul_(g, g, value=1 - b2)
+    kd = k.to(torch.float64)
+    step_size = (lr / (1 - torch.pow(b1, kd))).to(p.dtype).unsqueeze(1)
+    bc2_sqrt = (1 - torch.pow(b2, kd)).sqrt().to(p.dtype).unsqueeze(1)
+    denom = (v.sqrt() / bc2_sqrt).add_(eps)
+    return p + (-step_size) * m / denom
 
 
 #: Rows per pass of `row_adam_dense_` (x dim values): bounds its temporaries (a handful of
@@ -154,7 +162,6 @@ def row_adam_dense_(
     d = param.shape[-1]
     P, M, V, G = (t.view(-1, d) for t in (param, exp_avg, exp_avg_sq, grad))
     S = row_step.view(-1)
-    b1, b2 = betas
     n = max(1, DENSE_CHUNK_VALUES // d)
     for a in range(0, P.shape[0], n):
         p_, m_, v_, s_, g_ = (t[a:a + n] for t in (P, M, V, S, G))
@@ -162,14 +169,7 @@ def row_adam_dense_(
         k = s_ + hit.to(s_.dtype)
         m = m_.to(p_.dtype, copy=True)
         v = v_.to(p_.dtype, copy=True)
-        g = g_.to(p_.dtype)
-        m.lerp_(g, 1 - b1)
-        v.mul_(b2).addcmul_(g, g, value=1 - b2)
-        kd = k.to(torch.float64)
-        step_size = (lr / (1 - torch.pow(b1, kd))).to(p_.dtype).unsqueeze(1)
-        bc2_sqrt = (1 - torch.pow(b2, kd)).sqrt().to(p_.dtype).unsqueeze(1)
-        denom = (v.sqrt() / bc2_sqrt).add_(eps)
-        p = p_ + (-step_size) * m / denom
+        p = _adam_rows(p_, m, v, k, g_.to(p_.dtype), lr, betas, eps)
         h = hit.unsqueeze(1)
         p_.copy_(torch.where(h, p, p_))
         m_.copy_(torch.where(h, m.to(m_.dtype), m_))
