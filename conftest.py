@@ -23,6 +23,21 @@ def pytest_addoption(parser):
     )
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own, which turns numprocesses into workers
+def pytest_cmdline_main(config):
+    # `pytest -m gate` runs on two xdist workers unless -n says otherwise: a gate's fleet
+    # leaves a core idle while its one-process reference, a torchrun agent or an interpreter
+    # start runs, and the other worker fills it (measured on the 2-core box, whole gate suite:
+    # 450 s serial, 373 s with -n 2). One test at a time per scheduling step, so the slowest
+    # gates (first in tests/test_gates.py) start first, on both workers.
+    if (config.getoption("markexpr", "") == "gate" and config.pluginmanager.hasplugin("xdist")
+            and not os.environ.get("PYTEST_XDIST_WORKER")
+            and config.getoption("numprocesses", None) is None):
+        config.option.numprocesses = 2
+        if config.getoption("maxschedchunk", None) is None:
+            config.option.maxschedchunk = 1
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "gate: a fleet run compared against a reference")
     config.addinivalue_line("markers", "cuda: needs --cuda-fleet and >= 2 CUDA devices")

@@ -38,7 +38,7 @@ def reference(data: Path, device: str) -> dict:
     """One process, tiny preset at the global batch 8; the probe records rank 0's own loss."""
     from dormouse.config import apply_sets, preset, validate
     from dormouse.train.data import open_data
-    from gates.harness import Recorder
+    from gates.harness import Recorder, no_plot
     from references.single import global_run, run_single
 
     out = work_dir("torchrun-ref")
@@ -71,7 +71,7 @@ def reference(data: Path, device: str) -> dict:
 
         exact_fp32()
     recorder = Recorder(probe=rank_losses)
-    with threads(1):
+    with threads(1), no_plot():
         run_single(run, callbacks=recorder.callbacks())
     return recorder.finish()
 

@@ -104,9 +104,10 @@ def _rank(rank: int, job: dict, out: str, port: int) -> None:
             run.train, ckpt_every=job.get("ckpt_every", 0)))
         recorder = harness.Recorder()
         timeout = harness.MUTANT_TIMEOUT_S if job["mutation"] else harness.COLLECTIVE_TIMEOUT_S
-        train_run(run, model=build_model(run), resume=job["resume"], stop_at=job["stop_at"],
-                  callbacks=recorder.callbacks(), device_type="cpu", close=False,
-                  timeout_s=timeout)  # fmt: skip
+        with harness.no_plot():
+            train_run(run, model=build_model(run), resume=job["resume"], stop_at=job["stop_at"],
+                      callbacks=recorder.callbacks(), device_type="cpu", close=False,
+                      timeout_s=timeout)  # fmt: skip
         rec = recorder.finish()
         result["rec"] = {k: rec[k] for k in ("losses", "fingerprints", "final_fingerprint")}
         if world > 1:

@@ -52,6 +52,17 @@ SPAWN_DEADLINE_S = 300
 MUTANT_DEADLINE_S = 90
 
 
+def _limits(spec: "FleetSpec") -> tuple[float, float]:
+    """(collective timeout, spawn deadline) of a fleet. A planted bug gets the short ones,
+    except in a compiling fleet: dynamo traces each graph on every rank before its first
+    collective (~40 s a fleet on the quiet 2-core box, twice that under pytest -n 2), which a
+    20 s collective timeout or a 90 s deadline would read as a hang (a crash, not a catch)."""
+    compiles = any(s == "compile=true" for s in spec.sets)
+    if spec.mutation and not compiles:
+        return MUTANT_TIMEOUT_S, MUTANT_DEADLINE_S
+    return COLLECTIVE_TIMEOUT_S, SPAWN_DEADLINE_S
+
+
 #: Every gate module, in the order of the status table.
 GATES = [
     "g01_trajectory", "g02_identical", "g03_unequal", "g04_fsdp", "g05_nonfinite",
@@ -181,6 +192,7 @@ class FleetSpec:
     nan_ranks: tuple[int, ...] = ()  # inject a non-finite LOSS (finite gradients) on these ranks...
     nan_step: int = -1  # ...at this 0-based training forward
     per_rank_out: bool = False  # each rank gets its own out_dir (to see who writes what)
+    plot: bool = False  # rank 0 draws loss.png at the end, as dormouse does (see no_plot)
     resume_steps: int = 0  # after the run, resume its checkpoint on the fleet up to this step
     signal_rank: int = -1  # this rank sends itself SIGTERM...
     signal_step: int = -1  # ...during this 0-based training forward (the run must stop cleanly)
@@ -287,6 +299,57 @@ def state_hash(model: torch.nn.Module, opt) -> dict[str, str]:
     }
 
 
+def plain_tensors(named) -> dict[str, torch.Tensor]:
+    """references.fingerprint's {clean name: full CPU copy}, sorted by name, of (name, tensor)
+    pairs, with every FSDP2 shard (a DTensor sharded on dim 0 of a 1-D mesh) gathered in ONE
+    all-gather per process group and dtype instead of one full_tensor() each: the same bytes
+    (a gather is a copy), so the same fingerprint. A COLLECTIVE like full_tensor(): every rank
+    calls it at the same point. (The recorder gathers every parameter after every step, ~48
+    tensors: one full_tensor() each cost 3.3 s of a 15 s 2-rank FSDP2 run and 9.7 s of a 28 s
+    3-rank one, measured with cProfile on the 2-core box.)"""
+    import torch.distributed as dist
+    from torch.distributed.tensor import Shard
+
+    from references.fingerprint import _clean
+
+    named = sorted(((_clean(n), t.detach()) for n, t in named), key=lambda kv: kv[0])
+    out: dict[str, torch.Tensor] = {}
+    groups: dict[tuple, list[tuple[str, torch.Tensor]]] = {}
+    for n, t in named:
+        if not hasattr(t, "full_tensor"):
+            out[n] = t.to("cpu").contiguous().clone()
+        elif (t.device_mesh.ndim == 1 and tuple(t.placements) == (Shard(0),) and t.ndim >= 1):
+            groups.setdefault((t.device_mesh, t.dtype), []).append((n, t))
+        else:  # any other layout: torch's own gather, one tensor at a time
+            out[n] = t.full_tensor().to("cpu").contiguous().clone()
+    for (mesh, dtype), items in groups.items():
+        world, me, pg = mesh.size(), mesh.get_local_rank(), mesh.get_group()
+        # each rank's rows of each tensor, by torch's own (torch.chunk) rule; the last ranks
+        # may hold fewer rows, or none
+        sizes = [[Shard.local_shard_size_and_offset(t.shape[0], world, r)[0] for r in range(world)]
+                 for _, t in items]  # fmt: skip
+        rows = [math.prod(t.shape[1:]) for _, t in items]
+        span = [max(s) * w for s, w in zip(sizes, rows)]  # one rank's padded piece per tensor
+        local = [t.to_local() for _, t in items]
+        for (n, t), loc, s in zip(items, local, sizes):
+            if loc.shape[0] != s[me]:
+                raise RuntimeError(f"{n}: rank {me} holds {loc.shape[0]} rows of {t.shape[0]}, "
+                                   f"torch.chunk gives {s[me]}: not FSDP2's dim-0 sharding")
+        send = torch.zeros(sum(span), dtype=dtype, device=local[0].device)
+        at = 0
+        for loc, L in zip(local, span):
+            send[at:at + loc.numel()] = loc.reshape(-1)
+            at += L
+        recv = torch.empty(world * send.numel(), dtype=dtype, device=send.device)
+        dist.all_gather_into_tensor(recv, send, group=pg)
+        recv = recv.view(world, -1).to("cpu")
+        at = 0
+        for (n, t), s, w, L in zip(items, sizes, rows, span):
+            out[n] = torch.cat([recv[r, at:at + s[r] * w] for r in range(world)]).view(t.shape)
+            at += L
+    return {n: out[n] for n, _ in named}
+
+
 class Recorder:
     """Records a run through the loop's callbacks (`dormouse.train.loop.Callbacks`); changes
     nothing.
@@ -322,21 +385,21 @@ class Recorder:
                                                     info["ctx"])  # fmt: skip
 
     def after_backward(self, info: dict) -> None:
-        from references.fingerprint import (
-            fingerprint, fingerprint_params, plain_grads, plain_params,
-        )
+        from references.fingerprint import fingerprint_params
 
         self._seen(info)
         rec, model = self.rec, self.model
         k = len(rec["decisions"])
-        rec["fingerprints"].append(fingerprint(model))
+        params = plain_tensors(model.named_parameters())
+        rec["fingerprints"].append(fingerprint_params(params))
         rec["lfb"].append(lfb_biases(model))
         host = host_tables(model)
         rec["host_fingerprints"].append(fingerprint_params(host) if host else None)
         if k in self.snap_steps:
-            rec["params"][k] = plain_params(model)
+            rec["params"][k] = params
             rec["host"][k] = host
-            rec["grads"][k] = plain_grads(model)
+            rec["grads"][k] = plain_tensors((n, p.grad) for n, p in model.named_parameters()
+                                            if p.grad is not None)  # fmt: skip
         if self.probe is not None:
             rec["probe"].append(self.probe(k, model))
         rec["decisions"].append((bool(info["local"]), bool(info["agreed"])))
@@ -362,11 +425,11 @@ class Recorder:
 
     def finish(self) -> dict:
         from dormouse.train.checkpoint import optimizer_state
-        from references.fingerprint import fingerprint, fingerprint_params, plain_params
+        from references.fingerprint import fingerprint_params
 
         rec = self.rec
-        rec["final_fingerprint"] = fingerprint(self.model)
-        rec["final_params"] = plain_params(self.model)
+        rec["final_params"] = plain_tensors(self.model.named_parameters())
+        rec["final_fingerprint"] = fingerprint_params(rec["final_params"])
         rec["final_lfb"] = lfb_biases(self.model)
         rec["final_host"] = host_tables(self.model)
         rec["final_host_fingerprint"] = (fingerprint_params(rec["final_host"])
@@ -375,6 +438,23 @@ class Recorder:
         # rank 0 holds it, other ranks may get {}).
         rec["final_opt"] = optimizer_state(self.net, self.opt) if self.opt is not None else {}
         return rec
+
+
+@contextlib.contextmanager
+def no_plot(skip: bool = True):
+    """Inside the block the loop does not draw its loss curve (loss.png, rank 0's last act of
+    every run: 0.15-0.45 s each, measured, over a hundred runs a session), for the gates that
+    never look at it; dormouse itself always plots. Gate 8, which lists what rank 0 wrote,
+    keeps it (FleetSpec.plot)."""
+    from dormouse.train import loop
+
+    real = loop._plot
+    if skip:
+        loop._plot = lambda metrics_path, png: None
+    try:
+        yield
+    finally:
+        loop._plot = real
 
 
 @contextlib.contextmanager
@@ -518,12 +598,12 @@ def _rank_body(rank: int, spec: FleetSpec, out: Path) -> dict:
         _signal_during(model, spec.signal_step)
     recorder = Recorder(journal=out / f"rank{rank}.journal")
     lines: list[str] = []
-    timeout = MUTANT_TIMEOUT_S if spec.mutation else COLLECTIVE_TIMEOUT_S
+    timeout = _limits(spec)[0]
     device = "cuda" if spec.cuda else "cpu"
     t0 = time.perf_counter()
     stopped = False
     try:
-        with log_lines(lines.append, ranked=True):
+        with no_plot(not spec.plot), log_lines(lines.append, ranked=True):
             report = train_run(run, device_type=device, model=model, close=False,
                                timeout_s=timeout, rate=spec.rates[rank] if spec.rates else None,
                                callbacks=recorder.callbacks())  # fmt: skip
@@ -553,7 +633,7 @@ def _rank_body(rank: int, spec: FleetSpec, out: Path) -> dict:
         again = Recorder(journal=out / f"rank{rank}.resume.journal")
         model2 = build_model(run2)  # its values are replaced by the checkpoint's
         lines2: list[str] = []
-        with log_lines(lines2.append, ranked=True):
+        with no_plot(not spec.plot), log_lines(lines2.append, ranked=True):
             train_run(run2, device_type=device, model=model2, close=False, resume=True,
                       timeout_s=timeout, callbacks=again.callbacks())  # fmt: skip
         resumed = {"rec": again.finish(), "lines": lines2}
@@ -772,7 +852,7 @@ def cli_reference(sets: tuple[str, ...], batches: list[int], steps: int) -> dict
         if run.train.device == "cuda":
             exact_fp32()
         recorder = Recorder()
-        with threads(1):
+        with threads(1), no_plot():
             run_single(run, callbacks=recorder.callbacks())
         return recorder.finish()
 
@@ -794,7 +874,7 @@ def _fleet(spec: FleetSpec) -> list[dict]:
             out = work_dir(f"fleet-{spec.name}")
             try:
                 wall = spawn(_rank_main, (spec, str(out), free_port()), spec.world,
-                             MUTANT_DEADLINE_S if spec.mutation else SPAWN_DEADLINE_S)
+                             _limits(spec)[1])
                 break
             except FleetFailed as e:
                 errors = "".join(f"\n--- rank error ---\n{p.read_text()[-3000:]}"
@@ -893,7 +973,7 @@ def single(spec: FleetSpec, batches: list[int] | None = None, *, probe=None,
         if spec.cuda:
             exact_fp32()
         t0 = time.perf_counter()
-        with threads(1):
+        with threads(1), no_plot():
             model = build_model(run)
             inputs: list = []
             record_inputs(model, inputs)
@@ -1072,7 +1152,8 @@ def write_status(records: list[Record], path: Path,
 
 #: 2 ranks x 2 windows, DDP, Muon, 20 steps; eval and checkpoints every 10 steps; each rank
 #: gets its own out_dir so the gate can see which rank wrote what. Gates 1, 2, 8.
-DDP_RUN = FleetSpec("ddp", steps=20, per_rank_out=True, sets=("eval_every=10", "ckpt_every=10"))
+DDP_RUN = FleetSpec("ddp", steps=20, per_rank_out=True, plot=True,
+                   sets=("eval_every=10", "ckpt_every=10"))
 #: Unequal capacity, two steps (the step-1 state is recorded inside step 2). Blocks in file
 #: order (shuffle off), so the hand-written gradient reference reads step 0's block from byte
 #: 0 without re-implementing the data module's block order. Gate 3, at world 2 and 3 (rank
