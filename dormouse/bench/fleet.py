@@ -1,7 +1,7 @@
 """fleet: a mixed fleet's tokens/s against the sum of its ranks' solo rates (CPU, gloo).
 
-Each rank's solo rate first (one process, the whole global batch, the rank's emulation), then
-the fleet of `--world` ranks under three splits of the same global batch: equal, start-up auto
+Each rank's solo rate (one process, the whole global batch, the rank's emulation) before and
+after the fleet of `--world` ranks under three splits of the same global batch: equal, start-up auto
 (the matmul guess, `rebalance_every=0`) and re-balanced auto (measured while training). On
 the CPU a slow card is EMULATED: `--slow RANK:FACTOR` (the `emulate_slow` knob) makes that
 rank sleep FACTOR x its own compute each step, and divides its start-up matmul rate by
@@ -127,24 +127,34 @@ def run(args, command: str) -> str:
         log.info("note: a global batch under 16 windows cannot split 2:1 finely (8 windows: 5/3 "
                  "at best, 0.89 of the sum)")
     torch.set_num_threads(1)
-    solo = [_solo(args, r) for r in range(args.world)]
-    total = sum(solo)
-    rows = []
+    # the solo rates before and after the fleets, averaged: a shared box's speed drifts
+    # between runs by as much as the effect measured, and the drift is shown, not hidden
+    before = [_solo(args, r) for r in range(args.world)]
+    fleets = []
     for name, cap, every in MODES:
         every = args.every if every is None else every
         log.info(f"fleet: {name} ...")
-        f = _fleet(args, cap, every)
-        rows.append([name, f["start"], f["end"], str(len(f["resplits"])), f"{f['tok_s']:,.0f}",
-                     f"{f['tok_s'] / total:.3f}"])  # fmt: skip
-    body = (table(["rank", "solo tokens/s (whole global batch, alone)"],
-                  [[str(r), f"{s:,.0f}"] for r, s in enumerate(solo)])
-            + f"\n\nSum of solo rates: {total:,.0f} tokens/s\n\n"
+        fleets.append((name, _fleet(args, cap, every)))
+    after = [_solo(args, r) for r in range(args.world)]
+    solo = [(a + b) / 2 for a, b in zip(before, after)]
+    total = sum(solo)
+    drift = max(abs(a - b) / max(a, b) for a, b in zip(before, after))
+    rows = [[name, f["start"], f["end"], str(len(f["resplits"])), f"{f['tok_s']:,.0f}",
+             f"{f['tok_s'] / total:.3f}"] for name, f in fleets]  # fmt: skip
+    body = (table(["rank", "solo tokens/s before the fleets", "after", "mean"],
+                  [[str(r), f"{a:,.0f}", f"{b:,.0f}", f"{m:,.0f}"]
+                   for r, (a, b, m) in enumerate(zip(before, after, solo))])
+            + f"\n\nSum of solo rates (means): {total:,.0f} tokens/s; the solo rates moved by "
+            f"up to {drift:.0%} between before and after"
+            + (" (more than 10%: this box's speed drifted; repeat the run)" if drift > 0.1 else "")
+            + "\n\n"
             + table(["split", "first", "last", "re-splits", "fleet tokens/s", "of the sum"], rows))
     notes = [f"{args.preset}, global batch {args.global_batch} windows of {args.seq}, "
              f"{args.steps} steps per fleet, rebalance_every={args.every}; fleet tokens/s = "
              f"global batch x seq / median step wall over the second half of the steps (rank 0)",
              f"EMULATION: --slow {args.slow}: that rank sleeps FACTOR x its own compute each step "
              f"and its start-up matmul rate is divided by 1 + FACTOR (emulate_slow)",
-             "every process one torch thread; the solo rates are measured one rank at a time"]
+             "every process one torch thread; the solo rates are measured one rank at a time, "
+             "before and after the three fleets (their mean is the sum's)"]
     return report("Mixed fleet (CPU emulation)", machine_lines(torch.device("cpu"), command),
                   body, notes)

@@ -318,7 +318,7 @@ def train_step(model, net, opt, ctx: DPContext, x, y, cfg, factor: float, autoca
         clip = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
         norm = opt.clip_grad_norm_(clip)
         # the loss's and the norm's verdicts reach the host together: one synchronisation
-        loss_ok, gnorm = torch.stack([torch.isfinite(loss).to(norm.dtype), norm.detach()]).tolist()
+        loss_ok, gnorm = torch.stack([torch.isfinite(loss).to(norm), norm.detach()]).tolist()
         finite = bool(loss_ok) and math.isfinite(gnorm)
         aux["gnorm"] = gnorm if loss_ok else float("nan")
         agreed = ctx.all_finite(finite)
