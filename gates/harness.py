@@ -34,6 +34,7 @@ import random
 import socket
 import time
 import traceback
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -341,7 +342,9 @@ def plain_tensors(named) -> dict[str, torch.Tensor]:
             send[at:at + loc.numel()] = loc.reshape(-1)
             at += L
         recv = torch.empty(world * send.numel(), dtype=dtype, device=send.device)
-        dist.all_gather_into_tensor(recv, send, group=pg)
+        with warnings.catch_warnings():  # torch 2.13 renames it; 2.11 (the GPU box) has no new name
+            warnings.simplefilter("ignore", FutureWarning)
+            dist.all_gather_into_tensor(recv, send, group=pg)
         recv = recv.view(world, -1).to("cpu")
         at = 0
         for (n, t), s, w, L in zip(items, sizes, rows, span):
