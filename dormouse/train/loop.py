@@ -317,6 +317,8 @@ def train_step(model, net, opt, ctx: DPContext, x, y, cfg, factor: float, autoca
         # FSDP2 the norm is a collective every rank must enter.
         clip = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
         norm = opt.clip_grad_norm_(clip)
+        if hasattr(norm, "full_tensor"):  # a DTensor (torch's own clip over FSDP2 shards)
+            norm = norm.full_tensor()
         # the loss's and the norm's verdicts reach the host together: one synchronisation
         loss_ok, gnorm = torch.stack([torch.isfinite(loss).to(norm), norm.detach()]).tolist()
         finite = bool(loss_ok) and math.isfinite(gnorm)
