@@ -43,11 +43,6 @@ def plain_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return _plain_sorted(model.named_parameters())
 
 
-def plain_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """{name: full CPU copy of .grad} for every parameter that has one, sorted by name."""
-    return _plain_sorted((n, p.grad) for n, p in model.named_parameters() if p.grad is not None)
-
-
 def fingerprint_params(params: dict[str, torch.Tensor]) -> str:
     h = hashlib.sha256()
     for name in sorted(params):

@@ -587,10 +587,11 @@ class _StepGraph:
         self.device = self.params[0].device
         self.lrs = torch.zeros(len(opt.param_groups), dtype=torch.float64, device=self.device)
         # the host side of the lr copy: pinned, so the copy queues without waiting for the
-        # device (the step's one synchronisation, the verdict, has already waited for the
-        # previous copy before this buffer is written again)
+        # device; `copied` marks when the last copy has read it, before it is written again
+        # (long done by then: the loop's verdict has synchronised since)
         self.host_lrs = torch.zeros(len(opt.param_groups), dtype=torch.float64,
                                     pin_memory=warmup is not None)  # fmt: skip
+        self.copied = torch.cuda.Event() if warmup is not None else None
         self.warmup = warmup
         self.steps = 0
         self.graph = None
@@ -601,9 +602,13 @@ class _StepGraph:
 
     def step(self) -> None:
         opt = self.opt
+        if self.copied is not None:
+            self.copied.synchronize()
         for i, g in enumerate(opt.param_groups):
             self.host_lrs[i] = float(g["lr"])
         self.lrs.copy_(self.host_lrs, non_blocking=True)
+        if self.copied is not None:
+            self.copied.record()
         grads = [p.grad for p in self.params]
         key = tuple(g is not None for g in grads)
         self.steps += 1

@@ -141,14 +141,13 @@ def compiled(model: torch.nn.Module, run: RunConfig, device: torch.device) -> to
     if t.compile_mode == "reduce-overhead" and device.type != "cuda":
         log.info(f"compile_mode=reduce-overhead on {device.type}: CUDA graphs need a GPU; "
                  f"inductor compiles without them here")  # fmt: skip
-    how = (f"mode={t.compile_mode}" if t.compile_backend == "inductor" else
-           f"backend={t.compile_backend}")  # fmt: skip
+    kw = ({"mode": t.compile_mode} if t.compile_backend == "inductor" else
+          {"backend": t.compile_backend})  # fmt: skip
+    how = ", ".join(f"{k}={v}" for k, v in kw.items())
     log.info(f"compile=true: torch.compile(model, {how}, dynamic=False) on "
              f"{device.type}; the first step traces and compiles (tens of seconds; inductor "
              f"caches its work for the next run), evaluation runs uncompiled")  # fmt: skip
-    if t.compile_backend != "inductor":
-        return torch.compile(model, backend=t.compile_backend, dynamic=False)
-    return torch.compile(model, mode=t.compile_mode, dynamic=False)
+    return torch.compile(model, dynamic=False, **kw)
 
 
 def _optimizer(net: torch.nn.Module, run: RunConfig, device: torch.device):
