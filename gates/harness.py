@@ -202,6 +202,10 @@ class FleetSpec:
     # EMULATION of a mixed-dtype fleet: rank r trains with dtype=dtypes[r] (a card's policy
     # rung, given by hand: every CPU rank would otherwise resolve auto alike); () = sets' dtype
     dtypes: tuple[str, ...] = ()
+    # SHA-256 of each rank's whole training state after every step (rec["states"]): what a
+    # skip must leave untouched (gate 5). Off elsewhere: hashing the optimizer state every
+    # step cost ~2.5% of the gate suite's CPU time for runs that never read it.
+    state_hashes: bool = False
 
     def key(self) -> str:
         return hashlib.sha256(repr(dataclasses.astuple(self)).encode()).hexdigest()[:16]
@@ -361,16 +365,17 @@ class Recorder:
     agreed finiteness verdict, before the optimizer, so the parameters it sees are those after
     the previous step: call k records the state after k steps (and, at the snap steps, step
     k's reduced gradient). after_step runs at the end of every step, taken or skipped: it
-    records the pre-clip global gradient norm and a hash of this rank's whole training state.
-    (A fingerprint under FSDP2 is a collective; every rank records at the same point.)
+    records the pre-clip global gradient norm and, with states=True, a hash of this rank's
+    whole training state. (A fingerprint under FSDP2 is a collective; every rank records at
+    the same point.)
     """
 
     snap_steps = (0, 1)
 
-    def __init__(self, journal: Path | None = None, probe=None):
+    def __init__(self, journal: Path | None = None, probe=None, states: bool = False):
         #: a file each step's verdict and state hash are appended to as they happen, so a
         #: rank that dies mid-run (a C++ abort cannot be caught) still leaves its evidence
-        self.journal, self.probe = journal, probe
+        self.journal, self.probe, self.states = journal, probe, states
         self.model = self.net = self.opt = self.ctx = None
         self.rec = {"fingerprints": [], "decisions": [], "losses": [], "local_losses": [],
                     "lfb": [], "params": {}, "grads": {}, "probe": [],
@@ -419,8 +424,9 @@ class Recorder:
         self._seen(info)
         self.rec["gnorms"].append(float(info["gnorm"]))
         self.rec["scales"].append(info.get("scale"))
-        self.rec["states"].append(state_hash(self.model, self.opt))
-        self._journal({"state": self.rec["states"][-1]})
+        if self.states:
+            self.rec["states"].append(state_hash(self.model, self.opt))
+            self._journal({"state": self.rec["states"][-1]})
 
     def on_log(self, info: dict) -> None:
         self.rec["losses"].append(info["loss"])
@@ -529,9 +535,15 @@ def record_inputs(model: torch.nn.Module, sink: list) -> None:
     which windows this process trained on, step by step."""
     orig = model.forward
 
+    # outside dynamo: traced, the append would make every compiled forward guard on
+    # len(sink) and recompile at each step (8 times a rank, then run that frame eagerly)
+    @torch.compiler.disable
+    def keep(x):
+        sink.append(x.detach().to("cpu", torch.uint8).numpy().copy())
+
     def forward(x, y=None, *args, **kwargs):
         if model.training and y is not None:
-            sink.append(x.detach().to("cpu", torch.uint8).numpy().copy())
+            keep(x)
         return orig(x, y, *args, **kwargs)
 
     model.forward = forward
@@ -599,7 +611,7 @@ def _rank_body(rank: int, spec: FleetSpec, out: Path) -> dict:
         _inject_nan(model, spec.nan_step)
     if rank == spec.signal_rank:
         _signal_during(model, spec.signal_step)
-    recorder = Recorder(journal=out / f"rank{rank}.journal")
+    recorder = Recorder(journal=out / f"rank{rank}.journal", states=spec.state_hashes)
     lines: list[str] = []
     timeout = _limits(spec)[0]
     device = "cuda" if spec.cuda else "cpu"
@@ -633,7 +645,7 @@ def _rank_body(rank: int, spec: FleetSpec, out: Path) -> dict:
         dist.barrier()
         run2 = _rank_dtype(fixture_run(dataclasses.replace(spec, steps=spec.resume_steps),
                                        run_dir, dist=True), spec, rank)  # fmt: skip
-        again = Recorder(journal=out / f"rank{rank}.resume.journal")
+        again = Recorder(journal=out / f"rank{rank}.resume.journal", states=spec.state_hashes)
         model2 = build_model(run2)  # its values are replaced by the checkpoint's
         lines2: list[str] = []
         with no_plot(not spec.plot), log_lines(lines2.append, ranked=True):
@@ -1172,7 +1184,7 @@ _FAULT_SETS = ("engram_ram=true", "moe_lb_coef=0.01")
 FAULT_RUNS = [
     FleetSpec(f"fault-w{len(cap.split(','))}-nan{''.join(map(str, nan))}",
               world=len(cap.split(",")), steps=5, capacity=cap, nan_ranks=nan, nan_step=2,
-              sets=_FAULT_SETS)
+              sets=_FAULT_SETS, state_hashes=True)
     for cap, nan in (("3,1", (0,)), ("3,1", (1,)), ("3,1", (0, 1)),
                      ("3,1,2", (0,)), ("3,1,2", (1,)), ("3,1,2", (2,)))
 ]  # fmt: skip

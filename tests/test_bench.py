@@ -259,3 +259,29 @@ def test_profile_union_of_kernel_intervals():
     # overlapping streams count once; a gap is idle
     assert _union_us([(0, 10), (5, 15), (20, 30), (22, 25)]) == 25
     assert _union_us([]) == 0
+
+
+def test_fleet_divides_each_fleet_by_the_solo_rates_around_it(capsys):
+    # real 2-rank gloo fleets (spawned), kept short: 4 windows of 16 bytes, 4 steps each
+    assert main_bench(["fleet", "--world", "2", "--global-batch", "4", "--seq", "16",
+                       "--steps", "4", "--every", "2", "--rounds", "1"]) == 0  # fmt: skip
+    out = capsys.readouterr().out
+    # the solo rates before the first fleet and after each of the three
+    for when in ("before the first fleet", "after fleet 1", "after fleet 2", "after fleet 3"):
+        assert f"| {when} |" in out
+    rows = [ln for ln in out.splitlines() if ln.startswith("| 1 |")]
+    assert [r.split("|")[2].strip() for r in rows] == ["equal", "start-up auto",
+                                                       "re-balanced auto"]  # fmt: skip
+    for r in rows:  # the fraction is the fleet's tokens/s over that row's sum of solo rates
+        cells = [c.strip() for c in r.split("|")[1:-1]]
+        tok, total, frac = (float(cells[5].replace(",", "")), float(cells[6].replace(",", "")),
+                            float(cells[8]))  # fmt: skip
+        # printed to whole tokens/s and 3 decimals: that rounding is the tolerance
+        assert frac == pytest.approx(tok / total, abs=(tok / total) * (0.5 / tok + 0.5 / total)
+                                     + 5e-4 + 1e-9)  # fmt: skip
+    assert "| equal | 1 |" in out  # the per-split summary over the rounds
+
+
+def test_fleet_refuses_zero_rounds(capsys):
+    assert main_bench(["fleet", "--rounds", "0"]) == 2
+    assert "--rounds 0" in capsys.readouterr().err

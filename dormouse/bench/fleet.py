@@ -1,13 +1,15 @@
 """fleet: a mixed fleet's tokens/s against the sum of its ranks' solo rates (CPU, gloo).
 
-Each rank's solo rate (one process, the whole global batch, the rank's emulation) before and
-after the fleet of `--world` ranks under three splits of the same global batch: equal, start-up auto
-(the matmul guess, `rebalance_every=0`) and re-balanced auto (measured while training). On
+Each rank's solo rate (one process, the whole global batch, the rank's emulation), measured
+before the first fleet and again after each one, and the fleet of `--world` ranks under three
+splits of the same global batch: equal, start-up auto (the matmul guess, `rebalance_every=0`)
+and re-balanced auto (measured while training), `--rounds` times. On
 the CPU a slow card is EMULATED: `--slow RANK:FACTOR` (the `emulate_slow` knob) makes that
 rank sleep FACTOR x its own compute each step, and divides its start-up matmul rate by
 1 + FACTOR; it is not a measurement of a real slower card.
 
-    python -m dormouse bench fleet --world 2 --slow 1:1.0 --global-batch 24 --steps 60
+    python -m dormouse bench fleet --world 2 --slow 1:1.0 --global-batch 96 --seq 64 \
+        --steps 40 --every 8 --rounds 3
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from ..errors import UserError
 from .common import configure, machine_lines, report, table
 
 log = logging.getLogger(__name__)
@@ -37,6 +40,8 @@ def add_args(ap) -> None:
     ap.add_argument("--seq", type=int, default=64, help="window length (default 64)")
     ap.add_argument("--steps", type=int, default=60, help="steps per fleet run (default 60)")
     ap.add_argument("--every", type=int, default=10, help="rebalance_every (default 10)")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="repeat the three splits this many times (default 1)")
 
 
 def _sets(args, extra=()) -> list[str]:
@@ -126,35 +131,51 @@ def run(args, command: str) -> str:
     if args.global_batch < 16:
         log.info("note: a global batch under 16 windows cannot split 2:1 finely (8 windows: 5/3 "
                  "at best, 0.89 of the sum)")
+    if args.rounds < 1:
+        raise UserError(f"bench fleet: --rounds {args.rounds}; give at least 1")
     torch.set_num_threads(1)
-    # the solo rates before and after the fleets, averaged: a shared box's speed drifts
-    # between runs by as much as the effect measured, and the drift is shown, not hidden
-    before = [_solo(args, r) for r in range(args.world)]
-    fleets = []
-    for name, cap, every in MODES:
-        every = args.every if every is None else every
-        log.info(f"fleet: {name} ...")
-        fleets.append((name, _fleet(args, cap, every)))
-    after = [_solo(args, r) for r in range(args.world)]
-    solo = [(a + b) / 2 for a, b in zip(before, after)]
-    total = sum(solo)
-    drift = max(abs(a - b) / max(a, b) for a, b in zip(before, after))
-    rows = [[name, f["start"], f["end"], str(len(f["resplits"])), f"{f['tok_s']:,.0f}",
-             f"{f['tok_s'] / total:.3f}"] for name, f in fleets]  # fmt: skip
-    body = (table(["rank", "solo tokens/s before the fleets", "after", "mean"],
-                  [[str(r), f"{a:,.0f}", f"{b:,.0f}", f"{m:,.0f}"]
-                   for r, (a, b, m) in enumerate(zip(before, after, solo))])
-            + f"\n\nSum of solo rates (means): {total:,.0f} tokens/s; the solo rates moved by "
-            f"up to {drift:.0%} between before and after"
-            + (" (more than 10%: this box's speed drifted; repeat the run)" if drift > 0.1 else "")
+    # Every fleet run sits between two measurements of the solo rates and is divided by their
+    # mean: a shared box's speed drifts between runs by as much as the effect measured (23%
+    # in ~3 minutes on the 2-core VM), so each fraction uses the rates nearest in time to it,
+    # the drift across each fleet is printed, and --rounds repeats the three splits.
+    solos = [[_solo(args, r) for r in range(args.world)]]
+    runs = []
+    for rnd in range(1, args.rounds + 1):
+        for name, cap, every in MODES:
+            every = args.every if every is None else every
+            log.info(f"fleet: round {rnd}/{args.rounds}, {name} ...")
+            got = _fleet(args, cap, every)
+            solos.append([_solo(args, r) for r in range(args.world)])
+            a, b = solos[-2], solos[-1]
+            total = sum((x + y) / 2 for x, y in zip(a, b))
+            drift = max(abs(x - y) / max(x, y) for x, y in zip(a, b))
+            runs.append((rnd, name, got, total, drift))
+    rows = [[str(rnd), name, f["start"], f["end"], str(len(f["resplits"])), f"{f['tok_s']:,.0f}",
+             f"{total:,.0f}", f"{drift:.0%}", f"{f['tok_s'] / total:.3f}"]
+            for rnd, name, f, total, drift in runs]  # fmt: skip
+    summary = []
+    for name, _, _ in MODES:
+        fr = [f["tok_s"] / total for _, n, f, total, _ in runs if n == name]
+        summary.append([name, str(len(fr)), f"{statistics.median(fr):.3f}", f"{min(fr):.3f}",
+                        f"{max(fr):.3f}"])  # fmt: skip
+    body = (table(["measurement"] + [f"rank {r} solo tokens/s" for r in range(args.world)],
+                  [[("before the first fleet" if i == 0 else f"after fleet {i}")]
+                   + [f"{v:,.0f}" for v in row] for i, row in enumerate(solos)])
             + "\n\n"
-            + table(["split", "first", "last", "re-splits", "fleet tokens/s", "of the sum"], rows))
+            + table(["round", "split", "first", "last", "re-splits", "fleet tokens/s",
+                     "sum of solo rates (mean of the two around it)", "solo drift across it",
+                     "of the sum"], rows)
+            + "\n\n"
+            + table(["split", "runs", "median of the sum", "min", "max"], summary)
+            + "\n")
     notes = [f"{args.preset}, global batch {args.global_batch} windows of {args.seq}, "
              f"{args.steps} steps per fleet, rebalance_every={args.every}; fleet tokens/s = "
              f"global batch x seq / median step wall over the second half of the steps (rank 0)",
              f"EMULATION: --slow {args.slow}: that rank sleeps FACTOR x its own compute each step "
              f"and its start-up matmul rate is divided by 1 + FACTOR (emulate_slow)",
              "every process one torch thread; the solo rates are measured one rank at a time, "
-             "before and after the three fleets (their mean is the sum's)"]
+             "before the first fleet and after each fleet; a fleet's fraction divides by the "
+             "mean of the two measurements around it (a drift over 10% says: this box's speed "
+             "moved; repeat)"]
     return report("Mixed fleet (CPU emulation)", machine_lines(torch.device("cpu"), command),
                   body, notes)

@@ -180,17 +180,18 @@ def evaluate(model, batches, device, autocast_dtype) -> dict[str, float]:
     return _result(*_sums(model, batches, device, autocast_dtype))
 
 
-def evaluate_fleet(model, net, batches, ctx: DPContext, autocast_dtype) -> dict[str, float]:
+def evaluate_fleet(model, batches, ctx: DPContext, autocast_dtype) -> dict[str, float]:
     """The fleet's evaluation of one fixed list of batches: rank r takes batches r::world, the
     sums meet in one collective, every rank gets the same result (one process: `evaluate`).
     So no rank waits in a barrier while rank 0 evaluates alone. DDP ranks run their local
-    replica; FSDP2 ranks run the sharded net, padded to the same number of forwards."""
+    replica; FSDP2 ranks run the sharded model (fully_shard is in place: `model` is the
+    sharded module), padded to the same number of forwards. Never the compiled `net`: an
+    evaluation forward (eval mode, no grad) would trace and compile graphs of its own."""
     mine = batches[ctx.rank::ctx.world]
     pad = []
     if ctx.eval_on_all_ranks:  # a rank with fewer (or no) batches of its own repeats the first
         pad = batches[:1] * (-(-len(batches) // ctx.world) - len(mine))
-    total, count = _sums(net if ctx.eval_on_all_ranks else model, mine, ctx.device,
-                         autocast_dtype, pad)  # fmt: skip
+    total, count = _sums(model, mine, ctx.device, autocast_dtype, pad)
     total, count = ctx.sum_all([total, count])
     return _result(total, int(count))
 
@@ -587,7 +588,7 @@ def train(
     def do_eval(step: int, train_loss: float) -> tuple[dict, bool]:
         """Evaluate (the fleet splits the batches), log, keep best.pt; (result, stop?)."""
         beat.at(step, "eval")
-        res = evaluate_fleet(model, net, val, ctx, autocast)
+        res = evaluate_fleet(model, val, ctx, autocast)
         tag = f" dist={ctx.rank}/{ctx.world} (split over the ranks)" if ctx.world > 1 else ""
         log.info(f"eval step={step} loss={res['loss']:.4f} bpb={res['bpb']:.4f} on "
                  f"{res['tokens']} val bytes{tag}")  # fmt: skip
