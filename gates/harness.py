@@ -373,8 +373,9 @@ class Recorder:
     snap_steps = (0, 1)
 
     def __init__(self, journal: Path | None = None, probe=None, states: bool = False):
-        #: a file each step's verdict and state hash are appended to as they happen, so a
-        #: rank that dies mid-run (a C++ abort cannot be caught) still leaves its evidence
+        #: a file each step's verdict (and, with states, state hash) is appended to as it
+        #: happens, so a rank that dies mid-run (a C++ abort cannot be caught) still leaves
+        #: its evidence
         self.journal, self.probe, self.states = journal, probe, states
         self.model = self.net = self.opt = self.ctx = None
         self.rec = {"fingerprints": [], "decisions": [], "losses": [], "local_losses": [],

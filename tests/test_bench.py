@@ -269,11 +269,16 @@ def test_fleet_divides_each_fleet_by_the_solo_rates_around_it(capsys):
     # the solo rates before the first fleet and after each of the three
     for when in ("before the first fleet", "after fleet 1", "after fleet 2", "after fleet 3"):
         assert f"| {when} |" in out
+    solo = [sum(float(c.strip().replace(",", "")) for c in ln.split("|")[2:-1])
+            for ln in out.splitlines() if ln.startswith(("| before the first", "| after fleet"))]
     rows = [ln for ln in out.splitlines() if ln.startswith("| 1 |")]
     assert [r.split("|")[2].strip() for r in rows] == ["equal", "start-up auto",
                                                        "re-balanced auto"]  # fmt: skip
-    for r in rows:  # the fraction is the fleet's tokens/s over that row's sum of solo rates
+    for i, r in enumerate(rows):  # fleet i+1's sum: the mean of the solo rates around it
         cells = [c.strip() for c in r.split("|")[1:-1]]
+        # each printed rate rounds by 0.5 tokens/s, two ranks, two measurements
+        assert float(cells[6].replace(",", "")) == pytest.approx((solo[i] + solo[i + 1]) / 2,
+                                                                 abs=2.5)  # fmt: skip
         tok, total, frac = (float(cells[5].replace(",", "")), float(cells[6].replace(",", "")),
                             float(cells[8]))  # fmt: skip
         # printed to whole tokens/s and 3 decimals: that rounding is the tolerance
