@@ -1,5 +1,6 @@
 """`dormouse bench {step,optim,memory}`: each runs on a tiny config on the CPU and prints its
-table under the machine lines; --out, the default sub-command, the refusals.
+table under the machine lines; --out, the default sub-command, the refusals; bench step's FLOP
+counters against hand counts, --peak-tflops and --parts.
 
 Correctness only. Speed is reported by the bench itself and never asserted here.
 """
@@ -40,7 +41,10 @@ def test_tiny_on_cpu_prints_the_table_and_writes_it(tmp_path, capsys):
     assert row["batch x seq"] == "4 x 64"  # the preset's shape
     assert float(row["tokens/s"].replace(",", "")) > 0
     assert float(row["step ms (median)"]) > 0
-    assert row["MFU"].startswith("n/a")
+    assert row["MFU (datasheet)"].startswith("n/a")
+    # no peak on the CPU unless --peak-tflops gives one; the step's FLOPs are counted anyway
+    assert row["MFU (measured peak)"].startswith("n/a") and row["HFU (measured peak)"].startswith("n/a")
+    assert "Peak (MFU and HFU, measured peak): none on the CPU" in printed
     assert row["peak memory"].endswith("RSS")
     assert row["KDA arm"] == "torch"
     assert row["dtype"] == "fp32"  # tiny has dtype=fp32
@@ -251,6 +255,12 @@ def test_profile_prints_the_step_and_its_phases(capsys):
     # the loop's own ranges (loop.PHASES) reach the profile: forward, backward, clip, optimizer
     assert {"forward", "backward", "clip", "optimizer"} <= phases
     assert "GPU busy" in out and "n/a (CPU)" in out
+    # the same steps timed again without the profiler: a number in its own column
+    head = next(ln for ln in out.splitlines() if ln.startswith("| preset | batch x seq"))
+    row = next(ln for ln in out.splitlines() if ln.startswith("| tiny | "))
+    cells = dict(zip([c.strip() for c in head.split("|")], [c.strip() for c in row.split("|")]))
+    assert float(cells["step ms (unprofiled)"]) > 0
+    assert cells["GPU busy (unprofiled wall)"] == "n/a (CPU)"
 
 
 def test_profile_union_of_kernel_intervals():
@@ -290,3 +300,173 @@ def test_fleet_divides_each_fleet_by_the_solo_rates_around_it(capsys):
 def test_fleet_refuses_zero_rounds(capsys):
     assert main_bench(["fleet", "--rounds", "0"]) == 2
     assert "--rounds 0" in capsys.readouterr().err
+
+
+# ---- bench step: the FLOPs beyond 6N, the peak, the parts ------------------------------------
+
+
+def _tiny_after_a_forward():
+    model = DormouseModel(preset("tiny").model)
+    x = torch.randint(0, 256, (2, 32))
+    _, loss, _ = model(x, x)  # the forward chooses the KDA arm (torch here), hence the chunk
+    return model, loss
+
+
+def test_kda_flops_match_a_hand_count_for_tiny():
+    from dormouse.bench.flops import kda_chunk_flops, kda_forward_flops
+
+    model, _ = _tiny_after_a_forward()
+    assert model.blocks[0].mixer.impl == "torch"
+    # tiny: 4 heads of 16 (K = V = 16), one block applied twice (max_iter 2); the torch arm's
+    # chunk kda_chunk = 16, so P = 16 * 17 / 2 = 136 causal pairs a chunk. Per head and chunk:
+    per_chunk = (2 * 16 * 16 * 16  # the scores Aqk and Akk: 256 pairs of 16
+                 + 16 * 255 // 3  # (I + A)^-1 by substitution: 1360
+                 + 2 * 136 * 32  # [U | W] = (I + A)^-1 [beta V | beta exp(G) K]: 8704
+                 + 2 * 136 * 16  # Aqk D: 4352
+                 + 6 * 16 * 16 * 16)  # W S0, (Q exp G) S0, K'^T D: 24576
+    assert per_chunk == 47184 == kda_chunk_flops(16, 16, 16)
+    # the preset's 4 x 64 windows: 4 chunks each, x 4 heads x 2 applications
+    assert kda_forward_flops(model, 4, 64) == 4 * 4 * 2 * 4 * 47184
+    assert kda_forward_flops(model, 1, 40) == 1 * 4 * 2 * 3 * 47184  # the last chunk padded
+    # fla runs chunks of 64 whatever kda_chunk says: one chunk of a 64-byte window
+    model.blocks[0].mixer._impl = "fla"
+    assert kda_forward_flops(model, 4, 64) == 4 * 4 * 2 * 1 * kda_chunk_flops(64, 16, 16)
+    # the arm not yet chosen: refused, not guessed
+    with pytest.raises(ValueError, match="first forward"):
+        kda_forward_flops(DormouseModel(preset("tiny").model), 4, 64)
+
+
+def test_polar_flops_match_a_hand_count_and_the_counted_step():
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from dormouse.bench.flops import polar_flops, step_flops
+    from dormouse.train.optim import MixOptimizer
+
+    model, loss = _tiny_after_a_forward()
+    opt = MixOptimizer(model, lr=1e-3)
+    # tiny's Muon matrices (train/routing.py), oriented wide [r <= c], and how many of each
+    hand = {(64, 64): 4,  # q, k, v, o projections
+            (32, 64): 2,  # the Engram key and value [64, 32]
+            (8, 64): 18,  # f_down, f_up; 4 deltas x 2 iterations x (A [8, 64], B [64, 8])
+            (4, 64): 2,  # b_proj, the router
+            (16, 64): 5,  # g_down, g_up; the shared expert's w1, w3, w2
+            (64, 128): 12}  # the experts: w1, w3 [4, 64, 128], w2 [4, 128, 64]  # fmt: skip
+    per_iter = sum(n * (2 * r * r * c + 2 * r**3 + 2 * r * r * c) for (r, c), n in hand.items())
+    assert per_iter == 39_094_528
+    assert polar_flops(opt) == 5 * per_iter  # ns_steps 5
+    # torch's own FLOP counter over a real optimizer step: the polar's matmuls are all of it
+    loss.backward()
+    with FlopCounterMode(display=False) as counted:
+        opt.step()
+    assert counted.get_total_flops() == polar_flops(opt)
+    work = step_flops(model, opt, 4, 64, active_params_per_token(model))
+    assert work == {"6N": 6 * active_params_per_token(model) * 256,
+                    "KDA": 3 * 4 * 4 * 2 * 4 * 47184, "attention": 0,
+                    "polar": 5 * per_iter}  # fmt: skip
+
+
+def test_attention_flops_of_the_gpt_twin_count_the_causal_pairs():
+    from dormouse.bench.flops import attention_forward_flops, kda_forward_flops
+    from dormouse.bench.step import twin
+    from dormouse.model.gpt import GPT
+
+    m = twin(preset("tiny")).model  # gpt 64 x 3: d_attn 64
+    gpt = GPT(m)
+    # per layer and window: Q K^T and A V over the 64 * 65 / 2 causal pairs, 64 wide, 2 FLOPs
+    assert attention_forward_flops(gpt, 4, 64) == 4 * 3 * 2 * (2 * 64 * 64 * 65 // 2)
+    assert kda_forward_flops(gpt, 4, 64) == 0
+
+
+def _cell(row: dict, key: str) -> float:
+    return float(row[key].rstrip("%x").replace(",", ""))
+
+
+def test_a_given_peak_prints_mfu_and_hfu_on_the_cpu(capsys):
+    argv = ["tiny", "--device", "cpu", "--steps", "1", "--warmup", "0", "--peak-tflops", "0.01"]
+    assert main_bench(argv) == 0
+    printed = capsys.readouterr().out
+    row = dict(zip(HEADER, _table_rows(printed)[2]))
+    assert "0.01 TFLOP/s fp32, given by --peak-tflops (not measured)" in printed
+    assert row["MFU (datasheet)"] == "n/a (CPU)"  # no datasheet for a CPU
+    # printed to 3 significant digits: that rounding (0.5%) is the tolerance
+    assert _cell(row, "MFU (measured peak)") == pytest.approx(
+        100 * _cell(row, "model TFLOP/s") / 0.01, rel=1e-2, abs=0.05)
+    parts, total = row["TFLOP/step: 6N + mixer + polar"].split(" = ")
+    six_n, kda, polar = (float(v) for v in parts.split(" + "))
+    assert sum((six_n, kda, polar)) == pytest.approx(float(total), rel=1e-2)
+    active = active_params_per_token(DormouseModel(preset("tiny").model))
+    assert six_n * 1e12 == pytest.approx(6 * active * 4 * 64, rel=1e-2)
+    assert kda * 1e12 == pytest.approx(3 * 4 * 4 * 2 * 4 * 47184, rel=1e-2)
+    hfu = 100 * float(total) / (_cell(row, "step ms (median)") / 1000) / 0.01
+    assert _cell(row, "HFU (measured peak)") == pytest.approx(hfu, rel=1e-2, abs=0.05)
+
+
+def test_bad_peaks_are_refused(capsys):
+    from dormouse.bench.common import BenchError
+    from dormouse.bench.step import _peaks
+
+    for bad in ("0", "-790", "nan", "inf"):
+        assert main_bench(["tiny", "--device", "cpu", "--peak-tflops", bad]) == 2
+        err = capsys.readouterr()
+        assert err.err.strip().splitlines()[-1].startswith(f"bench: --peak-tflops {float(bad)}: "
+                                                           f"a peak is a positive")  # fmt: skip
+        assert "|" not in err.out  # refused before anything was timed
+    with pytest.raises(BenchError, match="one peak, but these rows compute in bf16 and fp32"):
+        _peaks(["bf16", "fp32"], torch.device("cpu"), 790.0)
+
+
+def test_parts_table_sums_the_parts_and_sets_them_beside_the_step(capsys):
+    argv = ["tiny", "--device", "cpu", "--steps", "2", "--warmup", "1", "--parts"]
+    assert main_bench(argv) == 0
+    printed = capsys.readouterr().out
+    rows = _table_rows(printed)
+    step_row = dict(zip(HEADER, rows[2]))
+    at = next(i for i, r in enumerate(rows) if r[:2] == ["preset", "part"])
+    from dormouse.bench.step import PARTS_HEADER
+
+    assert rows[at] == PARTS_HEADER
+    parts = {r[1].split(" (")[0]: dict(zip(PARTS_HEADER, r)) for r in rows[at + 2:]}
+    assert list(parts) == ["forward + backward", "forward", "backward", "clip", "optimizer",
+                           "lfb", "sum of parts", "step", "step / sum of parts"]  # fmt: skip
+    ms = {k: float(v["ms (median)"].rstrip("x")) for k, v in parts.items()}
+    # printed to 0.01 ms: each cell rounds by 0.005
+    assert ms["backward"] == pytest.approx(ms["forward + backward"] - ms["forward"], abs=0.011)
+    assert ms["sum of parts"] == pytest.approx(
+        sum(ms[k] for k in ("forward", "backward", "clip", "optimizer", "lfb")), abs=0.03)
+    assert ms["step"] == pytest.approx(_cell(step_row, "step ms (median)"), abs=0.051)
+    assert ms["step / sum of parts"] == pytest.approx(ms["step"] / ms["sum of parts"], abs=0.006)
+    assert _cell(parts["optimizer"], "share of the step") == pytest.approx(
+        100 * ms["optimizer"] / ms["step"], abs=0.06)
+    assert all(ms[k] > 0 for k in ("forward", "forward + backward", "optimizer"))
+    assert "Parts (--parts, parts.py)" in printed
+
+
+def test_parts_step_the_optimizer_on_gradients_and_mark_graph_steps(monkeypatch):
+    from dormouse.bench.common import harness, windows
+    from dormouse.bench.parts import time_parts
+
+    run = preset("tiny")
+    h = harness(run, torch.device("cpu"))
+    h.step(0, windows(run, 1)[0])  # grads dropped by the step's zero_grad, as after the bench's
+    seen = []
+    real = h.opt.step
+
+    def step():  # the optimizer alone must find every gradient the backward made
+        seen.append(all(p.grad is not None for g in h.opt.param_groups for p in g["params"]
+                        if g["kind"] == "muon"))  # fmt: skip
+        real()
+
+    monkeypatch.setattr(h.opt, "step", step)
+    marks = []
+    monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: marks.append(1))
+    got = time_parts(h, windows(run, 1)[0], 2, 1, torch.device("cpu"))
+    assert seen == [True] * 3  # 1 untimed + 2 timed, each on gradients
+    assert marks == []  # no CUDA graphs: no step marks
+    assert {k: len(v) for k, v in got.items()} == {"forward": 2, "forward + backward": 2,
+                                                   "clip": 2, "optimizer": 2, "lfb": 2,
+                                                   "backward": 1}  # fmt: skip
+    # compile_mode=reduce-overhead: every forward (alone or before its backward) is a new
+    # CUDA-graph step, as in train_step (the eager net stands in for the compiled one here)
+    h.train = replace(h.train, compile=True, compile_mode="reduce-overhead")
+    time_parts(h, windows(run, 1)[0], 2, 1, torch.device("cpu"))
+    assert len(marks) == 3 + 3

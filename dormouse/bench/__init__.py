@@ -3,7 +3,8 @@
 Owns the command and what its sub-benchmarks (step.py, profile.py, optim.py, memory.py, shards.py,
 fleet.py, warm.py: each adds its flags and returns its report; no sub-command means step) share: the
 machine lines, the timer, the table, --out, and a preset's model and training step built as
-`train` builds them (common.py).
+`train` builds them (common.py). step's own helpers: flops.py (the FLOPs beyond 6N, the
+measured matmul peak) and parts.py (the step's parts timed alone).
 """
 
 from __future__ import annotations

@@ -9,6 +9,7 @@ import platform
 import re
 import shlex
 import time
+from dataclasses import dataclass
 from datetime import datetime, timezone
 
 import torch
@@ -39,15 +40,37 @@ def configure(name: str, sets, batch: int | None = None, seq: int | None = None)
     return validate(apply_sets(preset(name), sets))
 
 
-def build(run: RunConfig, device: torch.device, *, compile: bool | str = False):
-    """(model, step, dtype): the seeded model and optimizer as `dormouse train` builds them;
-    step(i, window) is the loop's own step on a [batch, seq+1] window (False: skipped as
-    non-finite); dtype is the forward's compute dtype (None = fp32). `compile`: the forward
-    runs through torch.compile(model) (the loop's `net`; the optimizer holds the model's own
-    parameters, which the compiled module shares); a string is torch.compile's mode
-    ("default", "reduce-overhead", "max-autotune-no-cudagraphs")."""
+@dataclass
+class Harness:
+    """A preset's model, optimizer and step as `dormouse train` builds them: `step(i, window)`
+    is the loop's own `train_step` on a [batch, seq+1] window (False: skipped as non-finite);
+    `net` is what the step calls forward on (the model, or torch.compile of it: the optimizer
+    holds the model's own parameters, which the compiled module shares); `dtype` is the
+    forward's compute dtype (None = fp32). bench step --parts times the step's pieces from
+    these same objects (parts.py)."""
+
+    model: torch.nn.Module
+    net: torch.nn.Module
+    opt: object  # MixOptimizer
+    ctx: object  # DPContext.single
+    train: object  # TrainConfig
+    dtype: torch.dtype | None
+    scaler: object | None  # LossScaler under an fp16 forward
+
+    def step(self, i: int, w: torch.Tensor) -> bool:
+        from ..train.loop import lr_factor, train_step
+
+        t = self.train
+        return train_step(self.model, self.net, self.opt, self.ctx, w[:, :-1], w[:, 1:], t,
+                          lr_factor(i, t), self.dtype, scaler=self.scaler)[2]  # fmt: skip
+
+
+def harness(run: RunConfig, device: torch.device, *, compile: bool | str = False) -> Harness:
+    """The seeded model and optimizer of `run` on `device`, as `dormouse train` builds them.
+    `compile`: the forward runs through torch.compile(model) (the loop's `net`); a string is
+    torch.compile's mode ("default", "reduce-overhead", "max-autotune-no-cudagraphs").
+    --set compile=true compiles as train compiles (`train.run.compiled`) whatever `compile`."""
     from ..train.context import DPContext
-    from ..train.loop import lr_factor, train_step
     from ..train.optim import MixOptimizer
     from ..train.run import build_model, resolve_autocast
     from ..train.scaler import LossScaler, loss_scaled
@@ -67,12 +90,13 @@ def build(run: RunConfig, device: torch.device, *, compile: bool | str = False):
         net = torch.compile(model, dynamic=False, **kw) if compile else model
     # an fp16 forward times the loop's loss scaling too (the scale and unscale passes)
     scaler = LossScaler(t.loss_scale_every) if loss_scaled(dtype, ctx) else None
+    return Harness(model, net, opt, ctx, t, dtype, scaler)
 
-    def step(i: int, w: torch.Tensor) -> bool:
-        return train_step(model, net, opt, ctx, w[:, :-1], w[:, 1:], t, lr_factor(i, t),
-                          dtype, scaler=scaler)[2]  # fmt: skip
 
-    return model, step, dtype
+def build(run: RunConfig, device: torch.device, *, compile: bool | str = False):
+    """(model, step, dtype) of `harness(run, device, compile=compile)`."""
+    h = harness(run, device, compile=compile)
+    return h.model, h.step, h.dtype
 
 
 def windows(run: RunConfig, n: int) -> list[torch.Tensor]:
@@ -82,12 +106,15 @@ def windows(run: RunConfig, n: int) -> list[torch.Tensor]:
             for _ in range(n)]  # fmt: skip
 
 
-def timed(fn, steps: int, warmup: int, device: torch.device) -> list[float]:
+def timed(fn, steps: int, warmup: int, device: torch.device, setup=None) -> list[float]:
     """ms per call of fn(i): `warmup` untimed calls, then `steps` timed ones, the device
-    synchronised around each so a CUDA call is timed to its end."""
+    synchronised around each so a CUDA call is timed to its end. `setup(i)`, when given, runs
+    before each call, outside the clock."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda _d: None)
     out = []
     for i in range(warmup + steps):
+        if setup is not None:
+            setup(i)
         sync(device)
         t0 = time.perf_counter()
         fn(i)

@@ -4,7 +4,9 @@ The step is the loop's own `train_step` (as `bench step` builds it); after untim
 `--steps` steps run under torch.profiler. The report states, per preset:
 
 * step ms (median, device synchronised) and **GPU busy**: the union of kernel intervals over the
-  profiled wall time (1.0 = the card never idles; a launch-bound step is far below);
+  profiled wall time (1.0 = the card never idles; a launch-bound step is far below), and the
+  same busy time over the wall of the same steps run again without the profiler (its tracing
+  lengthens every launch on the host, not the kernels);
 * kernels per step, and per phase of the step (forward, backward, clip + verdict, optimizer,
   LFB; `loop.PHASES`): wall ms, GPU ms of the kernels the phase launched, kernels;
 * the top ops by GPU time (self), per step.
@@ -32,7 +34,7 @@ from .common import timed, windows
 log = logging.getLogger(__name__)
 
 HEADER = ("preset|batch x seq|compile|step ms (median)|tokens/s|GPU busy|kernels/step|"
-          "GPU ms/step").split("|")
+          "GPU ms/step|step ms (unprofiled)|GPU busy (unprofiled wall)").split("|")
 PHASE_HEADER = ["preset", "phase", "wall ms/step", "GPU ms/step", "kernels/step"]
 TOP_HEADER = ["preset", "op", "calls/step", "self GPU ms/step", "share of GPU time"]
 COMPILE_MODES = ("off", "default", "reduce-overhead", "max-autotune-no-cudagraphs")
@@ -133,18 +135,24 @@ def profile_preset(run, device, steps: int, warmup: int, compile: str, top: int)
     ms = []
     with profile(activities=acts) as prof:
         ms = timed(lambda i: step(warmup + i, data[warmup + i]), steps, 0, device)
+    # The same steps again with no profiler: CUPTI's tracing adds host time to every launch
+    # (it does not lengthen the kernels), so a launch-bound step's profiled wall overstates
+    # its idle GPU; the kernels' busy time per step over this wall is the unprofiled figure.
+    plain = timed(lambda i: step(warmup + i, data[warmup + i]), steps, 0, device)
     events = prof.events()
     wall_ms = sum(ms)
     kern = _device_events(events)
     busy_us = _union_us([(e.time_range.start, e.time_range.end) for e in kern])
     gpu_ms = sum(e.time_range.end - e.time_range.start for e in kern) / 1000
     name = run.source.removeprefix("preset:")
-    med = statistics.median(ms)
+    med, plain_med = statistics.median(ms), statistics.median(plain)
     tok_s = run.train.batch * run.train.seq_len / (med / 1000)
+    busy_plain = min(1.0, busy_us / 1000 / steps / plain_med)
     row = [name, f"{run.train.batch} x {run.train.seq_len}", first or "off", f"{med:.1f}",
            f"{tok_s:,.0f}", f"{100 * busy_us / 1000 / wall_ms:.0f}%" if cuda else "n/a (CPU)",
            f"{len(kern) / steps:,.0f}" if cuda else "n/a", f"{gpu_ms / steps:.1f}" if cuda
-           else "n/a"]  # fmt: skip
+           else "n/a", f"{plain_med:.1f}",
+           f"{100 * busy_plain:.0f}%" if cuda else "n/a (CPU)"]  # fmt: skip
     phases = [[name, p, f"{w:.2f}", f"{g:.2f}" if cuda else "n/a", f"{c:,.0f}" if cuda else "n/a"]
               for p, w, g, c in _phases(events, steps)]  # fmt: skip
     tops = []
@@ -197,6 +205,11 @@ def run(args, command: str) -> str:
              "times, so `bench step` is the speed figure and this the breakdown.",
              "GPU busy: the union of kernel intervals / the profiled steps' wall time; GPU ms: "
              "the sum of kernel durations (overlapping streams count twice).",
+             "Unprofiled: the same steps timed again with no profiler (the profiler's tracing "
+             "adds host time to every launch, not kernel time); GPU busy (unprofiled wall) = "
+             "the profiled kernels' busy time per step / the unprofiled median step, capped at "
+             "100%: the figure for a launch-bound step, where the profiled wall overstates the "
+             "idle GPU.",
              "Phases: record_function ranges of loop.train_step; a kernel counts for the phase "
              "whose range holds the start of the op that launched it ('other': outside every "
              "range, e.g. the data's copy to the device)."]  # fmt: skip

@@ -10,12 +10,18 @@ steps, then timed steps on random byte windows.
 `--baseline gpt` adds, after each preset, the plain GPT of equal total parameters (model/gpt.py
 `gpt_twin`) timed in the same process on the same windows through the same `train_step`, and
 the ratio dormouse / GPT tokens/s.
+
+On CUDA a large matmul is timed first (flops.matmul_peak; `--peak-tflops X` gives the figure
+instead): MFU and HFU against it stand beside MFU against the datasheet peak (PEAK_TFLOPS).
+`--parts` then times each part of the step alone (parts.py) and prints the step against their
+sum and the optimizer's share of it.
 """
 
 from __future__ import annotations
 
 import gc
 import logging
+import math
 import re
 import resource
 import statistics
@@ -26,8 +32,8 @@ import torch
 
 
 from ..config import RunConfig, preset, preset_names, validate
-from .common import BenchError, GiB, build, configure, machine_lines, report, resolve_device, table
-from .common import timed, windows
+from .common import BenchError, GiB, configure, harness, machine_lines, report, resolve_device
+from .common import table, timed, windows
 
 log = logging.getLogger(__name__)
 
@@ -44,15 +50,40 @@ PEAK_TFLOPS: tuple[tuple[str, tuple[str, ...], dict[str, float]], ...] = (
     ("RTX 4090", (), {"bf16": 165.0, "fp32": 82.6}),
 )
 HEADER = ("preset|params (M)|active params/token (M)|batch x seq|KDA arm|MoE arm|dtype|"
-          "step ms (median)|step ms (min)|tokens/s|model TFLOP/s|MFU|peak memory").split("|")
+          "step ms (median)|step ms (min)|tokens/s|model TFLOP/s|MFU (datasheet)|"
+          "MFU (measured peak)|TFLOP/step: 6N + mixer + polar|HFU (measured peak)|"
+          "peak memory").split("|")
 NOTES = (
     "Step = forward + backward + clip + MixOptimizer step + LFB update on random bytes, by wall "
     "clock with the device synchronised; tokens/s = batch x seq / median step.",
     "Active params/token: the looped body once per iteration, routed experts at moe_topk/"
-    "n_experts, lookups excluded; model TFLOP/s = 6 x that x tokens/s (KDA recurrence FLOPs "
-    "uncounted); MFU against the card's dense peak (PEAK_TFLOPS), n/a on CPU, unlisted cards.",
+    "n_experts, lookups excluded; model TFLOP/s = 6 x that x tokens/s (the 6N rule: KDA's "
+    "recurrence, attention's scores and Muon's polar uncounted).",
+    ("MFU (datasheet): model TFLOP/s over the card's dense datasheet peak (PEAK_TFLOPS; n/a "
+     "on the CPU and unlisted cards). MFU (measured peak): the same over the matmul rate "
+     "measured above (Peak line): issue #16's definition of MFU."),
+    ("TFLOP/step: what one step computes: 6N x tokens + the mixer (dormouse: KDA's chunked "
+     "recurrence, flops.kda_chunk_flops per head and chunk; GPT: causal attention's two "
+     "products), forward x 3 for forward + backward as the 6N rule does, + Muon's Newton-"
+     "Schulz polar (flops.polar_flops: per matrix [r <= c] 4r^2c + 2r^3 per iteration x "
+     "ns_steps, per step). HFU (measured peak): that sum / step time / the measured peak. "
+     "Uncounted: elementwise work, and the forward that the compiled KDA op's backward runs "
+     "again (model/kda.py: one more KDA forward a step)."),
     "Peak memory: torch.cuda.max_memory_allocated on CUDA; on the CPU the process's peak RSS "
     "(the whole process, never lower than an earlier preset's).",
+)  # fmt: skip
+PARTS_HEADER = ["preset", "part", "ms (median)", "ms (min)", "share of the step"]
+PARTS_NOTE = (
+    "Parts (--parts, parts.py): after the timed steps, on the same model, optimizer and window, "
+    "each of loop.train_step's pieces alone, {w} untimed then {n} timed repetitions each, the "
+    "device synchronised around each: the forward (the step's autocast, compile and CUDA-graph "
+    "step marks; its graph then dropped), forward + backward (from no gradients, as in the step; "
+    "backward = its median less the forward's), the clip phase (host-row reduction, unscale "
+    "under fp16, the optimizer's clip, the verdict read to the host), the optimizer phase "
+    "(opt.step(): the captured CUDA graph when the optimizer graph is on; zero_grad), the LFB "
+    "update. Sum of parts = forward + backward + clip + optimizer + lfb; the step also holds the "
+    "window's host-to-device copy and the lr schedule. A benchmark: the repeated optimizer "
+    "steps move the parameters on the same gradients, each clip rescales them again."
 )  # fmt: skip
 BASELINE_HEADER = ["compile", "dormouse / GPT tokens/s"]
 BASELINE_NOTES = (
@@ -60,8 +91,9 @@ BASELINE_NOTES = (
     "attention, GELU MLP, tied head) of equal total parameters (gpt_twin: heads of 64, MLP 4 x "
     "d_model, within 3% of the count, d_model / n_layers nearest GPT-2's 64), with the preset's "
     "train config: the same windows, dtype, optimizer routing, clip and loop.train_step.",
-    "The GPT's active params count every matrix once, the tied embedding as the head; "
-    "attention's score FLOPs are uncounted in both rows (the 6N rule).",
+    ("The GPT's active params count every matrix once, the tied embedding as the head; "
+     "attention's score FLOPs are uncounted in model TFLOP/s and MFU (the 6N rule) and counted "
+     "in the GPT row's TFLOP/step and HFU, as KDA's recurrence is in the dormouse row's."),
     "compile: torch.compile(model, dynamic=False) as the loop's net; the first, compiling step "
     "is timed alone (shown) and left out of step ms, then the warm-up and timed steps run.",
 )  # fmt: skip
@@ -78,6 +110,13 @@ def add_args(ap) -> None:
     ap.add_argument("--baseline", choices=("gpt",),
                     help="also time the plain GPT of equal total parameters on the same bytes "
                     "and print dormouse / GPT tokens/s")  # fmt: skip
+    ap.add_argument("--parts", action="store_true",
+                    help="after the timed steps, time each part of the step alone (forward, "
+                    "backward, clip, optimizer, LFB update) and print the step against their "
+                    "sum and the optimizer's share")  # fmt: skip
+    ap.add_argument("--peak-tflops", type=float, metavar="X",
+                    help="the matmul peak (TFLOP/s) MFU and HFU divide by, instead of the one "
+                    "measured on CUDA (on the CPU: none without this)")  # fmt: skip
     ap.add_argument("--compile", choices=("auto", "on", "off"),
                     help="torch.compile the GPT row (auto, the default: on CUDA, off on the CPU "
                     "where inductor compiles slowly); its compile is timed apart")  # fmt: skip
@@ -127,18 +166,22 @@ def twin(run: RunConfig) -> RunConfig:
 
 
 def bench_preset(run: RunConfig, device: torch.device, steps: int, warmup: int,
-                 compile: bool = False) -> tuple[list, int, float | None]:  # fmt: skip
+                 compile: bool = False, peak: float | None = None,
+                 parts: bool = False) -> tuple[list, int, float | None, list]:  # fmt: skip
     """(the table row of `run` on `device`, timed steps skipped as non-finite, seconds of the
-    first (compiling) step when `compile`, else None)."""
+    first (compiling) step when `compile`, else None, and with `parts` the parts table's rows).
+    `peak`: the matmul TFLOP/s MFU and HFU (measured peak) divide by (None: n/a)."""
     from ..model import count_params
     from ..train.device import probe_device
+    from .flops import step_flops
 
     cuda = device.type == "cuda"
     gc.collect()
     if cuda:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
-    model, step, dtype = build(run, device, compile=compile)
+    h = harness(run, device, compile=compile)
+    model, step, dtype = h.model, h.step, h.dtype
     data, taken = windows(run, warmup + steps), []
     compile_s = None
     compile = compile or run.train.compile
@@ -151,25 +194,69 @@ def bench_preset(run: RunConfig, device: torch.device, steps: int, warmup: int,
                              f"({type(e).__name__}: {first}); rerun with --compile off") from e
     ms = timed(lambda i: taken.append(step(i, data[i])), steps, warmup, device)
     if cuda:
-        peak = f"{torch.cuda.max_memory_allocated(device) / GiB:.2f} GiB alloc"
+        peak_mem = f"{torch.cuda.max_memory_allocated(device) / GiB:.2f} GiB alloc"
     else:  # Linux reports ru_maxrss in KiB, macOS in bytes
         rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        peak = f"{rss * (1 if sys.platform == 'darwin' else 1024) / GiB:.2f} GiB RSS"
+        peak_mem = f"{rss * (1 if sys.platform == 'darwin' else 1024) / GiB:.2f} GiB RSS"
     dt = {None: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]  # PEAK_TFLOPS' keys
     med, active = statistics.median(ms), active_params_per_token(model)
     name = probe_device(device).name
-    tok_s = run.train.batch * run.train.seq_len / (med / 1000)
+    t = run.train
+    tok_s = t.batch * t.seq_len / (med / 1000)
     tflops, top = 6 * active * tok_s / 1e12, peak_tflops(name, dt)
     mfu = ("n/a (CPU)" if not cuda else f"n/a (no {dt} peak known for {name})" if top is None
            else f"{100 * tflops / top:.1f}%")  # fmt: skip
+    work = step_flops(model, h.opt, t.batch, t.seq_len, active)
+    mixer = work["KDA"] + work["attention"]
+    per_step = (f"{work['6N'] / 1e12:.3g} + {mixer / 1e12:.3g} + {work['polar'] / 1e12:.3g} = "
+                f"{sum(work.values()) / 1e12:.3g}")  # fmt: skip
+    if peak is None:
+        mfu_m = hfu = "n/a (CPU: no peak; --peak-tflops X)" if not cuda else "n/a"
+    else:
+        mfu_m = f"{100 * tflops / peak:.1f}%"
+        hfu = f"{100 * sum(work.values()) / (med / 1000) / 1e12 / peak:.1f}%"
     if run.model.arch == "gpt":
         arms = ["- (SDPA attention)", "- (GELU MLP)"]
     else:
         arms = [model.blocks[0].mixer.impl, model.blocks[0].moe.arm(device, dtype or torch.float32).name]
-    return [run.source.removeprefix("preset:"), f"{count_params(run.model) / 1e6:.2f}",
-            f"{active / 1e6:.2f}", f"{run.train.batch} x {run.train.seq_len}", *arms,
-            dt, f"{med:.1f}", f"{min(ms):.1f}", f"{tok_s:,.0f}", f"{tflops:.3g}", mfu,
-            peak], taken[warmup:].count(False), compile_s  # fmt: skip
+    label = run.source.removeprefix("preset:")
+    row = [label, f"{count_params(run.model) / 1e6:.2f}", f"{active / 1e6:.2f}",
+           f"{t.batch} x {t.seq_len}", *arms, dt, f"{med:.1f}", f"{min(ms):.1f}",
+           f"{tok_s:,.0f}", f"{tflops:.3g}", mfu, mfu_m, per_step, hfu, peak_mem]  # fmt: skip
+    part_rows = _part_rows(label, h, data[-1], steps, warmup, device, med) if parts else []
+    return row, taken[warmup:].count(False), compile_s, part_rows
+
+
+def _part_rows(label: str, h, window, steps: int, warmup: int, device: torch.device,
+               step_ms: float) -> list[list]:  # fmt: skip
+    """The parts table's rows for one preset (parts.time_parts: `steps` repetitions of each
+    after at least one untimed one), then the sum, the step, and the summary cells."""
+    from .parts import PARTS, time_parts
+
+    # one untimed repetition at least: a forward alone may first record its CUDA graph
+    try:
+        got = time_parts(h, window, steps, max(1, warmup), device)
+    except Exception as e:  # the step's row stands; the parts table says why it is empty
+        log.exception(f"--parts of {label} failed")
+        first = (str(e).strip().splitlines() or [""])[0][:200].replace("|", "/")
+        return [[label, f"(parts not timed: {type(e).__name__})", "-", "-", first]]
+
+    def share(ms: float) -> str:
+        return f"{100 * ms / step_ms:.1f}%"
+
+    rows = []
+    for part in ("forward + backward", *PARTS):
+        ms = got[part]
+        timed_alone = part != "backward"
+        rows.append([label, part if timed_alone else "backward (= forward + backward - forward)",
+                     f"{statistics.median(ms):.2f}", f"{min(ms):.2f}" if timed_alone else "-",
+                     share(statistics.median(ms)) if part != "forward + backward" else
+                     f"({share(statistics.median(ms))})"])  # fmt: skip
+    total = sum(statistics.median(got[p]) for p in PARTS)
+    rows.append([label, "sum of parts", f"{total:.2f}", "-", share(total)])
+    rows.append([label, "step (the timed steps' median)", f"{step_ms:.2f}", "-", "100.0%"])
+    rows.append([label, "step / sum of parts", f"{step_ms / total:.2f}x", "-", "-"])
+    return rows
 
 
 def run(args, command: str) -> str:
@@ -202,7 +289,9 @@ def run(args, command: str) -> str:
         from ..train.fit import apply_fit
 
         runs = [apply_fit(r) for r in runs]
-    machine, rows, skipped = machine_lines(device, command), [], []
+    dts = [_dtype_name(r, device) for r in runs]  # a twin computes in its preset's dtype
+    peaks, peak_line = _peaks(sorted(set(dts)), device, args.peak_tflops)
+    machine, rows, skipped, part_rows = [*machine_lines(device, command), peak_line], [], [], []
     for k, r in enumerate(runs, 1):
         pair = [r, twin(r)] if args.baseline else [r]
         for j, x in enumerate(pair):
@@ -210,7 +299,10 @@ def run(args, command: str) -> str:
             log.info(f"[{k}/{len(runs)}] {x.source}: batch {x.train.batch} x seq "
                      f"{x.train.seq_len} on {device}, {'1 compiling + ' if c else ''}{warmup} "
                      f"warm-up + {steps} timed step(s)")  # fmt: skip
-            row, skips, compile_s = bench_preset(x, device, steps, warmup, c)
+            row, skips, compile_s, parts = bench_preset(x, device, steps, warmup, c,
+                                                        peaks.get(dts[k - 1]),
+                                                        args.parts)  # fmt: skip
+            part_rows += parts
             if args.baseline:
                 row += [f"on ({compile_s:.1f} s first step)" if compile_s is not None else
                         "- (as train runs it)" if j == 0 else "off"]  # fmt: skip
@@ -228,7 +320,51 @@ def run(args, command: str) -> str:
         notes += BASELINE_NOTES
     if skipped:
         notes.append("Timed steps skipped as non-finite (still timed): " + ", ".join(skipped))
-    return report("dormouse bench step: training step", machine, table(header, rows), notes)
+    body = table(header, rows)
+    if args.parts:
+        body += ("\n\nThe step's parts, each timed alone (--parts):\n\n"
+                 + table(PARTS_HEADER, part_rows))  # fmt: skip
+        notes += [PARTS_NOTE.format(n=steps, w=max(1, warmup))]
+    return report("dormouse bench step: training step", machine, body, notes)
+
+
+def _dtype_name(run: RunConfig, device: torch.device) -> str:
+    from ..train.run import dtype_name, resolve_autocast
+
+    return dtype_name(resolve_autocast(run, device))
+
+
+def _peaks(dts: list[str], device: torch.device,
+           given: float | None) -> tuple[dict[str, float], str]:  # fmt: skip
+    """({compute dtype: the matmul TFLOP/s MFU and HFU divide by}, the report's Peak line):
+    `given` (--peak-tflops) for the rows' one dtype, else measured on CUDA (flops.matmul_peak)
+    once per dtype `dts` the rows compute in, else none (the CPU)."""
+    if given is not None:
+        if not (math.isfinite(given) and given > 0):
+            raise BenchError(f"--peak-tflops {given}: a peak is a positive TFLOP/s figure "
+                             f"(e.g. --peak-tflops 790); leave it out to measure it on CUDA")
+        if len(dts) > 1:
+            raise BenchError(f"--peak-tflops {given} is one peak, but these rows compute in "
+                             f"{' and '.join(dts)}; bench one dtype at a time or leave "
+                             f"--peak-tflops out to measure each on CUDA")  # fmt: skip
+        return {dts[0]: given}, (f"Peak (MFU and HFU, measured peak): {given:g} TFLOP/s "
+                                 f"{dts[0]}, given by --peak-tflops (not measured)")  # fmt: skip
+    if device.type != "cuda":
+        return {}, ("Peak (MFU and HFU, measured peak): none on the CPU (n/a; --peak-tflops X "
+                    "divides by a figure of your own)")  # fmt: skip
+    from .flops import PEAK_N, PEAK_REPS, PEAK_WARMUP, matmul_peak
+
+    torch_dt = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+    peaks, said = {}, []
+    for dt in dts:
+        med, best = matmul_peak(device, torch_dt[dt])
+        peaks[dt] = med
+        said.append(f"{dt} {med:.1f} TFLOP/s (best {best:.1f})")
+        log.info(f"matmul peak on {device}: {said[-1]}")
+    n = PEAK_N
+    return peaks, (f"Peak (MFU and HFU, measured peak): torch.mm {n} x {n} x {n} on random "
+                   f"inputs, the median of {PEAK_REPS} calls timed by CUDA events after "
+                   f"{PEAK_WARMUP} warm-up: " + "; ".join(said))  # fmt: skip
 
 
 def _tok_s(row: list) -> float:
