@@ -7,6 +7,7 @@ no training logic lives here.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import math
 import os
@@ -405,17 +406,45 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging("stderr" if argv[:1] in (["sample"], ["bench"]) else "stdout")
     # `link` and `bench` own their flags: hand them everything after the subcommand.
     passthrough = {"link": cmd_link, "bench": cmd_bench}
-    if argv and argv[0] in passthrough:
-        return passthrough[argv[0]](argparse.Namespace(rest=argv[1:]))
-    args = build_parser().parse_args(argv)
     try:
+        if argv and argv[0] in passthrough:
+            return passthrough[argv[0]](argparse.Namespace(rest=argv[1:]))
+        args = build_parser().parse_args(argv)
         return args.fn(args)
     except KeyboardInterrupt:
         print("dormouse: interrupted", file=sys.stderr)
         return 130
     except Exception as e:  # a UserError is one line (cause, fact, escape); anything else a bug
+        oom = out_of_memory(e)
+        if oom:
+            print(f"dormouse: {oom}", file=sys.stderr)
+            return 2
         if not isinstance(e, UserError):
             raise
         what = "config error: " if isinstance(e, ConfigError) else ""
         print(f"dormouse: {what}{e}", file=sys.stderr)
         return 2
+
+
+def out_of_memory(e: BaseException) -> str:
+    """The one line for a device that ran out of memory ("" for any other exception): what
+    torch tried to allocate, what this process holds of the card, and the escapes. Not a bug
+    of dormouse but a request the card cannot honour, so no traceback (the run folder keeps
+    its last checkpoint; `--resume auto` continues from it with the smaller setting)."""
+    torch = sys.modules.get("torch")
+    if torch is None or not isinstance(e, torch.cuda.OutOfMemoryError):
+        return ""
+    text = " ".join(str(e).split())
+    # torch's message: "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has ..."
+    asked = text.removeprefix("CUDA out of memory.").strip().split(". ")[0].rstrip(".")
+    held = ""
+    with contextlib.suppress(Exception):
+        dev = torch.cuda.current_device()
+        total = torch.cuda.get_device_properties(dev).total_memory / 2**30
+        held = (f"; this process holds {torch.cuda.memory_reserved(dev) / 2**30:.1f} GiB "
+                f"(allocated {torch.cuda.memory_allocated(dev) / 2**30:.1f} GiB) of cuda:{dev}'s "
+                f"{total:.1f} GiB")  # fmt: skip
+    return (f"out of memory on the GPU ({asked}{held}): lower --set batch (with --set "
+            f"global_batch=G the step keeps G windows as accumulated micro-batches) or --set "
+            f"seq_len, or let `--fit GB` choose; compile_mode=reduce-overhead also holds "
+            f"CUDA-graph pools (compile_mode=default does not)")

@@ -70,6 +70,28 @@ def _refused(rc, err, *needles):
         assert n in lines[0], lines[0]
 
 
+def test_out_of_device_memory_is_one_line_not_a_traceback(tmp_path, capsys, monkeypatch):
+    """A card too small for the request (b1 at 32 x 2048 with reduce-overhead died in torch's
+    traceback inside the optimizer's graph capture): one line, exit 2, with what torch tried
+    to allocate and the escapes. The OOM is injected where training starts."""
+    import dormouse.train.run as run_mod
+
+    def oom(*a, **k):
+        raise torch.cuda.OutOfMemoryError(
+            "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of "
+            "139.80 GiB of which 1.25 GiB is free.")
+
+    monkeypatch.setattr(run_mod, "train_run", oom)
+    rc, _, err = _train(capsys, tmp_path, tmp_path / "run")
+    _refused(rc, err, "out of memory on the GPU", "Tried to allocate 2.00 GiB", "--set batch",
+             "--fit GB", "compile_mode=default")
+    # any other exception is still a bug and keeps its traceback
+    monkeypatch.setattr(run_mod, "train_run", lambda *a, **k: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        cli_main(["train", "tiny", "--data", str(_corpus(tmp_path)), "--steps", "2", "--out",
+                  str(tmp_path / "run2"), *SMALL])
+
+
 # ---- the run folder: never lose a run ------------------------------------------------------
 
 
