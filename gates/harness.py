@@ -959,6 +959,24 @@ def batches_of(spec: FleetSpec) -> list[int]:
             for part in cap.split(",")]  # fmt: skip
 
 
+#: Fields a one-process run never reads (the fleet's reduce, sharding, buckets and timeout):
+#: two gates whose references differ only there share one reference run.
+_FLEET_ONLY = {"dist_shard": "none", "dist_reduce": "auto", "bucket_mb": 0.0,
+               "dist_timeout": 600.0}  # fmt: skip
+
+
+def _reference_key(spec: FleetSpec, batches: list[int], steps: int | None) -> str:
+    """What a reference's result depends on: its effective config (the fixture at the global
+    batch sum(batches), without its folder and the fields in _FLEET_ONLY), so that the gates
+    whose references are the same run share one (the fleet specs differ by name and split)."""
+    from references.single import global_run
+
+    run = global_run(fixture_run(spec, Path("reference"), dist=False), batches)
+    t = dataclasses.replace(run.train, out_dir="", **_FLEET_ONLY,
+                            **({"steps": steps} if steps is not None else {}))  # fmt: skip
+    return repr(dataclasses.replace(run, train=t).to_json())
+
+
 def single(spec: FleetSpec, batches: list[int] | None = None, *, probe=None,
            resume_from: str | None = None, steps: int | None = None,
            drop_steps: tuple[int, ...] = (), split_rows: bool = False) -> dict:
@@ -971,8 +989,8 @@ def single(spec: FleetSpec, batches: list[int] | None = None, *, probe=None,
     """
     spec = dataclasses.replace(spec, mutation="")  # the reference never runs a planted bug
     batches = batches or batches_of(spec)
-    tag = repr((spec.key(), batches, probe.__name__ if probe else None, resume_from, steps,
-                drop_steps, split_rows))  # fmt: skip
+    tag = repr((_reference_key(spec, batches, steps), tuple(batches) if split_rows else (),
+                probe.__name__ if probe else None, resume_from, drop_steps))  # fmt: skip
 
     def compute():
         import shutil

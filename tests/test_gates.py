@@ -41,3 +41,39 @@ def test_gate(name):
 @pytest.mark.parametrize("name", CUDA_GATES)
 def test_gate_cuda_fleet(name):
     _check(name, cuda=True)
+
+
+def test_references_shared_only_where_a_process_cannot_tell(tmp_path):
+    """harness.single shares one reference between gates whose references differ only in the
+    fields of _FLEET_ONLY (and in the fleet's split: only the global batch reaches one
+    process). Held here: each such field at a non-default value trains the same bytes-exact
+    run as the default in one process, and a field outside the list keeps its own key."""
+    import dataclasses
+
+    from gates.harness import _FLEET_ONLY, FleetSpec, _reference_key, fixture_run
+    from references.fingerprint import fingerprint
+    from references.single import global_run, run_single
+
+    other = {"dist_shard": "fsdp", "dist_reduce": "bf16", "bucket_mb": 1.0, "dist_timeout": 30.0}
+    assert set(other) == set(_FLEET_ONLY)
+
+    def trained(sets: tuple[str, ...]) -> tuple[list, str]:
+        spec = FleetSpec("shared", steps=3, sets=sets)
+        out = tmp_path / str(len(list(tmp_path.iterdir())))
+        run = global_run(fixture_run(spec, out, dist=False), [2, 2])
+        losses = []
+        from dormouse.train.loop import Callbacks
+
+        model, _ = run_single(run, callbacks=Callbacks(on_log=lambda i: losses.append(i["loss"])))
+        return losses, fingerprint(model)
+
+    base = trained(())
+    for k, v in other.items():
+        assert trained((f"{k}={v}",)) == base, k
+    plain = FleetSpec("a", steps=3)
+    assert _reference_key(plain, [2, 2], None) == _reference_key(
+        dataclasses.replace(plain, name="b", capacity="3,1",
+                            sets=tuple(f"{k}={v}" for k, v in other.items())), [3, 1], None)
+    assert _reference_key(plain, [2, 2], None) != _reference_key(
+        dataclasses.replace(plain, sets=("lr=2e-3",)), [2, 2], None)
+    assert _reference_key(plain, [2, 2], None) != _reference_key(plain, [3, 2], None)
