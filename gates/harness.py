@@ -979,13 +979,17 @@ def _reference_key(spec: FleetSpec, batches: list[int], steps: int | None) -> st
 
 def single(spec: FleetSpec, batches: list[int] | None = None, *, probe=None,
            resume_from: str | None = None, steps: int | None = None,
-           drop_steps: tuple[int, ...] = (), split_rows: bool = False) -> dict:
-    """The reference: one process at the global batch of `spec` (cached like a fleet).
+           drop_steps: tuple[int, ...] = (), split_rows: bool = False,
+           fresh: bool = False) -> dict:  # fmt: skip
+    """The reference: one process at the global batch of `spec` (cached like a fleet, by its
+    effective config: `_reference_key`, so gates whose references are the same run share it).
 
     `drop_steps`: 0-based steps whose batch the reference never trains on (no forward, no
     backward): what a fleet's skipped step must be equivalent to. `split_rows`: the same run
     with each batch run as the fleet's per-rank pieces in one process, for the reference's
-    own round-off spread.
+    own round-off spread. `fresh`: run it now and keep it out of every cache, for a run under
+    a patch of this process (a test's monkeypatch): no reference, and the config key cannot
+    see the patch, so a cached run would answer for it, or it for a later reference.
     """
     spec = dataclasses.replace(spec, mutation="")  # the reference never runs a planted bug
     batches = batches or batches_of(spec)
@@ -1019,6 +1023,8 @@ def single(spec: FleetSpec, batches: list[int] | None = None, *, probe=None,
         return {"rec": rec, "report": report, "elapsed": time.perf_counter() - t0,
                 "run": run.to_json(), "out": str(out), "inputs": inputs}  # fmt: skip
 
+    if fresh:
+        return compute()
     return cached("single-" + hashlib.sha256(tag.encode()).hexdigest()[:16], compute)
 
 
