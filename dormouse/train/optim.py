@@ -30,6 +30,8 @@ decay uses the scheduled `lr` (p *= 1 - lr*wd), as torch.optim.Muon and AdamW do
 from __future__ import annotations
 
 import logging
+import statistics
+import time
 
 import torch
 from torch import Tensor, nn
@@ -51,8 +53,16 @@ STATE_DTYPES = ("fp32", "bf16", "int8")
 #: Group entries a load leaves as built: the kernel choice is this machine's, not the run's.
 _KEEP_ON_LOAD = ("params", "fused", "foreach")
 #: Eager steps before the optimizer step is captured (`MixOptimizer.capture_step`): AdamW's
-#: kernels, cuBLAS's workspace on the capture stream and the allocator settle first.
-GRAPH_WARMUP = 2
+#: kernels, cuBLAS's workspace on the capture stream and the allocator settle first (the
+#: first, on the capture stream), and the host-side eager step is timed (the others).
+GRAPH_WARMUP = 3
+#: Replays timed after the capture, against the timed eager steps: the graph stays only when
+#: its median is at most GRAPH_KEEP x the eager median. Measured on one H200: small's step
+#: 2.0 ms replayed, its eager step launch-bound at several times that; b1's replay 94 ms
+#: against 73 ms eager (the captured step updates every Engram row by mask, the eager one
+#: only the touched rows), so the choice goes both ways. 1.05: a tie keeps the graph (it
+#: frees the host), noise of a few percent does not flip it.
+GRAPH_TIMED, GRAPH_KEEP = 3, 1.05
 
 
 def _check_sharding(name: str, p: Tensor) -> None:
@@ -331,7 +341,8 @@ class MixOptimizer(torch.optim.Optimizer):
             why = opt.capture_step()
             log.info("compile_mode=reduce-overhead: the optimizer step " + (
                 f"stays eager: {why}" if why else
-                f"is captured in a CUDA graph after {GRAPH_WARMUP} eager steps"))
+                f"is captured in a CUDA graph after {GRAPH_WARMUP} eager steps and kept if "
+                f"its replay is not slower than the eager step (both timed, logged)"))
         return opt
 
     def set_lr_factor(self, factor: float) -> None:
@@ -408,11 +419,16 @@ class MixOptimizer(torch.optim.Optimizer):
 
     # ---- the step as one CUDA graph ----
 
-    def capture_step(self, warmup: int = GRAPH_WARMUP, capture: bool = True) -> str:
+    def capture_step(self, warmup: int = GRAPH_WARMUP, capture: bool = True,
+                     keep: str = "auto") -> str:  # fmt: skip
         """From now on step() replays one CUDA graph of the whole optimizer step (every Muon
         group's momentum and polar, the fused AdamW, the Engram rows) instead of launching
         its ~500 kernels one by one from Python: `warmup` eager steps, then a capture, then
         a replay per step. Returns "" when on, else why it cannot be (nothing changes then).
+        keep="auto": the eager steps of the warm-up (all but the first) and the first
+        GRAPH_TIMED replays are timed, the device synchronised around each, and the graph is
+        dropped (the eager step from then on) when its replay is slower than GRAPH_KEEP x the
+        eager step; both medians and the choice are logged. keep="always": no timing.
 
         What the graph reads that changes between steps lives on the device: the learning
         rates (one float64 tensor written before each replay), AdamW's step counters (fused:
@@ -426,7 +442,9 @@ class MixOptimizer(torch.optim.Optimizer):
         why = self._graph_refusal(capture)
         if why:
             return why
-        self._graph = _StepGraph(self, warmup if capture else None)
+        if keep not in ("auto", "always"):
+            raise ValueError(f"capture_step(keep={keep!r}): 'auto' or 'always'")
+        self._graph = _StepGraph(self, warmup if capture else None, timed=keep == "auto")
         return ""
 
     def _graph_refusal(self, capture: bool) -> str:
@@ -581,8 +599,11 @@ class _StepGraph:
     """MixOptimizer.step as one CUDA graph (`MixOptimizer.capture_step`); warmup=None: the
     same device-side arithmetic, eagerly, never captured."""
 
-    def __init__(self, opt: MixOptimizer, warmup: int | None):
+    def __init__(self, opt: MixOptimizer, warmup: int | None, timed: bool = False):
         self.opt = opt
+        # eager vs replayed ms (keep="auto"; capture only): see MixOptimizer.capture_step
+        self.times: dict[str, list[float]] | None = (
+            {"eager": [], "replay": []} if timed and warmup is not None else None)
         self.params = [p for g in opt.param_groups for p in g["params"]]
         self.device = self.params[0].device
         self.lrs = torch.zeros(len(opt.param_groups), dtype=torch.float64, device=self.device)
@@ -613,8 +634,15 @@ class _StepGraph:
         key = tuple(g is not None for g in grads)
         self.steps += 1
         if self.graph is not None and key == self.key:
-            torch._foreach_copy_(self.static, [g for g in grads if g is not None])
-            self.graph.replay()
+            if self.times is None:
+                torch._foreach_copy_(self.static, [g for g in grads if g is not None])
+                self.graph.replay()
+                return
+            self.times["replay"].append(self._timed(lambda: (
+                torch._foreach_copy_(self.static, [g for g in grads if g is not None]),
+                self.graph.replay())))  # fmt: skip
+            if len(self.times["replay"]) == GRAPH_TIMED:
+                self._choose()
             return
         if self.warmup is None:
             opt._step_body(self.lrs)
@@ -622,6 +650,10 @@ class _StepGraph:
         if self.graph is None and self.steps > self.warmup:
             self._capture(key)
             self.graph.replay()
+            return
+        if self.times is not None and self.graph is None and self.steps > 1:
+            # the host-side eager step, as it runs without the graph: what a replay must beat
+            self.times["eager"].append(self._timed(lambda: opt._step_body(None)))
             return
         if self.graph is not None and not self.said:
             self.said = True
@@ -634,6 +666,33 @@ class _StepGraph:
         with torch.cuda.stream(self.stream):
             opt._step_body(self.lrs)
         main.wait_stream(self.stream)
+
+    def _timed(self, fn) -> float:
+        """ms of fn() with the device synchronised before and after (the loop's verdict has
+        synchronised just before the optimizer anyway: the wait costs nothing here)."""
+        torch.cuda.synchronize(self.device)
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize(self.device)
+        return 1000 * (time.perf_counter() - t0)
+
+    def _choose(self) -> None:
+        """Keep the graph or drop it (the optimizer's eager step from the next step on)."""
+        eager, replay = (statistics.median(self.times[k]) if self.times[k] else None
+                         for k in ("eager", "replay"))  # fmt: skip
+        self.times = None
+        if eager is None:  # every warm-up step was the first: nothing to compare with
+            return
+        keep = replay <= GRAPH_KEEP * eager
+        log.info(f"optimizer graph: a replay takes {replay:.2f} ms, the eager step {eager:.2f} "
+                 f"ms (medians, device synchronised): " + (
+                     "the graph stays" if keep else
+                     f"the eager step is faster, so it runs from the next step on (the graph "
+                     f"is kept only within {GRAPH_KEEP:g}x of it)"))  # fmt: skip
+        if not keep:
+            self.graph = None
+            self.static = []
+            self.opt._graph = None
 
     def _capture(self, key: tuple[bool, ...]) -> None:
         opt = self.opt
