@@ -57,11 +57,12 @@ _KEEP_ON_LOAD = ("params", "fused", "foreach")
 #: first, on the capture stream), and the host-side eager step is timed (the others).
 GRAPH_WARMUP = 3
 #: Replays timed after the capture, against the timed eager steps: the graph stays only when
-#: its median is at most GRAPH_KEEP x the eager median. Measured on one H200: small's step
-#: 2.0 ms replayed, its eager step launch-bound at several times that; b1's replay 94 ms
-#: against 73 ms eager (the captured step updates every Engram row by mask, the eager one
-#: only the touched rows), so the choice goes both ways. 1.05: a tie keeps the graph (it
-#: frees the host), noise of a few percent does not flip it.
+#: its median is at most GRAPH_KEEP x the eager median. Measured on one H200 (the log's own
+#: line, docs/performance.md): small at 64 x 256 1.85 ms replayed against 25.15 ms eager
+#: (launch-bound); b1 at 24 x 2048 97.0 ms replayed against 84.4 ms eager (the captured step
+#: updates every Engram row by mask, the eager one only the touched rows), so the choice goes
+#: both ways. 1.05: a tie keeps the graph (it frees the host); a few percent of noise does
+#: not flip it.
 GRAPH_TIMED, GRAPH_KEEP = 3, 1.05
 
 
