@@ -8,6 +8,7 @@
     python -m gates --mutations         plant every bug of gates/mutations.py, run the gates
                                         that must catch it, write docs/mutations.md
     python -m gates --mutations NAME..  only these mutations (the table is not written)
+    python -m gates --mutations --jobs 2    the pairs in 2 worker processes
 """
 
 from __future__ import annotations
@@ -52,11 +53,16 @@ def main(argv: list[str] | None = None) -> int:
                    help="run the gates that need one CUDA card (SINGLE_CUDA) on the GPU")
     p.add_argument("--mutations", action="store_true",
                    help="run the mutation list (positional names are then mutation names)")
+    p.add_argument("--jobs", type=int, default=1, metavar="N",
+                   help="--mutations: run the (mutation, gate) pairs in N worker processes "
+                   "(each pair's fleets still spawn their ranks; 2 on a 2-core box: ~2x)")
     p.add_argument("--out", default=str(ROOT / "docs" / "status.md"),
                    help="where the status table goes (written only when every gate ran)")
     args = p.parse_args(argv)
+    if args.jobs < 1 or (args.jobs > 1 and not args.mutations):
+        p.error(f"--jobs {args.jobs}: a count >= 1 of worker processes for --mutations")
     if args.mutations:
-        return run_mutations(args.only, ROOT / "docs" / "mutations.md")
+        return run_mutations(args.only, ROOT / "docs" / "mutations.md", jobs=args.jobs)
     unknown = [g for g in args.only if g not in GATES]
     if unknown:
         p.error(f"unknown gate(s) {unknown}; choose from {GATES}")
@@ -107,11 +113,13 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if failed else 0
 
 
-def run_mutations(only: list[str], out: Path) -> int:
+def run_mutations(only: list[str], out: Path, jobs: int = 1) -> int:
+    import concurrent.futures
+    import multiprocessing
     import os
     import tempfile
 
-    from gates.mutations import BY_NAME, MUTATIONS, run_one, write_table
+    from gates.mutations import BY_NAME, MUTATIONS, run_named, run_one, write_table
 
     unknown = [n for n in only if n not in BY_NAME]
     if unknown:
@@ -120,13 +128,25 @@ def run_mutations(only: list[str], out: Path) -> int:
     scratch = tempfile.TemporaryDirectory(prefix="dormouse-mutations-")
     os.environ["DORMOUSE_GATE_CACHE"] = scratch.name
     t0 = time.perf_counter()
-    rows = []
-    for m in [BY_NAME[n] for n in only] or MUTATIONS:
-        for gate in m.gates:
-            row = run_one(m, gate)
-            rows.append(row)
-            print(f"[{row['outcome']}] {m.name} -> {gate} ({row['seconds']:.1f} s): "
-                  f"{row['measured'][:300]}", flush=True)
+    pairs = [(m.name, gate) for m in [BY_NAME[n] for n in only] or MUTATIONS for gate in m.gates]
+
+    def said(row: dict) -> None:
+        print(f"[{row['outcome']}] {row['mutation']} -> {row['gate']} ({row['seconds']:.1f} s): "
+              f"{row['measured'][:300]}", flush=True)
+
+    if jobs == 1:
+        rows = []
+        for name, gate in pairs:
+            rows.append(run_one(BY_NAME[name], gate))
+            said(rows[-1])
+    else:  # fresh interpreters (spawn): each keeps its own planted bugs and fork server; the
+        # scratch cache is shared under its file locks, as between pytest-xdist workers
+        ctx = multiprocessing.get_context("spawn")
+        with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=ctx) as pool:
+            futures = [pool.submit(run_named, *pair) for pair in pairs]
+            for f in concurrent.futures.as_completed(futures):
+                said(f.result())
+            rows = [f.result() for f in futures]  # the list's order, not completion's
     bad = [r for r in rows if r["outcome"] != "caught"]
     print(f"\n{len(rows) - len(bad)}/{len(rows)} caught in {time.perf_counter() - t0:.0f} s"
           + (f"; NOT caught: {', '.join(r['mutation'] + '->' + r['gate'] for r in bad)}"

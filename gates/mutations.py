@@ -639,6 +639,12 @@ def run_one(m: Mutation, gate: str, cuda: bool = False) -> dict:
             "measured": rec.measured, "tolerance": rec.tolerance, "seconds": rec.seconds}
 
 
+def run_named(mutation: str, gate: str) -> dict:
+    """run_one by the mutation's name: what a worker process of `python -m gates --mutations
+    --jobs N` is sent (a name pickles; the Mutation's patch functions need not)."""
+    return run_one(BY_NAME[mutation], gate)
+
+
 @contextlib.contextmanager
 def _isolated_cache(m: Mutation):
     """A process-scope bug may change what a reference computes here: keep such results out

@@ -37,3 +37,24 @@ def test_every_mutation_names_a_real_target_and_gate():
         for target, _ in m.patches:
             owner, attr = _resolve(target)
             assert hasattr(owner, attr), f"{m.name}: {target} is gone (renamed?)"
+
+
+def test_mutations_run_in_worker_processes():
+    """`python -m gates --mutations --jobs 2`: the pairs in two spawned workers, every row
+    back in the list's order (two quick process-scope pairs here; the full list is the
+    mutation tests above)."""
+    import subprocess
+    import sys
+
+    from gates.harness import ROOT
+
+    names = ["rebalance_without_hysteresis", "kda_fla_from_sm70"]
+    got = subprocess.run([sys.executable, "-m", "gates", "--mutations", *names, "--jobs", "2"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=600, check=False)  # fmt: skip
+    assert got.returncode == 0, got.stdout + got.stderr
+    caught = [ln for ln in got.stdout.splitlines() if ln.startswith("[caught]")]
+    assert sorted(ln.split()[1] for ln in caught) == sorted(names), got.stdout
+    assert "2/2 caught" in got.stdout
+    bad = subprocess.run([sys.executable, "-m", "gates", "--jobs", "0"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120, check=False)  # fmt: skip
+    assert bad.returncode == 2 and "--jobs 0" in bad.stderr
