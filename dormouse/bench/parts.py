@@ -4,9 +4,10 @@
 reduction, fp16's unscale, the optimizer's clip and the one verdict read to the host), the
 optimizer phase (opt.step(), the captured CUDA graph when the optimizer graph is on, then
 zero_grad) and the LFB update. `time_parts` runs each of those pieces alone, repeated, on the
-same model, optimizer and window, mirroring train_step's code for each (loop.py owns the step;
-this file copies its pieces and must follow it when they change). The sum of the parts beside
-the step says what running them in one step costs or saves: launch gaps, host waits, overlap.
+same model, optimizer and window: the forward and the clip phase through train_step's own
+`loop.graph_forward` and `loop.clip_and_verdict`, the rest as train_step calls it. The sum of
+the parts beside the step says what running them in one step costs or saves: launch gaps,
+host waits, overlap.
 
 It is a benchmark, not training: every repetition of the optimizer steps the parameters again
 on the same gradients, each clip rescales them again, and every forward adds to the routers'
@@ -16,12 +17,11 @@ repetition finds them pending, so there the optimizer part under-counts their st
 
 from __future__ import annotations
 
-import math
 import statistics
 
 import torch
 
-from ..train.loop import _autocast  # the step's own autocast rule
+from ..train.loop import _autocast, clip_and_verdict, graph_forward
 from .common import BenchError, Harness, timed
 
 #: the parts in train_step's order; "forward + backward" is timed, "backward" is its difference
@@ -45,13 +45,8 @@ def time_parts(h: Harness, window: torch.Tensor, reps: int, warmup: int,
     last: dict = {}
 
     def forward() -> torch.Tensor:
-        with _autocast(device, h.dtype):
-            if graphs:
-                torch.compiler.cudagraph_mark_step_begin()
-            _, loss, aux = net(x, y)
-            if graphs:  # train_step's copies out of the graph's buffers: the step pays them
-                loss = loss.clone()
-                aux = {n: v.clone() if torch.is_tensor(v) else v for n, v in aux.items()}
+        with _autocast(device, h.dtype):  # with the copies out of a graph's buffers
+            loss, _ = graph_forward(net, x, y, graphs)
         last["loss"] = loss.detach()
         return loss
 
@@ -64,13 +59,7 @@ def time_parts(h: Harness, window: torch.Tensor, reps: int, warmup: int,
         opt.zero_grad(set_to_none=True)
 
     def clip(_i) -> None:  # train_step's clip phase, to the verdict on the host
-        ctx.reduce_host_grads(model)
-        if scaler is not None:
-            opt.unscale_(scaler.inverse)
-        norm = opt.clip_grad_norm_(t.grad_clip if t.grad_clip > 0 else float("inf"))
-        loss_ok, gnorm = torch.stack([torch.isfinite(last["loss"]).to(norm),
-                                      norm.detach()]).tolist()  # fmt: skip
-        ctx.all_finite(bool(loss_ok) and math.isfinite(gnorm))
+        clip_and_verdict(model, opt, ctx, last["loss"], t, scaler)
 
     def optimizer(_i) -> None:
         opt.step()

@@ -290,13 +290,7 @@ def train_step(model, net, opt, ctx: DPContext, x, y, cfg, factor: float, autoca
     for j, (xj, yj) in enumerate(zip(x.chunk(k), y.chunk(k))):
         # the reducer runs once, on the last micro-batch's backward
         with _no_sync(net, last=j == k - 1), _autocast(device, autocast):
-            if graphs:
-                torch.compiler.cudagraph_mark_step_begin()
-            with _phase("forward"):
-                _, loss_j, aux = net(xj, yj, **kw[j])
-            if graphs:
-                loss_j = loss_j.clone()
-                aux = {n: v.clone() if torch.is_tensor(v) else v for n, v in aux.items()}
+            loss_j, aux = graph_forward(net, xj, yj, graphs, **kw[j])
             weighted = loss_j * ctx.loss_scale
             # x a power of two after the fleet's weight: exact, so an unscaled gradient is the
             # same fp32 numbers as one never scaled
@@ -305,26 +299,8 @@ def train_step(model, net, opt, ctx: DPContext, x, y, cfg, factor: float, autoca
         losses.append(loss_j.detach())
     # equal micro-batches: their mean is the token-weighted mean of this rank's windows
     loss = losses[0] if k == 1 else torch.stack(losses).mean()
-    with _phase("clip"):  # the host-row reduction, unscale, clip and the agreed verdict
-        # host-RAM Engram rows are no parameters: the fleet reduces them here, before the clip
-        ctx.reduce_host_grads(model)
-        if scaler is not None:
-            # before the clip and the optimizer, host rows too; an overflow stays inf/nan and
-            # reaches the one verdict below through the clip's norm
-            opt.unscale_(scaler.inverse)
-        # the optimizer's clip: it also sees host-RAM Engram rows (not parameters); the norm
-        # it returns is the pre-clip global norm (the fleet's, once the reducer has run). It
-        # runs whatever the loss: a skipped step's gradients are dropped below, and under
-        # FSDP2 the norm is a collective every rank must enter.
-        clip = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
-        norm = opt.clip_grad_norm_(clip)
-        if hasattr(norm, "full_tensor"):  # a DTensor (torch's own clip over FSDP2 shards)
-            norm = norm.full_tensor()
-        # the loss's and the norm's verdicts reach the host together: one synchronisation
-        loss_ok, gnorm = torch.stack([torch.isfinite(loss).to(norm), norm.detach()]).tolist()
-        finite = bool(loss_ok) and math.isfinite(gnorm)
-        aux["gnorm"] = gnorm if loss_ok else float("nan")
-        agreed = ctx.all_finite(finite)
+    loss_ok, gnorm, finite, agreed = clip_and_verdict(model, opt, ctx, loss, cfg, scaler)
+    aux["gnorm"] = gnorm if loss_ok else float("nan")
     if scaler is not None:
         # the agreed verdict, never this rank's: every rank's scale moves identically
         aux["scale_line"] = scaler.update(agreed)
@@ -345,6 +321,46 @@ def train_step(model, net, opt, ctx: DPContext, x, y, cfg, factor: float, autoca
         model.lfb_update(reduce=ctx.lfb_reduce)
     _call(cb.after_step, stepped=True, gnorm=gnorm, scale=scale, **seen)
     return loss, aux, True
+
+
+def graph_forward(net, x, y, graphs: bool, **kw):
+    """(loss, aux) of one training forward of `net`, as train_step runs it. `graphs`
+    (compile_mode=reduce-overhead): the compiled regions replay as CUDA graphs, whose outputs
+    the next replay overwrites, so each forward is a new graph step and what outlives it a
+    copy."""
+    if graphs:
+        torch.compiler.cudagraph_mark_step_begin()
+    with _phase("forward"):
+        _, loss, aux = net(x, y, **kw)
+    if graphs:
+        loss = loss.clone()
+        aux = {n: v.clone() if torch.is_tensor(v) else v for n, v in aux.items()}
+    return loss, aux
+
+
+def clip_and_verdict(model, opt, ctx: DPContext, loss, cfg, scaler: LossScaler | None):
+    """train_step's clip phase after the backward: the host-row reduction, fp16's unscale, the
+    clip and the agreed finiteness verdict. Returns (loss_ok, gnorm: the pre-clip global norm,
+    finite: this rank's verdict, agreed: the fleet's)."""
+    with _phase("clip"):
+        # host-RAM Engram rows are no parameters: the fleet reduces them here, before the clip
+        ctx.reduce_host_grads(model)
+        if scaler is not None:
+            # before the clip and the optimizer, host rows too; an overflow stays inf/nan and
+            # reaches the one verdict below through the clip's norm
+            opt.unscale_(scaler.inverse)
+        # the optimizer's clip: it also sees host-RAM Engram rows (not parameters); the norm
+        # it returns is the pre-clip global norm (the fleet's, once the reducer has run). It
+        # runs whatever the loss: a skipped step's gradients are dropped by the caller, and
+        # under FSDP2 the norm is a collective every rank must enter.
+        clip = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
+        norm = opt.clip_grad_norm_(clip)
+        if hasattr(norm, "full_tensor"):  # a DTensor (torch's own clip over FSDP2 shards)
+            norm = norm.full_tensor()
+        # the loss's and the norm's verdicts reach the host together: one synchronisation
+        loss_ok, gnorm = torch.stack([torch.isfinite(loss).to(norm), norm.detach()]).tolist()
+        finite = bool(loss_ok) and math.isfinite(gnorm)
+        return bool(loss_ok), gnorm, finite, ctx.all_finite(finite)
 
 
 #: The step's phases as `dormouse bench profile` attributes GPU time to them (each a

@@ -635,13 +635,14 @@ class _StepGraph:
         key = tuple(g is not None for g in grads)
         self.steps += 1
         if self.graph is not None and key == self.key:
-            if self.times is None:
+            def replay() -> None:
                 torch._foreach_copy_(self.static, [g for g in grads if g is not None])
                 self.graph.replay()
+
+            if self.times is None:
+                replay()
                 return
-            self.times["replay"].append(self._timed(lambda: (
-                torch._foreach_copy_(self.static, [g for g in grads if g is not None]),
-                self.graph.replay())))  # fmt: skip
+            self.times["replay"].append(self._timed(replay))
             if len(self.times["replay"]) == GRAPH_TIMED:
                 self._choose()
             return
