@@ -20,6 +20,16 @@ from dormouse.model import DormouseModel
 from dormouse.train.fit import GiB, plan_fit
 
 
+@pytest.fixture(autouse=True)
+def _log_to_stderr():
+    """The logger as `python -m dormouse bench` sets it (cli.main: stderr, the table alone on
+    stdout); main_bench called directly would otherwise inherit an earlier test's stdout
+    handler in the same worker and print its progress lines into the table's stdout."""
+    from dormouse.cli import setup_logging
+
+    setup_logging("stderr")
+
+
 def _table_rows(text: str) -> list[list[str]]:
     lines = [ln for ln in text.splitlines() if ln.startswith("|")]
     return [[c.strip() for c in ln.strip("|").split("|")] for ln in lines]
