@@ -108,6 +108,15 @@ class TrainConfig:
     # seconds, not minutes, on a CPU) to check what compiling does to a run's arithmetic
     # routing, wrappers and hooks apart from inductor's own kernels
     compile_backend: Literal["inductor", "aot_eager"] = "inductor"
+    # where the step's finiteness verdict (a non-finite loss or gradient skips the step) is
+    # decided: "host" reads it before the optimizer, one synchronisation a step; "device"
+    # keeps it on the device: the optimizer step and the LFB update apply it themselves (what
+    # they write is copied aside first and put back on a skip) and the loop reads it a step
+    # late, so the host queues the next step while the device runs this one (one process,
+    # no fp16 loss scale). "auto": device where the optimizer step is a CUDA graph
+    # (compile_mode=reduce-overhead on CUDA) and its copy aside takes at most 1/16 of the
+    # card's memory, else host; logged with what it read.
+    verdict: Literal["auto", "host", "device"] = "auto"
     # schedule
     lr: float = 3e-3
     min_lr_frac: float = 0.1
@@ -577,6 +586,12 @@ def validate(run: RunConfig) -> RunConfig:
             f"compile_mode=reduce-overhead with accumulation (global_batch={t.global_batch} > "
             f"batch={t.batch}): every micro-batch's replay reuses the CUDA graphs' gradient "
             f"buffers. Use --set compile_mode=default, or --set batch={t.global_batch}"
+        )
+    if t.verdict == "device" and t.dist:
+        raise ConfigError(
+            "verdict=device keeps one process's finiteness verdict on its device; a fleet "
+            "agrees the verdict of all its ranks through one collective on the host. Use "
+            "--set verdict=auto (host on a fleet) or drop --dist"
         )
     if t.dist_capacity.strip() and not t.dist:
         raise ConfigError(

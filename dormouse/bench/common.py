@@ -56,13 +56,17 @@ class Harness:
     train: object  # TrainConfig
     dtype: torch.dtype | None
     scaler: object | None  # LossScaler under an fp16 forward
+    #: the verdict kept on the device (loop.device_verdict, as train decides it): step()
+    #: returns it as a bool tensor, and a row's steps are timed back to back (timed's chain)
+    defer: bool = False
 
-    def step(self, i: int, w: torch.Tensor) -> bool:
+    def step(self, i: int, w: torch.Tensor):
         from ..train.loop import lr_factor, train_step
 
         t = self.train
         return train_step(self.model, self.net, self.opt, self.ctx, w[:, :-1], w[:, 1:], t,
-                          lr_factor(i, t), self.dtype, scaler=self.scaler)[2]  # fmt: skip
+                          lr_factor(i, t), self.dtype, scaler=self.scaler,
+                          defer=self.defer)[2]  # fmt: skip
 
 
 def harness(run: RunConfig, device: torch.device, *, compile: bool | str = False) -> Harness:
@@ -71,6 +75,7 @@ def harness(run: RunConfig, device: torch.device, *, compile: bool | str = False
     torch.compile's mode ("default", "reduce-overhead", "max-autotune-no-cudagraphs").
     --set compile=true compiles as train compiles (`train.run.compiled`) whatever `compile`."""
     from ..train.context import DPContext
+    from ..train.loop import device_verdict
     from ..train.optim import MixOptimizer
     from ..train.run import build_model, resolve_autocast
     from ..train.scaler import LossScaler, loss_scaled
@@ -90,7 +95,7 @@ def harness(run: RunConfig, device: torch.device, *, compile: bool | str = False
         net = torch.compile(model, dynamic=False, **kw) if compile else model
     # an fp16 forward times the loop's loss scaling too (the scale and unscale passes)
     scaler = LossScaler(t.loss_scale_every) if loss_scaled(dtype, ctx) else None
-    return Harness(model, net, opt, ctx, t, dtype, scaler)
+    return Harness(model, net, opt, ctx, t, dtype, scaler, device_verdict(t, ctx, opt, scaler))
 
 
 def build(run: RunConfig, device: torch.device, *, compile: bool | str = False):
@@ -106,11 +111,24 @@ def windows(run: RunConfig, n: int) -> list[torch.Tensor]:
             for _ in range(n)]  # fmt: skip
 
 
-def timed(fn, steps: int, warmup: int, device: torch.device, setup=None) -> list[float]:
+def timed(fn, steps: int, warmup: int, device: torch.device, setup=None,
+          chain: bool = False) -> list[float]:  # fmt: skip
     """ms per call of fn(i): `warmup` untimed calls, then `steps` timed ones, the device
     synchronised around each so a CUDA call is timed to its end. `setup(i)`, when given, runs
-    before each call, outside the clock."""
+    before each call, outside the clock. chain=True (no setup): the timed calls run back to
+    back, the device synchronised before the first and after the last, as the loop runs its
+    steps between two log lines (with the verdict on the device the host queues a step while
+    the device runs the one before); every call's ms is then their mean."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda _d: None)
+    if chain and setup is None:
+        for i in range(warmup):
+            fn(i)
+        sync(device)
+        t0 = time.perf_counter()
+        for i in range(warmup, warmup + steps):
+            fn(i)
+        sync(device)
+        return [1000 * (time.perf_counter() - t0) / max(1, steps)] * steps
     out = []
     for i in range(warmup + steps):
         if setup is not None:

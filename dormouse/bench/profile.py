@@ -28,7 +28,7 @@ import statistics
 
 import torch
 
-from .common import BenchError, build, configure, machine_lines, report, resolve_device, table
+from .common import BenchError, configure, harness, machine_lines, report, resolve_device, table
 from .common import timed, windows
 
 log = logging.getLogger(__name__)
@@ -119,7 +119,8 @@ def profile_preset(run, device, steps: int, warmup: int, compile: str, top: int)
     gc.collect()
     if cuda:
         torch.cuda.empty_cache()
-    model, step, _ = build(run, device)
+    h = harness(run, device)
+    step, chain = h.step, h.defer  # verdict=device: steps timed back to back, as the loop runs
     data = windows(run, warmup + steps + 1)
     first = ""
     if compile != "off":
@@ -134,11 +135,11 @@ def profile_preset(run, device, steps: int, warmup: int, compile: str, top: int)
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     ms = []
     with profile(activities=acts) as prof:
-        ms = timed(lambda i: step(warmup + i, data[warmup + i]), steps, 0, device)
+        ms = timed(lambda i: step(warmup + i, data[warmup + i]), steps, 0, device, chain=chain)
     # The same steps again with no profiler: CUPTI's tracing adds host time to every launch
     # (it does not lengthen the kernels), so a launch-bound step's profiled wall overstates
     # its idle GPU; the kernels' busy time per step over this wall is the unprofiled figure.
-    plain = timed(lambda i: step(warmup + i, data[warmup + i]), steps, 0, device)
+    plain = timed(lambda i: step(warmup + i, data[warmup + i]), steps, 0, device, chain=chain)
     events = prof.events()
     wall_ms = sum(ms)
     kern = _device_events(events)
@@ -213,5 +214,11 @@ def run(args, command: str) -> str:
              "Phases: record_function ranges of loop.train_step; a kernel counts for the phase "
              "whose range holds the start of the op that launched it ('other': outside every "
              "range, e.g. the data's copy to the device)."]  # fmt: skip
+    notes.append("Verdict on the device (the run's `verdict=...: on the device` line): the "
+                 "steps are timed back to back, profiled and unprofiled, as the loop runs them "
+                 "(the host queues a step while the device runs the one before), each step's ms "
+                 "their mean; a phase's wall is the host's time in it (the optimizer's includes "
+                 "the wait for the step before to reach its own optimizer: the host runs about a "
+                 "step ahead).")
     return report("dormouse bench profile: where the step's time goes",
                   machine_lines(device, command), body, notes)

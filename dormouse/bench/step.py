@@ -55,7 +55,10 @@ HEADER = ("preset|params (M)|active params/token (M)|batch x seq|KDA arm|MoE arm
           "peak memory").split("|")
 NOTES = (
     "Step = forward + backward + clip + MixOptimizer step + LFB update on random bytes, by wall "
-    "clock with the device synchronised; tokens/s = batch x seq / median step.",
+    "clock with the device synchronised around each step; with the verdict on the device (the "
+    "run's `verdict=...: on the device` line) the timed steps run back to back, as the loop "
+    "runs them, the device synchronised before the first and after the last, and each step's "
+    "ms is their mean (median = min then); tokens/s = batch x seq / median step.",
     "Active params/token: the looped body once per iteration, routed experts at moe_topk/"
     "n_experts, lookups excluded; model TFLOP/s = 6 x that x tokens/s (the 6N rule: KDA's "
     "recurrence, attention's scores and Muon's polar uncounted).",
@@ -192,7 +195,8 @@ def bench_preset(run: RunConfig, device: torch.device, steps: int, warmup: int,
             first = (str(e).strip().splitlines() or [""])[0][:300]
             raise BenchError(f"torch.compile of {run.source} failed on {device} "
                              f"({type(e).__name__}: {first}); rerun with --compile off") from e
-    ms = timed(lambda i: taken.append(step(i, data[i])), steps, warmup, device)
+    ms = timed(lambda i: taken.append(step(i, data[i])), steps, warmup, device, chain=h.defer)
+    taken = [bool(ok) for ok in taken]  # verdict=device: bool tensors, read once all have run
     if cuda:
         peak_mem = f"{torch.cuda.max_memory_allocated(device) / GiB:.2f} GiB alloc"
     else:  # Linux reports ru_maxrss in KiB, macOS in bytes

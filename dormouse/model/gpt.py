@@ -102,7 +102,7 @@ class GPT(nn.Module):
             loss = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), y.reshape(-1))
         return logits, loss, {"load": None, "dropped": 0}
 
-    def lfb_update(self, reduce=None) -> None:
+    def lfb_update(self, reduce=None, ok=None) -> None:
         """No router, no load-balancing bias."""
 
     def lfb_discard(self) -> None:

@@ -112,10 +112,11 @@ class DormouseModel(nn.Module):
         aux = {"load": torch.stack(loads).mean(0) if loads else None, "dropped": dropped}
         return logits, loss, aux
 
-    def lfb_update(self, reduce=None) -> None:
-        """After each optimizer step: move every MoE's load-balancing bias (no-op when off)."""
+    def lfb_update(self, reduce=None, ok=None) -> None:
+        """After each optimizer step: move every MoE's load-balancing bias (no-op when off);
+        `ok`: only where that device-side verdict holds (MoE.lfb_update)."""
         for block in self.blocks:
-            block.moe.lfb_update(reduce=reduce)
+            block.moe.lfb_update(reduce=reduce, ok=ok)
 
     @torch.no_grad()
     def lfb_discard(self) -> None:

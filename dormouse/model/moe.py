@@ -374,12 +374,15 @@ class MoE(nn.Module):
     # ---- LFB controller ------------------------------------------------------------
 
     @torch.no_grad()
-    def lfb_update(self, reduce: Callable[[torch.Tensor], torch.Tensor | None] | None = None):
+    def lfb_update(self, reduce: Callable[[torch.Tensor], torch.Tensor | None] | None = None,
+                   ok: torch.Tensor | None = None):  # fmt: skip
         """After an optimizer step: bias += coef * sign(mean(counts) - counts); counts = 0.
 
         `reduce` (e.g. an all-reduce-sum) turns this process's counts into the fleet's, so
         every rank moves its bias identically. It may return the result or work in place
-        and return None (torch.distributed.all_reduce does the latter).
+        and return None (torch.distributed.all_reduce does the latter). `ok` (a bool tensor:
+        the step's verdict kept on the device): the bias moves only where it holds, the
+        counts are forgotten either way (as lfb_discard forgets a skipped step's).
         """
         if self.lb_coef == 0:
             return
@@ -388,5 +391,6 @@ class MoE(nn.Module):
             out = reduce(counts)
             if out is not None:
                 counts = out
-        self.lfb_bias += self.lb_coef * torch.sign(counts.mean() - counts)
+        move = self.lb_coef * torch.sign(counts.mean() - counts)
+        self.lfb_bias += move if ok is None else move * ok.to(move.dtype)
         self.lfb_counts.zero_()

@@ -24,7 +24,7 @@ from typing import Callable
 
 import torch
 
-from ..config import RunConfig, validate
+from ..config import ConfigError, RunConfig, validate
 from ..errors import UserError
 from . import checkpoint as ckpt
 from ..model.layers import row_keys
@@ -265,7 +265,7 @@ def dropout_keys(model, ctx: DPContext, seed: int, step: int | None, rows: int):
 
 def train_step(model, net, opt, ctx: DPContext, x, y, cfg, factor: float, autocast,
                cb: Callbacks | None = None, step: int | None = None,
-               scaler: LossScaler | None = None):
+               scaler: LossScaler | None = None, defer: bool = False):
     """One optimizer step on this rank's (x, y): returns (loss, aux, stepped).
 
     The whole step lives here so the loop and `dormouse bench` time the same code:
@@ -275,10 +275,15 @@ def train_step(model, net, opt, ctx: DPContext, x, y, cfg, factor: float, autoca
     `scaler` (an fp16 forward on this rank or any rank of the fleet): the loss is multiplied
     by its scale before backward, every gradient divided by it before the clip, and the
     agreed verdict moves it (aux["scale_line"] says when it changed).
+    `defer` (verdict=device, `device_verdict`): nothing here waits for the device; `stepped`
+    is the verdict as a bool tensor on the device, which the optimizer step and the LFB
+    update apply themselves, and aux["gnorm"] a tensor (nan when the loss is not finite).
     """
     cb = cb or Callbacks()
     device = ctx.device
     opt.set_lr_factor(factor)
+    if defer and device.type == "cuda" and not x.is_pinned():
+        x, y = x.pin_memory(), y.pin_memory()  # so the copies below queue, never wait
     x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
     k = ctx.shape.accum
     keys = dropout_keys(model, ctx, cfg.seed, step, x.shape[0])
@@ -299,6 +304,8 @@ def train_step(model, net, opt, ctx: DPContext, x, y, cfg, factor: float, autoca
         losses.append(loss_j.detach())
     # equal micro-batches: their mean is the token-weighted mean of this rank's windows
     loss = losses[0] if k == 1 else torch.stack(losses).mean()
+    if defer:
+        return _deferred_step(model, net, opt, ctx, loss, aux, cfg, cb)
     loss_ok, gnorm, finite, agreed = clip_and_verdict(model, opt, ctx, loss, cfg, scaler)
     aux["gnorm"] = gnorm if loss_ok else float("nan")
     if scaler is not None:
@@ -321,6 +328,31 @@ def train_step(model, net, opt, ctx: DPContext, x, y, cfg, factor: float, autoca
         model.lfb_update(reduce=ctx.lfb_reduce)
     _call(cb.after_step, stepped=True, gnorm=gnorm, scale=scale, **seen)
     return loss, aux, True
+
+
+def _deferred_step(model, net, opt, ctx: DPContext, loss, aux, cfg, cb: Callbacks):
+    """train_step after the backward under verdict=device: the clip and the verdict as device
+    tensors, the optimizer step and the LFB update taking the verdict on the device
+    (MixOptimizer.step(commit=...), lfb_update(ok=...)), nothing read back. Callbacks that
+    observe the verdict get it read on the host (the gates' recorders: slower, the same
+    arithmetic)."""
+    with _phase("clip"):
+        clip = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
+        norm = opt.clip_grad_norm_(clip).detach()
+        loss_ok = torch.isfinite(loss)
+        ok = loss_ok & torch.isfinite(norm)
+        aux["gnorm"] = torch.where(loss_ok, norm, torch.full_like(norm, float("nan")))
+    seen = {"model": model, "net": net, "opt": opt, "ctx": ctx}
+    if cb.after_backward is not None:
+        _call(cb.after_backward, local=bool(ok), agreed=bool(ok), **seen)
+    with _phase("optimizer"):
+        opt.step(commit=ok)
+        opt.zero_grad(set_to_none=True)
+    with _phase("lfb"):
+        model.lfb_update(reduce=ctx.lfb_reduce, ok=ok)
+    if cb.after_step is not None:
+        _call(cb.after_step, stepped=bool(ok), gnorm=float(aux["gnorm"]), scale=None, **seen)
+    return loss, aux, ok
 
 
 def graph_forward(net, x, y, graphs: bool, **kw):
@@ -361,6 +393,117 @@ def clip_and_verdict(model, opt, ctx: DPContext, loss, cfg, scaler: LossScaler |
         loss_ok, gnorm = torch.stack([torch.isfinite(loss).to(norm), norm.detach()]).tolist()
         finite = bool(loss_ok) and math.isfinite(gnorm)
         return bool(loss_ok), gnorm, finite, ctx.all_finite(finite)
+
+
+#: verdict=auto keeps the verdict on the device only when the optimizer's copy aside (every
+#: tensor its step writes, MixOptimizer.written_bytes) takes at most this share of the card:
+#: small's is ~0.15 GB; b1's (~13 GB of parameters and fp32 state) would crowd its
+#: activations, and its step is bound by the device, not by the host's wait (98% busy).
+DEVICE_VERDICT_SHARE = 1 / 16
+
+
+def device_verdict(cfg, ctx: DPContext, opt, scaler: LossScaler | None) -> bool:
+    """Whether the loop keeps the step's verdict on the device (TrainConfig.verdict; see
+    train_step's `defer`), arranging the optimizer for it; logs what it read and chose.
+    verdict=device where it cannot be: ConfigError naming why."""
+    want, device = cfg.verdict, ctx.device
+    if want == "host":
+        return False
+    why = ""
+    if ctx.world > 1:
+        why = "a fleet agrees its ranks' verdicts through one collective on the host"
+    elif scaler is not None:
+        why = "the fp16 loss scale moves with every verdict, on the host"
+    elif not hasattr(opt, "commit_on_device"):
+        why = f"{type(opt).__name__} takes no verdict on the device"
+    elif want == "auto" and getattr(opt, "_graph", None) is None:
+        why = ("the optimizer steps on the host (its device-side step, a CUDA graph, comes "
+               "with compile=true compile_mode=reduce-overhead on CUDA)")  # fmt: skip
+    elif want == "auto":
+        need = opt.written_bytes()
+        total = torch.cuda.get_device_properties(device).total_memory
+        if need > DEVICE_VERDICT_SHARE * total:
+            why = (f"its copy aside of what the optimizer writes ({need / 2**30:.2f} GiB) is "
+                   f"over {DEVICE_VERDICT_SHARE:.3g} of the card ({total / 2**30:.1f} GiB)")
+    if not why and getattr(opt, "_graph", None) is None:  # verdict=device, eager optimizer
+        why = opt.capture_step(capture=False)  # its device-side arithmetic, eagerly
+    why = why or opt.commit_on_device()
+    if why and want == "device":
+        raise ConfigError(f"verdict=device: {why}; use --set verdict=auto (or host)")
+    if why:
+        log.info(f"verdict=auto: on the host ({why})")
+        return False
+    log.info(f"verdict={want}: on the device; the optimizer copies what it writes aside "
+             f"({opt.written_bytes() / 2**20:.0f} MiB) and puts it back on a skip, and the loop "
+             f"reads each verdict a step late")  # fmt: skip
+    return True
+
+
+class _Settled:
+    """A step decided on the host (verdict=host): what the loop's bookkeeping reads of it."""
+
+    def __init__(self, step: int, loss, aux: dict, ok: bool):
+        self.step, self.loss, self.aux, self.ok = step, loss, aux, ok
+
+    def read(self) -> tuple[bool, float]:
+        """(stepped, pre-clip norm: nan when not finite)."""
+        return self.ok, self.aux.get("gnorm", math.nan)  # (a reference's dropped step has none)
+
+    def losses(self, ctx: DPContext) -> tuple[float, float]:
+        """(the fleet's loss: a collective on a fleet, this rank's)."""
+        return ctx.fleet_loss(self.loss.detach()), float(self.loss.detach())
+
+    def load(self) -> list | None:
+        load = self.aux.get("load")
+        return load.tolist() if load is not None else None
+
+    def wait(self) -> None:
+        if self.loss.is_cuda:
+            torch.cuda.synchronize(self.loss.device)
+
+
+class _Deferred(_Settled):
+    """A step whose verdict is still on the device (verdict=device): its verdict, loss, norm
+    (and at log steps the experts' load) copied to pinned host memory behind its kernels, and
+    an event at their end, so reading it waits for this step only, not the one queued after."""
+
+    def __init__(self, step: int, loss, aux: dict, ok, want_load: bool):
+        super().__init__(step, loss, aux, ok)
+        vals = [ok.to(torch.float32).reshape(1), loss.detach().float().reshape(1),
+                aux["gnorm"].float().reshape(1)]  # fmt: skip
+        load = aux.get("load") if want_load else None
+        if load is not None:
+            vals.append(load.detach().float().reshape(-1))
+        vals = torch.cat(vals)
+        cuda = vals.is_cuda
+        self.host = torch.empty(vals.shape, dtype=torch.float32, pin_memory=cuda)
+        self.host.copy_(vals, non_blocking=cuda)
+        self.has_load = load is not None
+        self.event = torch.cuda.Event() if cuda else None
+        if self.event is not None:
+            self.event.record()
+        self._vals: list[float] | None = None
+
+    def _read(self) -> list[float]:
+        if self._vals is None:
+            self.wait()
+            self._vals = self.host.tolist()
+        return self._vals
+
+    def read(self) -> tuple[bool, float]:
+        v = self._read()
+        return v[0] == 1.0, v[2]
+
+    def losses(self, ctx: DPContext) -> tuple[float, float]:
+        v = self._read()  # one process (verdict=device): its loss is the fleet's
+        return v[1], v[1]
+
+    def load(self) -> list | None:
+        return self._read()[3:] if self.has_load else None
+
+    def wait(self) -> None:
+        if self.event is not None:
+            self.event.synchronize()
 
 
 #: The step's phases as `dormouse bench profile` attributes GPU time to them (each a
@@ -637,6 +780,64 @@ def train(
     skips = consecutive = 0
     last_loss = float("nan")
     tokens_seen = 0
+    # verdict=device: the loop reads a step's verdict while the next one runs (`pending`),
+    # except before an evaluation, a checkpoint, a stop and the end, which see a settled state
+    defer = device_verdict(cfg, ctx, opt, scaler)
+    pending: _Settled | None = None
+
+    def logs(done: int) -> bool:
+        return bool(cfg.log_every and (done % cfg.log_every == 0 or done == end))
+
+    def settle(p: _Settled) -> bool:
+        """The loop's bookkeeping of step p.step once its verdict is read: the skip count
+        (and the divergence stop), the log line and metrics row, the bar. False: skipped."""
+        nonlocal skips, consecutive, tokens_seen, steps_since_log, t_log, last_loss
+        stepped, gnorm = p.read()
+        moved = p.aux.get("scale_line")
+        if not stepped:
+            skips += 1
+            consecutive += 1
+            log.info(f"step={p.step} skipped: non-finite loss or gradient (skips={skips})"
+                     + (f"; {moved}" if moved else ""))  # fmt: skip
+            if consecutive >= cfg.max_skips:
+                fp16 = ("" if scaler is None else
+                        f"; the fp16 loss scale fell to {scaler.scale:g}, so the forward "
+                        f"itself is non-finite (an fp16 overflow past 65504 if fp32 trains): "
+                        f"--set dtype=bf16 on sm_80+ or dtype=fp32")  # fmt: skip
+                raise TrainingError(
+                    f"{consecutive} consecutive non-finite steps (max_skips={cfg.max_skips}) "
+                    f"at step {p.step}: the run diverged; lower --set lr (now {cfg.lr}) or "
+                    f"check the data{fp16}"
+                )
+            return False
+        if moved:
+            log.info(f"step={p.step} {moved}")
+        consecutive = 0
+        tokens_seen += ctx.global_tokens
+        steps_since_log += 1
+        done = p.step + 1
+        if logs(done):
+            fleet, local = p.losses(ctx)
+            _call(cb.on_log, loss=fleet, local_loss=local, model=model, net=net, opt=opt,
+                  ctx=ctx)  # fmt: skip
+            p.wait()
+            now = time.perf_counter()
+            ms = 1000 * (now - t_log) / max(1, steps_since_log)
+            tps = ctx.global_tokens * steps_since_log / max(1e-9, now - t_log)
+            t_log, steps_since_log = now, 0
+            last_loss = fleet
+            lr_now = cfg.lr * lr_factor(p.step, cfg)
+            bar.clear()
+            said = "" if scaler is None else f" scale={scaler.scale:g}"
+            log.info(f"step={done} loss={fleet:.4f} bpb={fleet / LN2:.4f} lr={lr_now:.3e} "
+                f"gnorm={gnorm:.3f}{said} tok/s={tps:.0f} ms={ms:.1f}")  # fmt: skip
+            write_metrics({"kind": "train", "step": done, "loss": fleet, "bpb": fleet / LN2,
+                           "lr": lr_now, "gnorm": gnorm, "tok_s": tps, "ms": ms,
+                           "load": p.load(),
+                           **({} if scaler is None else {"scale": scaler.scale})})  # fmt: skip
+        bar.update(done, last_loss)
+        return True
+
     t_log = time.perf_counter()
     steps_since_log = 0
     step = start
@@ -653,6 +854,9 @@ def train(
             beat.at(step, "train")
             stopper.keep_installed()
             if (step - start) % stop_every == 0 and ctx.any_rank(stopper.caught is not None):
+                if pending is not None:  # the checkpoint holds this step's settled state
+                    settle(pending)
+                    pending = None
                 why = stopper.caught or "a signal on another rank"
                 bar.clear()
                 log.info(f"stop requested ({why}) at step {step}: writing a checkpoint so --resume "
@@ -668,6 +872,9 @@ def train(
                 shrunk = e
             # ranks may see the shrink a step apart: every rank stops on this step together
             if ctx.any_rank(shrunk is not None):
+                if pending is not None:
+                    settle(pending)
+                    pending = None
                 save(step)
                 log.info(f"checkpoint written at step {step}; restore the data file, then "
                     f"--resume auto continues from there")  # fmt: skip
@@ -679,55 +886,27 @@ def train(
             x, y = stream.next()
             ctx = stream.ctx
             loss, aux, ok = train_step(model, net, opt, ctx, x, y, cfg, factor, autocast, cb,
-                                       step=step, scaler=scaler)  # fmt: skip
+                                       step=step, scaler=scaler, defer=defer)  # fmt: skip
             if step == start:  # the first step may be long on one rank (kernel autotune)
                 beat.settled()
-            moved = aux.get("scale_line")
-            if not ok:
-                skips += 1
-                consecutive += 1
-                log.info(f"step={step} skipped: non-finite loss or gradient (skips={skips})"
-                         + (f"; {moved}" if moved else ""))  # fmt: skip
-                if consecutive >= cfg.max_skips:
-                    fp16 = ("" if scaler is None else
-                            f"; the fp16 loss scale fell to {scaler.scale:g}, so the forward "
-                            f"itself is non-finite (an fp16 overflow past 65504 if fp32 trains): "
-                            f"--set dtype=bf16 on sm_80+ or dtype=fp32")  # fmt: skip
-                    raise TrainingError(
-                        f"{consecutive} consecutive non-finite steps (max_skips={cfg.max_skips}) "
-                        f"at step {step}: the run diverged; lower --set lr (now {cfg.lr}) or "
-                        f"check the data{fp16}"
-                    )
-                continue
-            if moved:
-                log.info(f"step={step} {moved}")
-            consecutive = 0
-            tokens_seen += ctx.global_tokens
-            steps_since_log += 1
             done = step + 1
-            if cfg.log_every and (done % cfg.log_every == 0 or done == end):
-                fleet = ctx.fleet_loss(loss.detach())
-                _call(cb.on_log, loss=fleet, local_loss=float(loss.detach()), model=model, net=net,
-                      opt=opt, ctx=ctx)
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
-                now = time.perf_counter()
-                ms = 1000 * (now - t_log) / max(1, steps_since_log)
-                tps = ctx.global_tokens * steps_since_log / max(1e-9, now - t_log)
-                t_log, steps_since_log = now, 0
-                last_loss = fleet
-                lr_now = cfg.lr * factor
-                bar.clear()
-                said = "" if scaler is None else f" scale={scaler.scale:g}"
-                log.info(f"step={done} loss={fleet:.4f} bpb={fleet / LN2:.4f} lr={lr_now:.3e} "
-                    f"gnorm={aux['gnorm']:.3f}{said} tok/s={tps:.0f} ms={ms:.1f}")  # fmt: skip
-                write_metrics({"kind": "train", "step": done, "loss": fleet, "bpb": fleet / LN2,
-                               "lr": lr_now, "gnorm": aux["gnorm"], "tok_s": tps, "ms": ms,
-                               "load": aux["load"].tolist() if aux.get("load") is not None else None,
-                               **({} if scaler is None else {"scale": scaler.scale})})  # fmt: skip
-            bar.update(done, last_loss)
             evals = bool(cfg.eval_every and done % cfg.eval_every == 0 and done != end
                          and data.has_val)  # fmt: skip
+            saves = bool(cfg.ckpt_every and done % cfg.ckpt_every == 0 and done != end)
+            if defer:
+                this = _Deferred(step, loss, aux, ok, want_load=logs(done))
+                if pending is not None:  # the step before, read while this one runs
+                    settle(pending)
+                    pending = None
+                if not (evals or saves or done == end):
+                    pending = this  # settled behind the next step
+                    if step > start:  # (a skipped step's time counts too: it cannot be told yet)
+                        best.train_s += time.perf_counter() - t_step
+                    continue
+            else:
+                this = _Settled(step, loss, aux, ok)
+            if not settle(this):
+                continue
             if evals and device.type == "cuda":
                 torch.cuda.synchronize(device)  # this step's kernels count as training time
             if step > start:  # the first step of a process holds kernel autotune / compile
@@ -738,7 +917,7 @@ def train(
                     save(done)
                     end = done
                     break
-            if cfg.ckpt_every and done % cfg.ckpt_every == 0 and done != end:
+            if saves:
                 save(done)
                 last_saved = done
         step = end

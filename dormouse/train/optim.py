@@ -352,16 +352,50 @@ class MixOptimizer(torch.optim.Optimizer):
             g["lr"] = g["base_lr"] * factor
 
     @torch.no_grad()
-    def step(self, closure=None):
+    def step(self, closure=None, commit: Tensor | None = None):
+        """One step. `commit` (a bool tensor, the loop's finiteness verdict left on the device):
+        the step is taken only where it holds. After `commit_on_device` the device step
+        applies it without the host: every tensor the step writes is copied aside first and
+        put back where `commit` is False (`_StepGraph.transact`); any other path reads it on
+        the host first (one synchronisation) and steps or not."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         if self._graph is not None:
-            self._graph.step()
-        else:
+            self._graph.step(commit)
+        elif commit is None or bool(commit):
             self._step_body(None)
         return loss
+
+    def commit_on_device(self) -> str:
+        """From the next step on, step(commit=...) decides on the device (see step): "" when
+        on, else why it cannot be. Needs the device-side step (`capture_step`), before its
+        capture; the copy aside costs `written_bytes()` of device memory."""
+        g = self._graph
+        if g is None:
+            return ("the optimizer steps on the host (its device-side step comes with "
+                    "compile_mode=reduce-overhead on CUDA, or verdict=device)")  # fmt: skip
+        if g.graph is not None:
+            return "the optimizer graph was captured already, without the copy aside"
+        g.transact = True
+        return ""
+
+    def written(self) -> list[Tensor]:
+        """Every tensor a step writes: the parameters, Muon's stacked momentum, AdamW's and the
+        Engram tables' state (the host tables' state is on the CPU: never on the device path)."""
+        out: list[Tensor] = [p for g in self.param_groups for p in g["params"]]
+        out += [buf for buf, _, absmax in self._stacks] + [a for *_, a in self._stacks
+                                                           if a is not None]  # fmt: skip
+        views = {id(v) for st in self.state.values() for k, v in st.items()
+                 if k in ("momentum_buffer", "momentum_q", "momentum_absmax")}  # fmt: skip
+        for p in [p for g in self.param_groups for p in g["params"]]:
+            out += [v for v in self.state[p].values() if torch.is_tensor(v) and id(v) not in views]
+        seen: set[int] = set()
+        return [t for t in out if not (id(t) in seen or seen.add(id(t)))]
+
+    def written_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.written())
 
     def _step_body(self, lrs: Tensor | None) -> None:
         """The step. `lrs` (graph mode): every group's lr, in param_groups' order, as one
@@ -502,9 +536,13 @@ class MixOptimizer(torch.optim.Optimizer):
         An FSDP2-sharded table enters whole (its gradient is a DTensor; the norm must be
         the fleet's), as it would in torch's clip; under FSDP2 the norm is the DTensors'
         (a collective) joined with the host rows' (counted once: every rank holds the same).
+        With the device-side step (`capture_step`: no host tables) a VRAM table enters whole,
+        its untouched rows as zeros: the same norm without `nonzero`'s wait for the device,
+        summed in another order (an ulp apart from the touched rows' sum).
         """
         eg = self._engram_group
-        tables = {id(p) for p in eg["params"]} if eg is not None else set()
+        # the device-side step picks the rows to step by mask; the norm needs no rows either
+        tables = {id(p) for p in eg["params"]} if eg is not None and self._graph is None else set()
         owners = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
         norm_of = [p.grad for p in owners if id(p) not in tables]
         for p in owners:
@@ -621,8 +659,13 @@ class _StepGraph:
         self.static: list[Tensor] = []
         self.stream = torch.cuda.Stream(self.device) if warmup is not None else None
         self.said = False
+        # commit_on_device: the step copies what it writes aside and puts it back where the
+        # device-side verdict `ok` is False (`_transacted`), captured so in the graph
+        self.transact = False
+        self.ok = torch.ones((), dtype=torch.bool, device=self.device)
+        self.backup: list[Tensor] | None = None
 
-    def step(self) -> None:
+    def step(self, commit: Tensor | None = None) -> None:
         opt = self.opt
         if self.copied is not None:
             self.copied.synchronize()
@@ -633,10 +676,20 @@ class _StepGraph:
             self.copied.record()
         grads = [p.grad for p in self.params]
         key = tuple(g is not None for g in grads)
+        replays = self.graph is not None and key == self.key
+        if commit is not None and not (self.transact and (replays or self.warmup is None)):
+            # a path that does not take the verdict on the device: decided on the host
+            if not bool(commit):
+                return
+            commit = None
         self.steps += 1
-        if self.graph is not None and key == self.key:
+        if replays:
             def replay() -> None:
                 torch._foreach_copy_(self.static, [g for g in grads if g is not None])
+                if commit is not None:
+                    self.ok.copy_(commit)
+                elif self.transact:
+                    self.ok.fill_(True)
                 self.graph.replay()
 
             if self.times is None:
@@ -646,11 +699,16 @@ class _StepGraph:
             if len(self.times["replay"]) == GRAPH_TIMED:
                 self._choose()
             return
+        if commit is not None:  # the device-side arithmetic, eagerly (warmup None): by `ok`
+            self.ok.copy_(commit)
+            self._transacted(lambda: opt._step_body(self.lrs))
+            return
         if self.warmup is None:
             opt._step_body(self.lrs)
             return
         if self.graph is None and self.steps > self.warmup:
             self._capture(key)
+            self.ok.fill_(True)  # the host has decided this one (above)
             self.graph.replay()
             return
         if self.times is not None and self.graph is None and self.steps > 1:
@@ -668,6 +726,17 @@ class _StepGraph:
         with torch.cuda.stream(self.stream):
             opt._step_body(self.lrs)
         main.wait_stream(self.stream)
+
+    def _transacted(self, body) -> None:
+        """body() (the step), then every tensor it wrote put back where `self.ok` is False:
+        torch.where, so a skipped step leaves the state bit for bit as it was, NaN or not."""
+        written = self.opt.written()
+        if self.backup is None:
+            self.backup = [torch.empty_like(t) for t in written]
+        torch._foreach_copy_(self.backup, written)
+        body()
+        for t, b in zip(written, self.backup, strict=True):
+            torch.where(self.ok, t, b, out=t)  # in place: one kernel a tensor
 
     def _timed(self, fn) -> float:
         """ms of fn() with the device synchronised before and after (the loop's verdict has
@@ -694,6 +763,7 @@ class _StepGraph:
         if not keep:
             self.graph = None
             self.static = []
+            self.backup = None  # the eager step decides a deferred verdict on the host
             self.opt._graph = None
 
     def _capture(self, key: tuple[bool, ...]) -> None:
@@ -707,9 +777,17 @@ class _StepGraph:
             g["capturable"] = True  # torch refuses a capture otherwise
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
         graph = torch.cuda.CUDAGraph()
+        def body() -> None:
+            opt._step_body(self.lrs)
+
+        if self.transact and self.backup is None:  # outside the graph's pool, made once
+            self.backup = [torch.empty_like(t) for t in opt.written()]
         try:
             with torch.cuda.graph(graph, stream=self.stream):
-                opt._step_body(self.lrs)
+                if self.transact:
+                    self._transacted(body)
+                else:
+                    body()
         finally:
             for g in adam:
                 g["capturable"] = False
