@@ -182,6 +182,18 @@ def test_verdict_device_is_refused_where_it_cannot_hold(tmp_path):
     ram = _run(tmp_path, "ram", "verdict=device", "engram_ram=true")
     with pytest.raises(ConfigError, match="verdict=device: host-RAM Engram tables"):
         train(DormouseModel(ram.model), ram)
+    from dormouse.train.context import DPContext
+    from dormouse.train.loop import device_verdict
+    from dormouse.train.scaler import LossScaler
+
+    one = _run(tmp_path, "fp16", "verdict=device").train
+    opt = MixOptimizer(_tiny(), lr=0.01)
+    ctx = DPContext.single(torch.device("cpu"), one.batch, one.seq_len)
+    with pytest.raises(ConfigError, match="verdict=device: the fp16 loss scale"):
+        device_verdict(one, ctx, opt, LossScaler(one.loss_scale_every))
+    int8 = MixOptimizer(_tiny(), lr=0.01, muon_state_dtype="int8")
+    with pytest.raises(ConfigError, match="verdict=device: muon_state_dtype=int8"):
+        device_verdict(one, ctx, int8, None)
     lines = []
     auto = _run(tmp_path, "auto", "steps=2")  # the CPU: no optimizer graph, decided on the host
     train(_tiny(cfg=auto.model), auto, log=lines.append)
