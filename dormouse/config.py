@@ -112,8 +112,9 @@ class TrainConfig:
     # decided: "host" reads it before the optimizer, one synchronisation a step; "device"
     # keeps it on the device: the optimizer step and the LFB update apply it themselves (what
     # they write is copied aside first and put back on a skip) and the loop reads it a step
-    # late, so the host queues the next step while the device runs this one (one process,
-    # no fp16 loss scale). "auto": device where the optimizer step is a CUDA graph
+    # late, so the host queues the next step while the device runs this one (one process or
+    # a DDP fleet, whose ranks agree it by an all-reduce on the device; no fp16 loss scale).
+    # "auto": on one process, device where the optimizer step is a CUDA graph
     # (compile_mode=reduce-overhead on CUDA) and its copy aside takes at most 1/16 of the
     # card's memory, else host; logged with what it read.
     verdict: Literal["auto", "host", "device"] = "auto"
@@ -587,11 +588,11 @@ def validate(run: RunConfig) -> RunConfig:
             f"batch={t.batch}): every micro-batch's replay reuses the CUDA graphs' gradient "
             f"buffers. Use --set compile_mode=default, or --set batch={t.global_batch}"
         )
-    if t.verdict == "device" and t.dist:
+    if t.verdict == "device" and t.dist and t.dist_shard == "fsdp":
         raise ConfigError(
-            "verdict=device keeps one process's finiteness verdict on its device; a fleet "
-            "agrees the verdict of all its ranks through one collective on the host. Use "
-            "--set verdict=auto (host on a fleet) or drop --dist"
+            "verdict=device needs the optimizer's device-side step, and FSDP2's shards step "
+            "through collectives (DTensors), so the verdict is read on the host there. Use "
+            "--set verdict=auto (host under FSDP2), or DDP (dist_shard=none)"
         )
     if t.dist_capacity.strip() and not t.dist:
         raise ConfigError(

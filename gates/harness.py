@@ -1213,6 +1213,15 @@ FAULT_RUNS = [
     for cap, nan in (("3,1", (0,)), ("3,1", (1,)), ("3,1", (0, 1)),
                      ("3,1,2", (0,)), ("3,1,2", (1,)), ("3,1,2", (2,)))
 ]  # fmt: skip
+#: The same faults with the verdict kept on the device (verdict=device: the ranks agree it by
+#: an all-reduce on the device, the optimizer and the LFB apply it, the loop reads it a step
+#: late); no host tables (their rows step on the host, refused there). Gate 5.
+DEVICE_VERDICT_RUNS = [
+    FleetSpec(f"fault-w3-nan{nan}-device-verdict", world=3, steps=5, capacity="3,1,2",
+              nan_ranks=(nan,), nan_step=2, sets=("moe_lb_coef=0.01", "verdict=device"),
+              state_hashes=True)
+    for nan in (0, 2)
+]  # fmt: skip
 #: FSDP2 + AdamW, 20 steps, then its sharded checkpoint resumed on the fleet to 25 (and its
 #: export to one file, first.pt, resumed by one process). Gates 4, 12.
 FSDP_RUN = FleetSpec("fsdp", steps=20, sets=("dist_shard=fsdp", "opt=adamw"), resume_steps=25)

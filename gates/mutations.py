@@ -128,6 +128,21 @@ def _own_verdict_off_rank0(orig):
     return all_finite
 
 
+def _own_device_verdict(orig):
+    def all_finite_on_device(self, ok):
+        orig(self, ok)  # the all-reduce still runs on every rank...
+        return ok  # ...and each goes by its own verdict
+
+    return all_finite_on_device
+
+
+def _transaction_without_restore(orig):
+    def _transacted(self, body):
+        body()  # the step runs; nothing is copied aside or put back
+
+    return _transacted
+
+
 def _zg_step(orig):
     return lambda self, *a, **kw: (setattr(self, "_mut_stepped", True), orig(self, *a, **kw))[1]
 
@@ -436,6 +451,21 @@ MUTATIONS: list[Mutation] = [
              "every rank acts on its local finiteness verdict (the collective's result unused)",
              (("dormouse.train.context:DPContext.all_finite", _own_verdict),),
              ("g02_identical", "g05_nonfinite")),
+    Mutation("own_device_verdict",
+             "verdict=device: every rank steps by its local verdict tensor (the device "
+             "all-reduce's result unused)",
+             (("dormouse.train.context:DPContext.all_finite_on_device", _own_device_verdict),),
+             ("g05_nonfinite",)),
+    Mutation("device_skip_restores_nothing",
+             "verdict=device: the optimizer's copy aside is never put back, so a refused step "
+             "is taken",
+             (("dormouse.train.optim:_StepGraph._transacted", _transaction_without_restore),),
+             ("g05_nonfinite",)),
+    Mutation("device_lfb_ignores_verdict",
+             "verdict=device: the LFB bias moves on a refused step (its mask dropped)",
+             (("dormouse.model.moe:MoE.lfb_update",
+               lambda orig: lambda self, reduce=None, ok=None: orig(self, reduce)),),
+             ("g05_nonfinite",)),
     Mutation("skip_keeps_gradient",
              "zero_grad only after a taken step: a skipped step's gradient leaks into the next",
              (("dormouse.train.optim:MixOptimizer.step", _zg_step),

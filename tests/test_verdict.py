@@ -176,9 +176,10 @@ def test_the_loop_reading_verdicts_a_step_late_trains_as_the_host_verdict(tmp_pa
 
 
 def test_verdict_device_is_refused_where_it_cannot_hold(tmp_path):
-    run = _run(tmp_path, "fleet", "verdict=device", "dist=true")
-    with pytest.raises(ConfigError, match="verdict=device keeps one process"):
+    run = _run(tmp_path, "fleet", "verdict=device", "dist=true", "dist_shard=fsdp")
+    with pytest.raises(ConfigError, match="FSDP2's shards step through collectives"):
         validate(run)
+    validate(_run(tmp_path, "ddp", "verdict=device", "dist=true"))  # DDP: gate g05
     ram = _run(tmp_path, "ram", "verdict=device", "engram_ram=true")
     with pytest.raises(ConfigError, match="verdict=device: host-RAM Engram tables"):
         train(DormouseModel(ram.model), ram)

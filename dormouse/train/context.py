@@ -145,6 +145,17 @@ class DPContext:
         """ONE collective: a rank that skipped alone would leave its parameters behind."""
         return self._agree(finite, "MIN")
 
+    def all_finite_on_device(self, ok: torch.Tensor) -> torch.Tensor:
+        """all_finite without the host: this rank's bool verdict tensor -> the fleet's (an
+        all-reduce MIN on the device, queued like any other kernel)."""
+        if self.world == 1:
+            return ok
+        import torch.distributed as dist
+
+        x = ok.to(torch.int32).reshape(1)
+        dist.all_reduce(x, op=dist.ReduceOp.MIN)
+        return x.reshape(()).bool()
+
     def any_rank(self, flag: bool) -> bool:
         """True when `flag` holds on any rank (a stop: every rank stops on the same step)."""
         return self._agree(flag, "MAX")
