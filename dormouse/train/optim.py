@@ -384,15 +384,15 @@ class MixOptimizer(torch.optim.Optimizer):
     def written(self) -> list[Tensor]:
         """Every tensor a step writes: the parameters, Muon's stacked momentum, AdamW's and the
         Engram tables' state (the host tables' state is on the CPU: never on the device path)."""
-        out: list[Tensor] = [p for g in self.param_groups for p in g["params"]]
-        out += [buf for buf, _, absmax in self._stacks] + [a for *_, a in self._stacks
-                                                           if a is not None]  # fmt: skip
-        views = {id(v) for st in self.state.values() for k, v in st.items()
-                 if k in ("momentum_buffer", "momentum_q", "momentum_absmax")}  # fmt: skip
-        for p in [p for g in self.param_groups for p in g["params"]]:
-            out += [v for v in self.state[p].values() if torch.is_tensor(v) and id(v) not in views]
-        seen: set[int] = set()
-        return [t for t in out if not (id(t) in seen or seen.add(id(t)))]
+        params = [p for g in self.param_groups for p in g["params"]]
+        out = {id(p): p for p in params}
+        for buf, _, absmax in self._stacks:  # Muon's momentum: the stacks, not their views
+            out.update({id(t): t for t in (buf, absmax) if t is not None})
+        views = ("momentum_buffer", "momentum_q", "momentum_absmax")
+        for p in params:
+            out.update({id(v): v for k, v in self.state[p].items()
+                        if torch.is_tensor(v) and k not in views})  # fmt: skip
+        return list(out.values())
 
     def written_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.written())
@@ -663,7 +663,8 @@ class _StepGraph:
         # device-side verdict `ok` is False (`_transacted`), captured so in the graph
         self.transact = False
         self.ok = torch.ones((), dtype=torch.bool, device=self.device)
-        self.backup: list[Tensor] | None = None
+        # (what the step writes, its copy aside): made once, before any capture (`_aside`)
+        self.backup: tuple[list[Tensor], list[Tensor]] | None = None
 
     def step(self, commit: Tensor | None = None) -> None:
         opt = self.opt
@@ -730,13 +731,18 @@ class _StepGraph:
     def _transacted(self, body) -> None:
         """body() (the step), then every tensor it wrote put back where `self.ok` is False:
         torch.where, so a skipped step leaves the state bit for bit as it was, NaN or not."""
-        written = self.opt.written()
-        if self.backup is None:
-            self.backup = [torch.empty_like(t) for t in written]
-        torch._foreach_copy_(self.backup, written)
+        written, aside = self._aside()
+        torch._foreach_copy_(aside, written)
         body()
-        for t, b in zip(written, self.backup, strict=True):
+        for t, b in zip(written, aside, strict=True):
             torch.where(self.ok, t, b, out=t)  # in place: one kernel a tensor
+
+    def _aside(self) -> tuple[list[Tensor], list[Tensor]]:
+        """(every tensor the step writes, a buffer like each), listed and allocated once."""
+        if self.backup is None:
+            written = self.opt.written()
+            self.backup = (written, [torch.empty_like(t) for t in written])
+        return self.backup
 
     def _timed(self, fn) -> float:
         """ms of fn() with the device synchronised before and after (the loop's verdict has
@@ -777,11 +783,12 @@ class _StepGraph:
             g["capturable"] = True  # torch refuses a capture otherwise
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
         graph = torch.cuda.CUDAGraph()
+
         def body() -> None:
             opt._step_body(self.lrs)
 
-        if self.transact and self.backup is None:  # outside the graph's pool, made once
-            self.backup = [torch.empty_like(t) for t in opt.written()]
+        if self.transact:
+            self._aside()  # allocated outside the graph's pool
         try:
             with torch.cuda.graph(graph, stream=self.stream):
                 if self.transact:
