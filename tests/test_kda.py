@@ -361,9 +361,22 @@ def _op_inputs(B, T, H, D, seed):
 
 @pytest.mark.slow
 @pytest.mark.skipif(not _fla_ready(), reason="fla arm needs CUDA sm_80+ and fla-core")
-def test_kda_op_equals_fla_autograd():
+@pytest.mark.parametrize("keep", [True, False])
+def test_kda_op_equals_fla_autograd(keep, monkeypatch):
     # The custom op (compile=true's path) runs fla's own forward and backward kernels on the
-    # same inputs (its backward recomputes the forward first): bitwise the autograd path.
+    # same inputs: bitwise the autograd path, whether the backward gets the forward's saved
+    # intermediates (a known fla-core release: one forward per step) or runs the forward
+    # again for them (any other release).
+    import fla.ops.kda.chunk as fla_chunk
+
+    from dormouse.model import kda
+
+    if keep and not kda._keeps_intermediates():
+        pytest.skip(f"this fla-core release is not in kda._SAVES_KNOWN {kda._SAVES_KNOWN}")
+    monkeypatch.setattr(kda, "_keeps", keep)
+    calls = []
+    real_fwd = fla_chunk.chunk_kda_fwd
+    monkeypatch.setattr(fla_chunk, "chunk_kda_fwd", lambda **kw: calls.append(1) or real_fwd(**kw))
     base = _op_inputs(2, 128, 4, 64, seed=21)
     w = torch.randn(2, 128, 4, 64, device="cuda")
 
@@ -374,7 +387,9 @@ def test_kda_op_equals_fla_autograd():
         return [o.detach(), *(x.grad for x in xs)]
 
     eager = run(lambda *a: kda_fla(*a)[0])
-    op = run(lambda *a: torch.ops.dormouse.kda_chunk(*a, 64 ** -0.5))
+    calls.clear()
+    op = run(lambda *a: torch.ops.dormouse.kda_chunk(*a, 64 ** -0.5)[0])
+    assert len(calls) == (1 if keep else 2), calls  # forwards per forward + backward
     for name, a, b in zip("o dq dk dv dg dbeta".split(), op, eager):
         assert a.dtype == b.dtype and a.shape == b.shape, name
         assert torch.equal(a, b), (name, _rel_err(a, b))

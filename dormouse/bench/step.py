@@ -70,8 +70,8 @@ NOTES = (
      "products), forward x 3 for forward + backward as the 6N rule does, + Muon's Newton-"
      "Schulz polar (flops.polar_flops: per matrix [r <= c] 4r^2c + 2r^3 per iteration x "
      "ns_steps, per step). HFU (measured peak): that sum / step time / the measured peak. "
-     "Uncounted: elementwise work, and the forward that the compiled KDA op's backward runs "
-     "again (model/kda.py: one more KDA forward a step)."),
+     "Uncounted: elementwise work (and, with an fla-core release whose saved set "
+     "model/kda.py does not know, the KDA forward the compiled op's backward runs again)."),
     "Peak memory: torch.cuda.max_memory_allocated on CUDA; on the CPU the process's peak RSS "
     "(the whole process, never lower than an earlier preset's).",
 )  # fmt: skip

@@ -171,7 +171,7 @@ def kda_fla(
         dt = q.dtype
         o = torch.ops.dormouse.kda_chunk(
             q.contiguous(), k.contiguous().to(dt), v.contiguous().to(dt), g.float().contiguous(),
-            beta.contiguous().to(dt), q.shape[-1] ** -0.5 if scale is None else float(scale))
+            beta.contiguous().to(dt), q.shape[-1] ** -0.5 if scale is None else float(scale))[0]
         return o, None
     return _kda_fla_eager(q, k, v, g, beta, scale, initial_state, output_final_state, chunk_size)
 
@@ -218,6 +218,39 @@ def _kda_fla_eager(
 
 
 # ---- fla's kernel as a custom op, for compiled graphs --------------------------------------
+#
+# A custom op's outputs must be tensors of shapes its fake can say before the kernel runs, so
+# what fla's forward saves for its backward crosses from `dormouse::kda_chunk` to
+# `dormouse::kda_chunk_bwd` only where that set is known: for the fla-core releases in
+# `_SAVES_KNOWN`, ChunkKDAFunction.forward (no state in or out, no in-kernel norm, gate or
+# sigmoid) keeps the inputs, the chunk-local cumulative decay (fp32, g's shape) and the
+# within-chunk scores Aqk and Akk ([B, T, H, 64], the compute dtype), and recomputes the rest
+# (w, u, h) in its backward. The op returns those three beside o, and the backward hands them
+# to fla's backward as fla's own autograd path does: one forward per step, not two. The
+# decay is kept in place of g (fla's backward reads g itself only with its in-kernel gate),
+# so the memory added over the inputs is Aqk and Akk alone. Any other release: the backward
+# runs fla's forward again for them (the saved set unknown), as it did before.
+
+_SAVES_KNOWN = ("0.6.0",)
+_CHUNK = 64  # fla's chunk length for KDA (chunk_kda's default; our calls never change it)
+_keeps: bool | None = None
+#: The attributes fla's forward set on its ctx (its flags and autocast's), from this process's
+#: first forward of the kept layout: its backward reads them.
+_ctx_attrs: dict | None = None
+
+
+def _keeps_intermediates() -> bool:
+    """Whether the installed fla-core's saved set is the known one (decided once)."""
+    global _keeps
+    if _keeps is None:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            _keeps = version("fla-core") in _SAVES_KNOWN
+        except PackageNotFoundError:  # fla from a source tree: its saved set is unknown
+            _keeps = False
+        log.debug(f"kda: fla's forward intermediates kept for its backward: {_keeps}")
+    return _keeps
 
 
 class _SavedCtx:
@@ -242,48 +275,101 @@ def _chunk_forward(q, k, v, g, beta, scale: float):
     return ctx, o
 
 
+#: Positions in fla 0.6.0's saved tuple: q, q_rstd, k, k_rstd, v, g_cumsum, g_input, beta_raw,
+#: beta, A_log, dt_bias, Aqk, Akk, w, u, qg, kg, v_new, h, initial_state, cu_seqlens,
+#: chunk_indices, chunk_offsets.
+_N_SAVED, _GC, _AQK, _AKK = 23, 5, 11, 12
+
+
+def _kept(ctx, q, k, v, g, beta) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(g_cumsum, Aqk, Akk) out of fla's saved tuple, the layout checked first: a release
+    listed in `_SAVES_KNOWN` whose saves differ is a bug in that list, said loudly."""
+    s = ctx.saved_tensors
+    want = {0: q, 2: k, 4: v, 6: g, 7: beta, 8: beta}
+    ok = (len(s) == _N_SAVED and all(s[i] is t for i, t in want.items())
+          and all(s[i] is None for i in (1, 3, 9, 10, *range(13, 23)))
+          and s[_GC].shape == g.shape and s[_GC].dtype == torch.float32
+          and all(s[i].shape == (*q.shape[:-1], _CHUNK) and s[i].dtype == k.dtype
+                  for i in (_AQK, _AKK)))  # fmt: skip
+    if not ok:
+        raise RuntimeError("kda: fla-core's ChunkKDAFunction saves another set than the one "
+                           "dormouse.model.kda._SAVES_KNOWN lists for this release: remove the "
+                           "release from that list (its backward then recomputes the forward)")
+    global _ctx_attrs
+    if _ctx_attrs is None:
+        _ctx_attrs = {n: a for n, a in vars(ctx).items() if n not in ("saved_tensors", "scale")}
+    return s[_GC], s[_AQK], s[_AKK]
+
+
 @torch.library.custom_op("dormouse::kda_chunk", mutates_args=())
 def _kda_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-               beta: torch.Tensor, scale: float) -> torch.Tensor:  # fmt: skip
-    """o = chunk_kda(q, k, v, g, beta) with no state in or out (q, k, v, beta in the compute
-    dtype, g fp32; all contiguous)."""
-    return _chunk_forward(q, k, v, g, beta, scale)[1]
+               beta: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor,
+                                                          torch.Tensor, torch.Tensor]:  # fmt: skip
+    """(o, g_cumsum, Aqk, Akk) of chunk_kda(q, k, v, g, beta) with no state in or out (q, k, v,
+    beta in the compute dtype, g fp32; all contiguous). The last three are fla's saved
+    intermediates for the backward (empty where the release's saved set is unknown)."""
+    ctx, o = _chunk_forward(q, k, v, g, beta, scale)
+    if _keeps_intermediates():
+        return o, *_kept(ctx, q, k, v, g, beta)
+    empty = q.new_empty(0)
+    return o, empty, empty.clone(), empty.clone()
 
 
 @_kda_chunk.register_fake
 def _(q, k, v, g, beta, scale):
-    return q.new_empty(v.shape)
+    if _keeps_intermediates():
+        scores = (*q.shape[:-1], _CHUNK)
+        return (q.new_empty(v.shape), g.new_empty(g.shape, dtype=torch.float32),
+                k.new_empty(scores), k.new_empty(scores))  # fmt: skip
+    return q.new_empty(v.shape), q.new_empty(0), q.new_empty(0), q.new_empty(0)
 
 
 @torch.library.custom_op("dormouse::kda_chunk_bwd", mutates_args=())
 def _kda_chunk_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-                   beta: torch.Tensor, do: torch.Tensor,
+                   beta: torch.Tensor, aqk: torch.Tensor, akk: torch.Tensor, do: torch.Tensor,
                    scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                                           torch.Tensor]:  # fmt: skip
-    """(dq, dk, dv, dg, dbeta) of `dormouse::kda_chunk`. The forward's intermediates are not
-    kept between the two ops (an op's outputs must be tensors, fla's are a varying set):
-    the backward runs fla's forward again (KDA's forward is ~1/4 of its GPU time at small's
-    shapes) and then fla's own backward on what it saved."""
+    """(dq, dk, dv, dg, dbeta) of `dormouse::kda_chunk`. With the forward's intermediates
+    (`aqk` non-empty; `g` is then fla's cumulative decay, not the op's g) fla's backward runs
+    on them directly; without, fla's forward runs again first for what it saves."""
     from fla.ops.kda.chunk import ChunkKDAFunction
 
-    ctx, _ = _chunk_forward(q, k, v, g, beta, scale)
+    if aqk.numel():
+        if _ctx_attrs is None:  # set by this process's forward, which always runs first
+            raise RuntimeError("kda: dormouse::kda_chunk_bwd ran before any kda_chunk forward")
+        ctx = _SavedCtx()
+        vars(ctx).update(_ctx_attrs, scale=scale)
+        saved: list = [None] * _N_SAVED
+        # g_input = the decay too: fla's backward takes only its dtype (fp32 both) from it
+        for i, t in ((0, q), (2, k), (4, v), (_GC, g), (6, g), (7, beta), (8, beta),
+                     (_AQK, aqk), (_AKK, akk)):  # fmt: skip
+            saved[i] = t
+        ctx.saved_tensors = tuple(saved)
+    else:
+        ctx, _ = _chunk_forward(q, k, v, g, beta, scale)
     grads = ChunkKDAFunction.backward(ctx, do, None)[:5]
-    return tuple(t.clone() if any(t is x for x in (q, k, v, g, beta, do)) else t for t in grads)
+    return tuple(t.clone() if any(t is x for x in (q, k, v, g, beta, aqk, akk, do)) else t
+                 for t in grads)  # fmt: skip
 
 
 @_kda_chunk_bwd.register_fake
-def _(q, k, v, g, beta, do, scale):
+def _(q, k, v, g, beta, aqk, akk, do, scale):
     return tuple(torch.empty_like(t) for t in (q, k, v, g, beta))
 
 
 def _kda_chunk_setup(ctx, inputs, output):
-    *tensors, ctx.scale = inputs
-    ctx.save_for_backward(*tensors)
+    q, k, v, g, beta, ctx.scale = inputs
+    _, g_cumsum, aqk, akk = output
+    if aqk.numel():  # kept: the decay replaces g (fla's backward never reads g itself)
+        ctx.save_for_backward(q, k, v, g_cumsum, beta, aqk, akk)
+    else:
+        ctx.save_for_backward(q, k, v, g, beta, aqk, akk)
 
 
-def _kda_chunk_backward(ctx, do):
-    q, k, v, g, beta = ctx.saved_tensors
-    return (*torch.ops.dormouse.kda_chunk_bwd(q, k, v, g, beta, do.contiguous(), ctx.scale),
+def _kda_chunk_backward(ctx, do, *_unused):
+    q, k, v, g, beta, aqk, akk = ctx.saved_tensors
+    return (*torch.ops.dormouse.kda_chunk_bwd(q, k, v, g, beta, aqk, akk, do.contiguous(),
+                                              ctx.scale),
             None)  # fmt: skip
 
 
