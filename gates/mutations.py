@@ -494,6 +494,11 @@ MUTATIONS: list[Mutation] = [
              "capacity auto: floor shares, the whole remainder to rank 0",
              (("dormouse.train.fleet:split_by_rates", _remainder_to_rank0),),
              ("g09_capacity",), scope="process"),
+    Mutation("capacity_shares_not_packed",
+             "capacity auto under global_batch: the rates' split as it is, a prime share run "
+             "as micro-batches of one window",
+             (("dormouse.train.fleet:packed_split", lambda orig: lambda split, *a, **k: tuple(split)),),
+             ("g09_capacity",), scope="process"),
     Mutation("fleet_loss_unweighted",
              "the logged fleet loss is the plain mean of the ranks' losses (not token-weighted)",
              (("dormouse.train.context:DPContext.fleet_loss", _unweighted_fleet_loss),),

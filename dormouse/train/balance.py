@@ -31,7 +31,7 @@ from typing import Sequence
 
 import torch
 
-from .context import DistError, DPContext, RankShape, accumulate
+from .context import DistError, DPContext, RankShape, accumulate, packed_split
 
 log = logging.getLogger(__name__)
 
@@ -236,15 +236,22 @@ class RateMeter:
 class Balancer:
     """Every rank holds one and feeds it the same gathered numbers: the same decision."""
 
-    def __init__(self, total: int, threshold: float, caps: Sequence[int | None] | None = None):
+    def __init__(self, total: int, threshold: float, caps: Sequence[int | None] | None = None,
+                 micro: Sequence[int] | None = None):  # fmt: skip
+        """`caps`: windows a step each rank's memory holds (None: no cap); `micro`: each rank's
+        micro-batch cap under global_batch (None: a share is one forward), so that a new
+        share is one `accumulate` runs in few full micro-batches (context.packed_split)."""
         self.total, self.threshold = int(total), float(threshold)
         self.caps = tuple(caps) if caps is not None else None
+        self.micro = tuple(micro) if micro is not None else None
 
     def decide(self, step: int, split: Sequence[int], per_window: Sequence[float]) -> Decision:
         old = tuple(int(b) for b in split)
         pw = tuple(float(s) for s in per_window)
         new, capped = split_capped([1.0 / s for s in pw], self.total, self.caps)
         new = tuple(new)
+        if self.micro is not None:
+            new = packed_split(new, pw, self.micro, self.caps)
         caps = self.caps or (None,) * len(old)
         d = Decision(step, old, new, pw, tuple(capped), caps)
         over_cap = any(c is not None and b > c for b, c in zip(old, caps))
@@ -340,7 +347,8 @@ class FleetStream:
         if self.every or slow:
             self.timer = StepTimer(model, ctx.device, slow)
             self.meter = RateMeter(KEEP_PERIODS * (self.every or 1))
-            self.balancer = Balancer(self.total, t.rebalance_threshold, self.caps)
+            self.balancer = Balancer(self.total, t.rebalance_threshold, self.caps,
+                                     self.micro_caps if self.micro else None)
         log.info(f"rank {ctx.rank}: {_row_text(rows[ctx.rank])}", extra={"every_rank": True})
         split = [s.windows for s in ctx.shapes]
         if self.caps and any(c is not None and b > c for b, c in zip(split, self.caps)):

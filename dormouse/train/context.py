@@ -64,6 +64,66 @@ def accumulate(share: int, cap: int, seq_len: int) -> RankShape:
     return RankShape(share // k, seq_len, k)
 
 
+def packed(share: int, cap: int) -> bool:
+    """Whether `accumulate` runs `share` in at most twice the fewest micro-batches `cap`
+    allows (ceil(share / cap)). A share with no divisor that near does not: 67 at a cap of 16
+    (67 is prime) runs as 67 micro-batches of one window, each paying a whole forward's fixed
+    cost, where 64 or 70 run as 4 or 5 full ones."""
+    fewest = -(-share // cap)
+    return any(share % k == 0 for k in range(fewest, 2 * fewest + 1))
+
+
+def unpacked_lines(shapes: Sequence[RankShape], cap: int) -> list[str]:
+    """One warning line per share that `accumulate` runs in more than twice the fewest
+    micro-batches of at most `cap` windows (`packed`), naming the nearest packed shares."""
+    out = []
+    for r, s in enumerate(shapes):
+        if s.accum == 1 or packed(s.windows, cap):
+            continue
+        lo = next(b for b in range(s.windows - 1, 0, -1) if packed(b, cap))
+        hi = next(b for b in range(s.windows + 1, 2 * s.windows + cap) if packed(b, cap))
+        who = f"rank {r}: " if len(shapes) > 1 else ""
+        out.append(f"{who}{s.windows} windows a step in micro-batches of at most {cap} run as "
+                   f"{s.accum} micro-batches of {s.batch} (the fewest equal ones that divide "
+                   f"{s.windows}; {-(-s.windows // cap)} would do), each paying a forward's fixed "
+                   f"cost: a share of {lo} or {hi} windows runs as "
+                   f"{accumulate(lo, cap, s.seq_len).line()} or "
+                   f"{accumulate(hi, cap, s.seq_len).line()} (set global_batch or --capacity)")
+    return out
+
+
+def packed_split(split: Sequence[int], per_window: Sequence[float], caps: Sequence[int],
+                 limits: Sequence[int | None] | None = None) -> tuple[int, ...]:  # fmt: skip
+    """The split of sum(split) windows nearest `split` whose every share is `packed` at its
+    rank's micro-batch cap (`caps`), chosen for the shortest predicted step (max over ranks of
+    share x seconds per window) and then the least total move from `split`. Each share stays
+    within a few micro-batches of its own, and under its `limits` (windows; None: none).
+    `split` itself when it is packed already or no packed split lies that near."""
+    split = tuple(int(b) for b in split)
+    if all(packed(b, c) for b, c in zip(split, caps)):
+        return split
+    total, n = sum(split), len(split)
+    limits = list(limits) if limits is not None else [None] * n
+    options = []
+    for b, c, lim in zip(split, caps, limits):
+        reach = 2 * -(-b // c) + c  # room for packed shares on both sides
+        top = min(total, b + reach, lim if lim is not None else total)
+        options.append([v for v in range(max(1, b - reach), top + 1) if packed(v, c)])
+    # best[s]: (predicted step, moved, shares) over the ranks so far, s windows given out
+    best: dict[int, tuple[float, int, tuple[int, ...]]] = {0: (0.0, 0, ())}
+    for r in range(n):
+        nxt: dict[int, tuple[float, int, tuple[int, ...]]] = {}
+        for s, (t, moved, shares) in best.items():
+            for v in options[r]:
+                if s + v > total:
+                    break
+                cand = (max(t, v * per_window[r]), moved + abs(v - split[r]), (*shares, v))
+                if s + v not in nxt or cand[:2] < nxt[s + v][:2]:
+                    nxt[s + v] = cand
+        best = nxt
+    return best[total][2] if total in best else split
+
+
 @dataclass(frozen=True)
 class DPContext:
     device: torch.device

@@ -28,7 +28,9 @@ import torch
 import torch.distributed as dist
 
 from ..config import RunConfig
-from .context import DistError, DPContext, LaunchError, RankShape, RefusedError, accumulate
+from .context import (
+    DistError, DPContext, LaunchError, RankShape, RefusedError, accumulate, packed_split,
+)  # fmt: skip
 from .watchdog import (
     COLLECTIVE_TIMEOUT_FACTOR, FIRST_STEP_TIMEOUT_S, short, start_heartbeat,
 )
@@ -205,7 +207,11 @@ def parse_capacity(
             raise ValueError(f"capacity auto: {len(rates)} rates for {world_size} ranks")
         if not global_batch:
             return [RankShape(b, seq_len) for b in split_by_rates(rates, batch * world_size)]
-        return [accumulate(b, batch, seq_len) for b in split_by_rates(rates, global_batch)]
+        # shares that run in few full micro-batches (a prime share would run windows one
+        # at a time), the rates' split where it is such already
+        split = packed_split(split_by_rates(rates, global_batch), [1.0 / r for r in rates],
+                             [batch] * world_size)
+        return [accumulate(b, batch, seq_len) for b in split]
     parts = text.split(",")
     if len(parts) != world_size:
         raise ValueError(

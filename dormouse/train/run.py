@@ -15,7 +15,7 @@ import os
 import torch
 
 from ..config import RunConfig, validate
-from .context import DPContext
+from .context import DPContext, unpacked_lines
 from .loop import Callbacks, TrainingError, train
 
 log = logging.getLogger(__name__)
@@ -181,6 +181,8 @@ def train_run(
         run, device, autocast = prepare(run, device_type)
         t = run.train
         ctx = DPContext.single(device, t.batch, t.seq_len, t.global_batch)
+        for line in unpacked_lines(ctx.shapes, t.batch):
+            log.warning(line)
         model = (model if model is not None else build_model(run)).to(device).train()
         return train(model, compiled(model, run, device), _optimizer(model, run, device), ctx,
                      run, autocast=autocast, resume=resume, stop_at=stop_at, progress=progress,
@@ -216,6 +218,8 @@ def _train_fleet(run: RunConfig, *, resume, stop_at, model, callbacks, device_ty
     ok, failed = False, None
     try:
         log.info(ctx.line(), extra={"every_rank": True})
+        for line in unpacked_lines(ctx.shapes, run.train.batch):
+            log.warning(line)  # rank 0's: every rank holds the same shapes
         model = (model if model is not None else build_model(run)).to(device).train()
         net = compiled(parallelize(model, ctx), run, device)
         try:
