@@ -74,6 +74,26 @@ def test_overrides_reach_the_run(capsys):
     assert row["dtype"] == "bf16"  # PEAK_TFLOPS' key, so a listed card gets its MFU
 
 
+def test_a_global_batch_is_timed_whole(capsys):
+    # global_batch=8 in micro-batches of batch=2: the step is all four, as train runs it, and
+    # tokens/s and the 6N FLOPs count its 8 windows (the harness used to time one micro-batch
+    # and say batch x seq, silently)
+    from dormouse.bench.common import configure, harness, windows
+
+    rc = main_bench(["step", "tiny", "--device", "cpu", "--steps", "1", "--warmup", "0",
+                     "--batch", "2", "--set", "global_batch=8"])  # fmt: skip
+    assert rc == 0
+    row = dict(zip(HEADER, _table_rows(capsys.readouterr().out)[2]))
+    assert row["batch x seq"] == "8 x 64 (2 x 4 micro)"
+    ms, tok_s = float(row["step ms (median)"]), float(row["tokens/s"].replace(",", ""))
+    assert abs(tok_s - 8 * 64 / (ms / 1000)) <= 0.01 * tok_s  # ms rounded to 0.1
+    run = configure("tiny", ["global_batch=8"], batch=2)
+    h = harness(run, torch.device("cpu"))
+    assert (h.ctx.shape.batch, h.ctx.shape.accum) == (2, 4) and windows(run, 1)[0].shape[0] == 8
+    tflop = 6 * active_params_per_token(h.model) * 8 * 64 / 1e12
+    assert row["TFLOP/step: 6N + mixer + polar"].startswith(f"{tflop:.3g} + ")
+
+
 def test_unknown_preset_is_refused_with_the_config_error(capsys):
     assert main_bench(["nope", "--device", "cpu"]) == 2
     err = capsys.readouterr()

@@ -84,7 +84,8 @@ def harness(run: RunConfig, device: torch.device, *, compile: bool | str = False
     model = build_model(run).to(device).train()
     opt = MixOptimizer.from_config(model, t, device.type)
     dtype = resolve_autocast(run, device)
-    ctx = DPContext.single(device, t.batch, t.seq_len)
+    # a step of global_batch windows runs as the loop runs it: micro-batches of <= batch
+    ctx = DPContext.single(device, t.batch, t.seq_len, t.global_batch)
     mode = compile if isinstance(compile, str) else None
     if run.train.compile:  # --set compile=true: the dormouse row compiled as train compiles it
         from ..train.run import compiled
@@ -105,10 +106,21 @@ def build(run: RunConfig, device: torch.device, *, compile: bool | str = False):
 
 
 def windows(run: RunConfig, n: int) -> list[torch.Tensor]:
-    """n random byte windows, drawn before any clock starts."""
+    """n steps' random byte windows (global_batch of them a step where set, else batch),
+    drawn before any clock starts."""
     g = torch.Generator().manual_seed(run.train.seed)
-    return [torch.randint(0, 256, (run.train.batch, run.train.seq_len + 1), generator=g)
+    rows = run.train.global_batch or run.train.batch
+    return [torch.randint(0, 256, (rows, run.train.seq_len + 1), generator=g)
             for _ in range(n)]  # fmt: skip
+
+
+def shape_text(run: RunConfig) -> str:
+    """"B x T" of a step, with its micro-batches where global_batch accumulates."""
+    from ..train.context import accumulate
+
+    t = run.train
+    s = accumulate(t.global_batch or t.batch, t.batch, t.seq_len)
+    return f"{s.windows} x {t.seq_len}" + (f" ({s.batch} x {s.accum} micro)" if s.accum > 1 else "")
 
 
 def timed(fn, steps: int, warmup: int, device: torch.device, setup=None,

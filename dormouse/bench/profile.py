@@ -29,7 +29,7 @@ import statistics
 import torch
 
 from .common import BenchError, configure, harness, machine_lines, report, resolve_device, table
-from .common import timed, windows
+from .common import shape_text, timed, windows
 
 log = logging.getLogger(__name__)
 
@@ -147,9 +147,9 @@ def profile_preset(run, device, steps: int, warmup: int, compile: str, top: int)
     gpu_ms = sum(e.time_range.end - e.time_range.start for e in kern) / 1000
     name = run.source.removeprefix("preset:")
     med, plain_med = statistics.median(ms), statistics.median(plain)
-    tok_s = run.train.batch * run.train.seq_len / (med / 1000)
+    tok_s = h.ctx.shape.tokens / (med / 1000)
     busy_plain = min(1.0, busy_us / 1000 / steps / plain_med)
-    row = [name, f"{run.train.batch} x {run.train.seq_len}", first or "off", f"{med:.1f}",
+    row = [name, shape_text(run), first or "off", f"{med:.1f}",
            f"{tok_s:,.0f}", f"{100 * busy_us / 1000 / wall_ms:.0f}%" if cuda else "n/a (CPU)",
            f"{len(kern) / steps:,.0f}" if cuda else "n/a", f"{gpu_ms / steps:.1f}" if cuda
            else "n/a", f"{plain_med:.1f}",
@@ -191,7 +191,7 @@ def run(args, command: str) -> str:
                 raise BenchError(str(e)) from None
     rows, phases, tops = [], [], []
     for k, r in enumerate(runs, 1):
-        log.info(f"[{k}/{len(runs)}] {r.source}: batch {r.train.batch} x seq {r.train.seq_len} "
+        log.info(f"[{k}/{len(runs)}] {r.source}: {shape_text(r)} "
                  f"on {device}, {warmup} warm-up + {args.steps} profiled step(s), compile "
                  f"{args.compile}")  # fmt: skip
         row, ph, tp = profile_preset(r, device, args.steps, warmup, args.compile, args.top)

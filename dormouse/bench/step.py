@@ -33,7 +33,7 @@ import torch
 
 from ..config import RunConfig, preset, preset_names, validate
 from .common import BenchError, GiB, configure, harness, machine_lines, report, resolve_device
-from .common import table, timed, windows
+from .common import shape_text, table, timed, windows
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +58,7 @@ NOTES = (
     "clock with the device synchronised around each step; with the verdict on the device (the "
     "run's `verdict=...: on the device` line) the timed steps run back to back, as the loop "
     "runs them, the device synchronised before the first and after the last, and each step's "
-    "ms is their mean (median = min then); tokens/s = batch x seq / median step.",
+    "ms is their mean (median = min then); tokens/s = the step's windows x seq / median step (with global_batch: all its micro-batches).",
     "Active params/token: the looped body once per iteration, routed experts at moe_topk/"
     "n_experts, lookups excluded; model TFLOP/s = 6 x that x tokens/s (the 6N rule: KDA's "
     "recurrence, attention's scores and Muon's polar uncounted).",
@@ -206,11 +206,11 @@ def bench_preset(run: RunConfig, device: torch.device, steps: int, warmup: int,
     med, active = statistics.median(ms), active_params_per_token(model)
     name = probe_device(device).name
     t = run.train
-    tok_s = t.batch * t.seq_len / (med / 1000)
+    tok_s = h.ctx.shape.tokens / (med / 1000)
     tflops, top = 6 * active * tok_s / 1e12, peak_tflops(name, dt)
     mfu = ("n/a (CPU)" if not cuda else f"n/a (no {dt} peak known for {name})" if top is None
            else f"{100 * tflops / top:.1f}%")  # fmt: skip
-    work = step_flops(model, h.opt, t.batch, t.seq_len, active)
+    work = step_flops(model, h.opt, h.ctx.shape.windows, t.seq_len, active)
     mixer = work["KDA"] + work["attention"]
     per_step = (f"{work['6N'] / 1e12:.3g} + {mixer / 1e12:.3g} + {work['polar'] / 1e12:.3g} = "
                 f"{sum(work.values()) / 1e12:.3g}")  # fmt: skip
@@ -225,7 +225,7 @@ def bench_preset(run: RunConfig, device: torch.device, steps: int, warmup: int,
         arms = [model.blocks[0].mixer.impl, model.blocks[0].moe.arm(device, dtype or torch.float32).name]
     label = run.source.removeprefix("preset:")
     row = [label, f"{count_params(run.model) / 1e6:.2f}", f"{active / 1e6:.2f}",
-           f"{t.batch} x {t.seq_len}", *arms, dt, f"{med:.1f}", f"{min(ms):.1f}",
+           shape_text(run), *arms, dt, f"{med:.1f}", f"{min(ms):.1f}",
            f"{tok_s:,.0f}", f"{tflops:.3g}", mfu, mfu_m, per_step, hfu, peak_mem]  # fmt: skip
     part_rows = _part_rows(label, h, data[-1], steps, warmup, device, med) if parts else []
     return row, taken[warmup:].count(False), compile_s, part_rows
@@ -300,8 +300,8 @@ def run(args, command: str) -> str:
         pair = [r, twin(r)] if args.baseline else [r]
         for j, x in enumerate(pair):
             c = compile and j == 1
-            log.info(f"[{k}/{len(runs)}] {x.source}: batch {x.train.batch} x seq "
-                     f"{x.train.seq_len} on {device}, {'1 compiling + ' if c else ''}{warmup} "
+            log.info(f"[{k}/{len(runs)}] {x.source}: {shape_text(x)} on {device}, "
+                     f"{'1 compiling + ' if c else ''}{warmup} "
                      f"warm-up + {steps} timed step(s)")  # fmt: skip
             row, skips, compile_s, parts = bench_preset(x, device, steps, warmup, c,
                                                         peaks.get(dts[k - 1]),

@@ -80,7 +80,8 @@ def run(args, command: str) -> str:
         w = windows(r, 1)[0]  # the loop's step splits a step's windows into its micro-batches
         s_train = timed(lambda i: step(0, w), 1, 0, device)[0] / 1000
         model.eval()
-        s_eval = timed(lambda i: evaluate(model, [(w[:, :-1], w[:, 1:])], device, dtype),
+        e = w[: t.batch]  # evaluation reads batch windows at a time
+        s_eval = timed(lambda i: evaluate(model, [(e[:, :-1], e[:, 1:])], device, dtype),
                        1, 0, device)[0] / 1000  # fmt: skip
         dt = {None: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
         arm = model.blocks[0].mixer.impl
