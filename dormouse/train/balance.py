@@ -250,10 +250,18 @@ class Balancer:
         pw = tuple(float(s) for s in per_window)
         new, capped = split_capped([1.0 / s for s in pw], self.total, self.caps)
         new = tuple(new)
+        packed = ""
         if self.micro is not None:
-            new = packed_split(new, pw, self.micro, self.caps)
+            raw, new = new, packed_split(new, pw, self.micro, self.caps)
+            if new != raw:
+                packed = (f"; the rates' split {_text(raw)} moved to shares that accumulate in "
+                          f"full micro-batches of <= {_text(self.micro)}")
         caps = self.caps or (None,) * len(old)
         d = Decision(step, old, new, pw, tuple(capped), caps)
+        d = self._said(d, old, new, caps)
+        return dataclasses.replace(d, why=d.why + packed) if packed else d
+
+    def _said(self, d: Decision, old, new, caps) -> Decision:
         over_cap = any(c is not None and b > c for b, c in zip(old, caps))
         if new == old:
             return dataclasses.replace(d, why="already the rate-proportional split")
