@@ -23,10 +23,15 @@ INSTRUMENT = ("a NaN loss with a finite gradient at step 3 of 5 on rank 0, on ra
 TOL_LOSS = 5e-6
 #: ... and on the final parameters, measured up to 1.3e-8 relative over the six runs (gate
 #: 1's step-1 error carried 4 steps); about 4x. A leaked gradient is ~1e-3.
-TOL_PARAM = 5e-8
+#: Re-measured 2026-12-02 at world 3 (NaN on rank 0) over the default seed and seeds 8-12,
+#: with the code before and after the KDA mixer's projections were fused into two matmuls
+#: (matmul round-off only), 12 runs: 8.9e-9 .. 8.2e-8 (seed 11, the code before: over the old
+#: 5e-8). About 3x the worst; a leaked gradient (mutation skip_keeps_gradient) 6.5e-4.
+TOL_PARAM = 2.5e-7
 #: Host tables: gate 14's tolerance and reason (fp32 round-off through the row Adam);
-#: measured up to 1.4e-6 here.
-TOL_TABLE = 1.5e-5
+#: measured up to 1.4e-6 here at first; over the same 12 runs 5.3e-7 .. 3.6e-5 (the default
+#: seed after the fusion). About 3x; the leaked gradient 6.9e-2.
+TOL_TABLE = 1e-4
 #: LFB biases move in steps of coef = 1e-2 from integer counts: any disagreement is >= 1e-2.
 TOL_LFB = 1e-6
 

@@ -43,11 +43,21 @@ TOL_LOSS = 5e-6
 #: Broken, measured: no reduction (each rank steps its own rows) 0.30 / 0.46; the rank sum not
 #: divided by world_size 7.1e-3 / 1.1e-2 (Adam nearly cancels a constant factor; what shows
 #: is through eps and the clip's shared norm).
-TOL_TABLE = 1.5e-5
-TOL_UPDATE = 2.5e-5
+#: Re-measured 2026-12-02 over the default seed and seeds 8-12, each with the code before and
+#: after the KDA mixer's projections were fused into two matmuls (matmul round-off only):
+#: worlds 2 and 4 stay within table 2.4e-6, update 3.9e-6; world 3 (3,1,2) reaches table
+#: 1.3e-5 / update 1.9e-5 before (seed 9) and 4.4e-5 / 6.8e-5 after (the default seed), and
+#: gate 24's FSDP2 run of the same fixture 4.6e-5 / 7.1e-5. The tail is a few elements (3 of
+#: 2,048 above 1e-5 in the worst run) whose row Adam runs near eps, where the relative
+#: round-off of a small gradient sum moves the step. About 2-3x the worst; the unreduced rows
+#: and the world-scaled sum above stay 70x and more outside.
+TOL_TABLE = 1e-4
+TOL_UPDATE = 2e-4
 #: The pre-clip norms (host rows included): gate 1's instrument; measured 1.5e-7 .. 2.2e-7
-#: (worst step, world 2-4), fp32 summation order. About 4.5x.
-TOL_NORM = 1e-6
+#: (worst step, world 2-4), fp32 summation order, on one seed. Over the 12 runs above: worlds
+#: 2 and 4 within 2.7e-7, world 3 up to 3.6e-6 before (seed 9) and 4.8e-6 after (seed 9),
+#: the tables' drift fed back into the gradient. About 3x; the world-scaled sum reads 1.0.
+TOL_NORM = 1.5e-5
 
 
 def _one(spec, cuda: bool) -> tuple[bool, str, dict]:

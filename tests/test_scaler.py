@@ -78,7 +78,15 @@ STEPS = 20
 #: fp16 with its scale (one overflow at step 8 at 2**16, skipped) against fp32 that never
 #: trains on that batch measured |dloss| 2.6e-4, pre-clip norms 1.6e-3 relative, final
 #: parameters 4.3e-4 relative (bf16 on the same run: 1.0e-3, 5.5e-3, 4.2e-3). About 4x.
-TOL = {"dloss": 1e-3, "norms": 5e-3, "params": 1.5e-3}
+#: The parameters' figure is the least stable of the three: re-measured over seeds 0-3 with
+#: the mixer's projections fused into two matmuls (only the matmuls' round-off changed) it read
+#: 2.5e-3, 4.8e-4, 6.2e-4, 6.3e-4 (before the fusion 4.3e-4, 7.0e-4, 6.1e-4, 6.2e-4) while
+#: |dloss| stayed 1.8e-4..5.7e-4 and the norms 1.5e-3..3.4e-3. Seed 0's 2.5e-3 is 98% the Engram
+#: table (9.9e-2 of its own norm; 1.2e-2 before): its row-sparse Adam steps every element by
+#: ~lr x engram_lr_mult whatever the size of its gradient, so elements whose gradient is
+#: round-off in one run take full-size steps of a sign the other run does not share. 2x the
+#: worst of the eight.
+TOL = {"dloss": 1e-3, "norms": 5e-3, "params": 5e-3}
 
 
 def _vs_fp32(name: str, fresh: bool = False) -> dict[str, float]:

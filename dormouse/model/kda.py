@@ -589,51 +589,90 @@ class KDAMixer(nn.Module):
 
     # -- the pieces around the recurrence (public so references and tests can reuse them) --
 
-    def _delta(self, name: str, iteration: int, x: torch.Tensor) -> torch.Tensor | None:
-        mods = getattr(self, name)
-        return None if mods is None else mods[iteration](x)
+    def _small_weights(self, iteration: int) -> tuple[list[torch.Tensor], list[str]]:
+        """The narrow weights that read the mixer's input x, in the order of one matmul."""
+        ws, names = [], []
+        if self.q_delta is not None:
+            ws += [getattr(self, f"{n}_delta")[iteration].A for n in ("q", "k", "v")]
+            names += ["qa", "ka", "va"]
+        if self.f_down is not None:
+            ws.append(self.f_down.weight)
+            names.append("f")
+        ws += [self.b_proj.weight, self.g_down.weight]
+        names += ["b", "gate"]
+        return ws, names
 
-    def kernel_inputs(
-        self, x: torch.Tensor, iteration: int, conv_tail: torch.Tensor | None
-    ) -> tuple[torch.Tensor, ...]:
-        """x [B, T, d_model] -> (q, k, v [B,T,H,Dh], g [B,T,H,Dh] fp32, beta [B,T,H], new tail)."""
+    def _project(self, x: torch.Tensor, iteration: int) -> dict[str, torch.Tensor]:
+        """x [B, T, d_model] -> every projection of x, from two matmuls against stacked
+        weights: q|k|v, and the narrow ones (the deltas' down halves, the decay's down half,
+        beta's, the output gate's down half: N = n_heads..gate_rank each, too skinny to fill
+        a matmul alone). The parameters stay separate (Muon sees each matrix alone); only
+        the products are fused: x is read twice instead of up to nine times, and the
+        backward's input gradient is two matmuls instead of a sum of up to nine. Two, not
+        one: the narrow outputs are kept for the backward, and a slice keeps its whole base
+        alive, so one product would keep q|k|v's columns too (b1 at 32 x 2048 then ran out
+        of the H200's memory)."""
+        parts = {"qkv": F.linear(x, torch.cat(
+            [self.q_proj.weight, self.k_proj.weight, self.v_proj.weight]))}  # fmt: skip
+        ws, names = self._small_weights(iteration)
+        y = F.linear(x, torch.cat(ws))
+        parts.update(zip(names, y.split([w.shape[0] for w in ws], dim=-1)))
+        return parts
+
+    def _inputs(self, x, iteration, conv_tail, y):
         B, T, _ = x.shape
         H, Dh = self.n_heads, self.head_dim
-        proj = []
-        for name in ("q", "k", "v"):
-            y = getattr(self, f"{name}_proj")(x)
-            dy = self._delta(f"{name}_delta", iteration, x)
-            proj.append(y if dy is None else y + dy)
-        qkv, new_tail = self.qkv_conv(torch.cat(proj, dim=-1), conv_tail)
+        qkv = y["qkv"]
+        if self.q_delta is not None:
+            dl = torch.cat(
+                [y[f"{n}a"] @ getattr(self, f"{n}_delta")[iteration].B.t().to(qkv.dtype)
+                 for n in ("q", "k", "v")], dim=-1,
+            )  # fmt: skip
+            qkv = qkv + dl
+        qkv, new_tail = self.qkv_conv(qkv, conv_tail)
         q, k, v = F.silu(qkv).view(B, T, 3, H, Dh).unbind(dim=2)
         q, k = _l2norm(q), _l2norm(k)
 
         f = self.dt_bias.float().expand(B, T, -1)
         if self.f_down is not None:
-            f = self.f_up(self.f_down(x)).float() + f
+            f = self.f_up(y["f"]).float() + f
         g = (-torch.exp(self.A_log.float()) * F.softplus(f)).view(B, T, H, Dh)
-        beta = torch.sigmoid(self.b_proj(x))
+        beta = torch.sigmoid(y["b"])
         return q, k, v, g, beta, new_tail
 
-    def kernel_output(self, o: torch.Tensor, x: torch.Tensor, iteration: int) -> torch.Tensor:
-        """The recurrence output o [B, T, H, Dh] and the input x -> the mixer's output."""
+    def kernel_inputs(
+        self, x: torch.Tensor, iteration: int, conv_tail: torch.Tensor | None
+    ) -> tuple[torch.Tensor, ...]:
+        """x [B, T, d_model] -> (q, k, v [B,T,H,Dh], g [B,T,H,Dh] fp32, beta [B,T,H], new tail)."""
+        return self._inputs(x, iteration, conv_tail, self._project(x, iteration))
+
+    def kernel_output(
+        self, o: torch.Tensor, x: torch.Tensor, iteration: int,
+        gate_low: torch.Tensor | None = None,
+    ) -> torch.Tensor:  # fmt: skip
+        """The recurrence output o [B, T, H, Dh] and the input x -> the mixer's output.
+        `gate_low`: g_down(x) when the caller has it from `_project` (else computed here)."""
         B, T = x.shape[:2]
-        gate = torch.sigmoid(self.g_up(self.g_down(x))).view(B, T, self.n_heads, self.head_dim)
+        if gate_low is None:
+            gate_low = self.g_down(x)
+        gate = torch.sigmoid(self.g_up(gate_low)).view(B, T, self.n_heads, self.head_dim)
         o = (self.o_norm(o) * gate.to(o.dtype)).reshape(B, T, self.d_attn)
         out = self.o_proj(o)
-        do = self._delta("o_delta", iteration, o)
-        return out if do is None else out + do
+        if self.o_delta is None:
+            return out
+        return out + self.o_delta[iteration](o)
 
     # -- forward -------------------------------------------------------------------------
 
     def _segment(self, x, iteration, carry, kernel, want_state):
         tail, S = (None, None) if carry is None else (carry["conv"], carry["state"])
-        q, k, v, g, beta, tail = self.kernel_inputs(x, iteration, tail)
+        y = self._project(x, iteration)
+        q, k, v, g, beta, tail = self._inputs(x, iteration, tail, y)
         o, S = kernel(
             q, k, v, g, beta, initial_state=S, output_final_state=want_state,
             chunk_size=self.chunk_size,
         )  # fmt: skip
-        return self.kernel_output(o, x, iteration), {"conv": tail, "state": S}
+        return self.kernel_output(o, x, iteration, y["gate"]), {"conv": tail, "state": S}
 
     def forward(
         self, h: torch.Tensor, iteration: int = 0, cache: dict | None = None
