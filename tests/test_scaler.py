@@ -82,10 +82,9 @@ STEPS = 20
 #: the mixer's projections fused into two matmuls (only the matmuls' round-off changed) it read
 #: 2.5e-3, 4.8e-4, 6.2e-4, 6.3e-4 (before the fusion 4.3e-4, 7.0e-4, 6.1e-4, 6.2e-4) while
 #: |dloss| stayed 1.8e-4..5.7e-4 and the norms 1.5e-3..3.4e-3. Seed 0's 2.5e-3 is 98% the Engram
-#: table (9.9e-2 of its own norm; 1.2e-2 before): its row-sparse Adam steps every element by
-#: ~lr x engram_lr_mult whatever the size of its gradient, so elements whose gradient is
-#: round-off in one run take full-size steps of a sign the other run does not share. 2x the
-#: worst of the eight.
+#: table (9.9e-2 of its own norm; 1.2e-2 before): its row-sparse Adam's step is nearly
+#: independent of a gradient's size, so elements whose gradient is round-off-sized in fp16 are
+#: the likely source (not isolated). 2x the worst of the eight.
 TOL = {"dloss": 1e-3, "norms": 5e-3, "params": 5e-3}
 
 
