@@ -22,8 +22,8 @@ INSTRUMENT = ("capacity 4,2 (world 2) and 4,2,3 (world 3), no clip: the fleet's 
 #: matmuls (a change of matmul round-off only), 12 runs a world: world 2 1.4e-6 .. 7.8e-6
 #: (seed 8, the code before: already over the old 5e-6), world 3 1.3e-6 .. 1.7e-5 (the default
 #: seed after). The likely tail (not isolated): AdamW's first step is ~sign(g) per element,
-#: so an element whose gradient is round-off in both runs steps a full lr either way. About 2.5-3x the
-#: worst; the unweighted step stays > 10x outside (0.43).
+#: so an element whose gradient is round-off in both runs steps a full lr either way. About
+#: 2.5-3x the worst; the unweighted step stays > 10x outside (0.43).
 TOL_UPDATE = {2: 2e-5, 3: 5e-5}
 #: The reduced gradient itself vs the hand-formed sum_r w_r g_r, measured 4.5e-7 (world 2) and
 #: 3.4e-7 (world 3) relative: fp32 order of the weighted sum (the reference adds w_r g_r per

@@ -49,8 +49,9 @@ TOL_LOSS = 5e-6
 #: 1.3e-5 / update 1.9e-5 before (seed 9) and 4.4e-5 / 6.8e-5 after (the default seed), and
 #: gate 24's FSDP2 run of the same fixture 4.6e-5 / 7.1e-5. The tail is a few elements (3 of
 #: 2,048 above 1e-5 in the worst run, while |dloss| stayed 4.8e-7): row-Adam elements whose
-#: step is sensitive to the round-off of a small gradient sum (the mechanism not isolated). About 2-3x the worst; the unreduced rows
-#: and the world-scaled sum above stay 70x and more outside.
+#: step is sensitive to the round-off of a small gradient sum (the mechanism not isolated).
+#: About 2-3x the worst; the unreduced rows and the world-scaled sum above stay 70x and more
+#: outside.
 TOL_TABLE = 1e-4
 TOL_UPDATE = 2e-4
 #: The pre-clip norms (host rows included): gate 1's instrument; measured 1.5e-7 .. 2.2e-7
