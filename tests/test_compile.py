@@ -14,13 +14,37 @@ from dormouse.train.loop import Callbacks
 from dormouse.train.run import train_run
 
 
-def _losses(tmp_path, name, sets):
+def _losses(tmp_path, name, sets, graphs=None):
+    """The 6 logged losses and the checkpoint; `graphs` (a list) gets dynamo's count of
+    compiled graphs after each step."""
+    from torch._dynamo.utils import counters
+
     run = apply_sets(preset("tiny"), ["steps=6", "grad_clip=0", "eval_every=0", "ckpt_every=0",
                                       f"out_dir={tmp_path / name}", *sets])  # fmt: skip
     got = []
-    train_run(run, callbacks=Callbacks(on_log=lambda d: got.append(float(d["loss"]))))
+
+    def on_log(d):
+        got.append(float(d["loss"]))
+        if graphs is not None:
+            graphs.append(counters["stats"]["unique_graphs"])
+
+    train_run(run, callbacks=Callbacks(on_log=on_log))
     state = torch.load(tmp_path / name / "ckpt.pt", weights_only=True)
     return got, state
+
+
+def test_compiled_chooses_the_kernel_arms_before_the_first_trace():
+    """A trace that chose the KDA arm itself (set `_impl` on the first forward) guarded on
+    `_impl is None`, and step 2 recompiled every block."""
+    from dormouse.model.kda import KDAMixer
+    from dormouse.train.run import build_model, compiled
+
+    run = apply_sets(preset("tiny"), ["compile=true", "compile_backend=aot_eager"])
+    model = build_model(run)
+    mixers = [m for m in model.modules() if isinstance(m, KDAMixer)]
+    assert mixers and all(m.impl is None for m in mixers)
+    compiled(model, run, torch.device("cpu"), None)
+    assert all(m.impl == "torch" for m in mixers)
 
 
 # slow: inductor compiles tiny's regions on the 2-core CPU in ~25 s
@@ -28,7 +52,11 @@ def _losses(tmp_path, name, sets):
 def test_compiled_training_follows_the_eager_trajectory(tmp_path, caplog):
     caplog.set_level("INFO")
     eager, s0 = _losses(tmp_path, "eager", [])
-    compiled, s1 = _losses(tmp_path, "compiled", ["compile=true"])
+    graphs = []
+    compiled, s1 = _losses(tmp_path, "compiled", ["compile=true"], graphs)
+    # every graph is compiled by the first step: a later step that compiles again is a guard
+    # the first trace broke (the lazily chosen KDA arm was one: a graph more at step 2)
+    assert graphs[0] > 0 and graphs == graphs[:1] * 6, graphs
     assert any("compile=true: torch.compile(model, mode=default" in r.getMessage()
                for r in caplog.records)  # fmt: skip
     # fp32 round-off of inductor's fused kernels against eager's (measured: 4.8e-7 over 8

@@ -77,7 +77,7 @@ def harness(run: RunConfig, device: torch.device, *, compile: bool | str = False
     from ..train.context import DPContext
     from ..train.loop import device_verdict
     from ..train.optim import MixOptimizer
-    from ..train.run import build_model, resolve_autocast
+    from ..train.run import build_model, resolve_arms, resolve_autocast
     from ..train.scaler import LossScaler, loss_scaled
 
     t = run.train
@@ -90,9 +90,11 @@ def harness(run: RunConfig, device: torch.device, *, compile: bool | str = False
     if run.train.compile:  # --set compile=true: the dormouse row compiled as train compiles it
         from ..train.run import compiled
 
-        net = compiled(model, run, device)
+        net = compiled(model, run, device, dtype)
     else:
         kw = {"mode": mode} if mode else {}
+        if compile:
+            resolve_arms(model, dtype)
         net = torch.compile(model, dynamic=False, **kw) if compile else model
     # an fp16 forward times the loop's loss scaling too (the scale and unscale passes)
     scaler = LossScaler(t.loss_scale_every) if loss_scaled(dtype, ctx) else None

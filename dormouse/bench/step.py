@@ -98,7 +98,8 @@ BASELINE_NOTES = (
      "attention's score FLOPs are uncounted in model TFLOP/s and MFU (the 6N rule) and counted "
      "in the GPT row's TFLOP/step and HFU, as KDA's recurrence is in the dormouse row's."),
     "compile: torch.compile(model, dynamic=False) as the loop's net; the first, compiling step "
-    "is timed alone (shown) and left out of step ms, then the warm-up and timed steps run.",
+    "and the second are timed alone (logged; the first shown in the baseline column) and left "
+    "out of step ms, then the warm-up and timed steps run.",
 )  # fmt: skip
 
 
@@ -191,10 +192,16 @@ def bench_preset(run: RunConfig, device: torch.device, steps: int, warmup: int,
     if compile:  # dynamo traces and inductor compiles on the first call: timed alone
         try:
             compile_s = timed(lambda i: step(0, data[0]), 1, 0, device)[0] / 1000
+            # and the second: a guard the first trace broke recompiles here (the lazily chosen
+            # KDA arm did: 13.6 s for small on the H200, docs/performance.md)
+            second_s = timed(lambda i: step(1, data[1 % len(data)]), 1, 0, device)[0] / 1000
         except Exception as e:
             first = (str(e).strip().splitlines() or [""])[0][:300]
             raise BenchError(f"torch.compile of {run.source} failed on {device} "
                              f"({type(e).__name__}: {first}); rerun with --compile off") from e
+        log.info(f"{run.source}: compiled first step {compile_s:.1f} s, second step "
+                 f"{second_s:.2f} s (untimed in step ms; a second step far above step ms is a "
+                 f"recompile: TORCH_LOGS=recompiles says why)")  # fmt: skip
     ms = timed(lambda i: taken.append(step(i, data[i])), steps, warmup, device, chain=h.defer)
     taken = [bool(ok) for ok in taken]  # verdict=device: bool tensors, read once all have run
     if cuda:

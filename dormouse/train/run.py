@@ -125,12 +125,14 @@ def prepare(run: RunConfig, device_type: str | None = None, local_rank: int | No
     return run, device, autocast
 
 
-def compiled(model: torch.nn.Module, run: RunConfig, device: torch.device) -> torch.nn.Module:
+def compiled(model: torch.nn.Module, run: RunConfig, device: torch.device,
+             autocast: torch.dtype | None) -> torch.nn.Module:  # fmt: skip
     """The loop's `net`: `model` itself, or with compile=true torch.compile(model) in
     compile_mode (static shapes: a run's windows never change shape). The optimizer, the
     checkpoints and evaluation hold `model`, whose parameters the compiled module shares.
     fla's KDA kernels and the Engram hash constants are torch.compiler.disable'd, so they run
-    eager between the compiled regions."""
+    eager between the compiled regions. The kernel arms are chosen before the first trace
+    (`resolve_arm`, for the `autocast` dtype), so that no trace mutates the model."""
     t = run.train
     if not t.compile:
         if device.type == "cuda" and run.model.arch == "dormouse":
@@ -147,7 +149,15 @@ def compiled(model: torch.nn.Module, run: RunConfig, device: torch.device) -> to
     log.info(f"compile=true: torch.compile(model, {how}, dynamic=False) on "
              f"{device.type}; the first step traces and compiles (tens of seconds; inductor "
              f"caches its work for the next run), evaluation runs uncompiled")  # fmt: skip
+    resolve_arms(model, autocast)
     return torch.compile(model, dynamic=False, **kw)
+
+
+def resolve_arms(model: torch.nn.Module, autocast: torch.dtype | None) -> None:
+    """Every module that chooses a kernel arm lazily chooses it now (before torch.compile)."""
+    for m in model.modules():
+        if hasattr(m, "resolve_arm"):
+            m.resolve_arm(autocast or torch.float32)
 
 
 def _optimizer(net: torch.nn.Module, run: RunConfig, device: torch.device):
@@ -184,8 +194,9 @@ def train_run(
         for line in unpacked_lines(ctx.shapes, t.batch):
             log.warning(line)
         model = (model if model is not None else build_model(run)).to(device).train()
-        return train(model, compiled(model, run, device), _optimizer(model, run, device), ctx,
-                     run, autocast=autocast, resume=resume, stop_at=stop_at, progress=progress,
+        return train(model, compiled(model, run, device, autocast),
+                     _optimizer(model, run, device), ctx, run, autocast=autocast,
+                     resume=resume, stop_at=stop_at, progress=progress,
                      callbacks=callbacks)  # fmt: skip
     return _train_fleet(run, resume=resume, stop_at=stop_at, model=model, callbacks=callbacks,
                         device_type=device_type, rate=rate, timeout_s=timeout_s, close=close)
@@ -221,7 +232,7 @@ def _train_fleet(run: RunConfig, *, resume, stop_at, model, callbacks, device_ty
         for line in unpacked_lines(ctx.shapes, run.train.batch):
             log.warning(line)  # rank 0's: every rank holds the same shapes
         model = (model if model is not None else build_model(run)).to(device).train()
-        net = compiled(parallelize(model, ctx), run, device)
+        net = compiled(parallelize(model, ctx), run, device, autocast)
         try:
             report = train(model, net, _optimizer(net, run, device), ctx, run,
                            autocast=autocast, resume=resume, stop_at=stop_at,
