@@ -3,7 +3,11 @@
 Each rank's solo rate (one process, the whole global batch, the rank's emulation), measured
 before the first fleet and again after each one, and the fleet of `--world` ranks under three
 splits of the same global batch: equal, start-up auto (the matmul guess, `rebalance_every=0`)
-and re-balanced auto (measured while training), `--rounds` times. On
+and re-balanced auto (measured while training), `--rounds` times. Beside the whole-batch sum,
+a second baseline: right after each fleet, every rank alone on the windows it held at that
+fleet's last split (its share, optimizer step included, as the fleet rank pays it), so that a
+time per window that grows or shrinks with the batch does not break the baseline (with the
+whole batch it came out above 1 at 32 x 256 and at 192 x 64: docs/fleet.md). On
 the CPU a slow card is EMULATED: `--slow RANK:FACTOR` (the `emulate_slow` knob) makes that
 rank sleep FACTOR x its own compute each step, and divides its start-up matmul rate by
 1 + FACTOR; it is not a measurement of a real slower card.
@@ -49,25 +53,27 @@ def _sets(args, extra=()) -> list[str]:
             "log_every=1000", "dtype=fp32", *args.set, *extra]  # fmt: skip
 
 
-def _solo(args, rank: int) -> float:
-    """tokens/s of this rank alone on the whole global batch (its emulation on)."""
+def _solo(args, rank: int, share: int | None = None) -> float:
+    """tokens/s of this rank alone on the whole global batch, or on `share` windows a step
+    (its emulation on)."""
     from ..train.balance import StepTimer
     from ..train.fleet import parse_slow
     from .common import build, windows
 
-    run = configure(args.preset, _sets(args))
+    n = share or args.global_batch
+    run = configure(args.preset, _sets(args, [f"batch={n}"]))
     model, step, _ = build(run, torch.device("cpu"))
     timer = StepTimer(model, torch.device("cpu"), parse_slow(args.slow, rank))
     data = windows(run, 8)
     walls = []
     for i in range(8):
         t0 = time.perf_counter()
-        timer.start(args.global_batch)
+        timer.start(n)
         step(i, data[i])
         timer.stop()
         walls.append(time.perf_counter() - t0)
     timer.remove()
-    return args.global_batch * args.seq / statistics.median(walls[2:])
+    return n * args.seq / statistics.median(walls[2:])
 
 
 def _rank(rank: int, world: int, port: int, sets: list[str], preset: str, out: str) -> None:
@@ -145,28 +151,41 @@ def run(args, command: str) -> str:
             every = args.every if every is None else every
             log.info(f"fleet: round {rnd}/{args.rounds}, {name} ...")
             got = _fleet(args, cap, every)
+            shares = [int(w) for w in got["end"].split(",")]
+            # a rank with no windows does no work: its solo rate there is 0
+            rates = [_solo(args, r, w) if w > 0 else 0.0 for r, w in enumerate(shares)]
+            at_share = sum(rates)
+            got["share_ms"] = "/".join(f"{1000 * w * args.seq / x:.0f}" if x else "-"
+                                       for w, x in zip(shares, rates))  # fmt: skip
             solos.append([_solo(args, r) for r in range(args.world)])
             a, b = solos[-2], solos[-1]
             total = sum((x + y) / 2 for x, y in zip(a, b))
             drift = max(abs(x - y) / max(x, y) for x, y in zip(a, b))
-            runs.append((rnd, name, got, total, drift))
+            runs.append((rnd, name, got, total, drift, at_share))
     rows = [[str(rnd), name, f["start"], f["end"], str(len(f["resplits"])), f"{f['tok_s']:,.0f}",
-             f"{total:,.0f}", f"{drift:.0%}", f"{f['tok_s'] / total:.3f}"]
-            for rnd, name, f, total, drift in runs]  # fmt: skip
+             f"{total:,.0f}", f"{drift:.0%}", f"{f['tok_s'] / total:.3f}", f["share_ms"],
+             f"{1000 * args.global_batch * args.seq / f['tok_s']:.0f}", f"{share:,.0f}",
+             f"{f['tok_s'] / share:.3f}"]
+            for rnd, name, f, total, drift, share in runs]  # fmt: skip
     summary = []
     for name, _, _ in MODES:
-        fr = [f["tok_s"] / total for _, n, f, total, _ in runs if n == name]
+        fr = [f["tok_s"] / total for _, n, f, total, _, _ in runs if n == name]
+        fs = [f["tok_s"] / share for _, n, f, _, _, share in runs if n == name]
         summary.append([name, str(len(fr)), f"{statistics.median(fr):.3f}", f"{min(fr):.3f}",
-                        f"{max(fr):.3f}"])  # fmt: skip
+                        f"{max(fr):.3f}", f"{statistics.median(fs):.3f}", f"{min(fs):.3f}",
+                        f"{max(fs):.3f}"])  # fmt: skip
     body = (table(["measurement"] + [f"rank {r} solo tokens/s" for r in range(args.world)],
                   [[("before the first fleet" if i == 0 else f"after fleet {i}")]
                    + [f"{v:,.0f}" for v in row] for i, row in enumerate(solos)])
             + "\n\n"
             + table(["round", "split", "first", "last", "re-splits", "fleet tokens/s",
                      "sum of solo rates (mean of the two around it)", "solo drift across it",
-                     "of the sum"], rows)
+                     "of the sum", "solo step ms at the shares (per rank)", "fleet step ms",
+                     "sum of solo rates at the last split's shares",
+                     "of that sum"], rows)
             + "\n\n"
-            + table(["split", "runs", "median of the sum", "min", "max"], summary)
+            + table(["split", "runs", "median of the sum", "min", "max",
+                     "median at the shares", "min", "max"], summary)
             + "\n")
     notes = [f"{args.preset}, global batch {args.global_batch} windows of {args.seq}, "
              f"{args.steps} steps per fleet, rebalance_every={args.every}; fleet tokens/s = "
@@ -176,6 +195,12 @@ def run(args, command: str) -> str:
              "every process one torch thread; the solo rates are measured one rank at a time, "
              "before the first fleet and after each fleet; a fleet's fraction divides by the "
              "mean of the two measurements around it (a drift over 10% says: this box's speed "
-             "moved; repeat)"]
+             "moved; repeat)",
+             "at the shares: right after each fleet, each rank alone on the windows it held at "
+             "that fleet's last split (batch = its share, 8 steps, the median of the last 6), "
+             "summed; a rank pays the whole optimizer step per step there as in the fleet, so "
+             "this sum is what the same ranks with the same work could do without each other, "
+             "and a fraction under 1 is the fleet's own cost: waiting for the slower rank "
+             "(the split's imbalance) and the all-reduce"]
     return report("Mixed fleet (CPU emulation)", machine_lines(torch.device("cpu"), command),
                   body, notes)
