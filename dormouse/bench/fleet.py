@@ -201,6 +201,7 @@ def run(args, command: str) -> str:
              "summed; a rank pays the whole optimizer step per step there as in the fleet, so "
              "this sum is what the same ranks with the same work could do without each other, "
              "and a fraction under 1 is the fleet's own cost: waiting for the slower rank "
-             "(the split's imbalance) and the all-reduce"]
+             "(the split's imbalance), the all-reduce, and on one box the ranks sharing its "
+             "cores' cache and memory bandwidth, which each solo run had alone"]
     return report("Mixed fleet (CPU emulation)", machine_lines(torch.device("cpu"), command),
                   body, notes)
