@@ -196,12 +196,12 @@ def run(args, command: str) -> str:
              "before the first fleet and after each fleet; a fleet's fraction divides by the "
              "mean of the two measurements around it (a drift over 10% says: this box's speed "
              "moved; repeat)",
-             "at the shares: right after each fleet, each rank alone on the windows it held at "
-             "that fleet's last split (batch = its share, 8 steps, the median of the last 6), "
-             "summed; a rank pays the whole optimizer step per step there as in the fleet, so "
-             "this sum is what the same ranks with the same work could do without each other, "
-             "and a fraction under 1 is the fleet's own cost: waiting for the slower rank "
-             "(the split's imbalance), the all-reduce, and on one box the ranks sharing its "
-             "cores' cache and memory bandwidth, which each solo run had alone"]
+             ("at the shares: right after each fleet, each rank alone on the windows it held "
+              "at that fleet's last split (batch = its share, 8 steps, the median of the last "
+              "6), summed; a rank pays the whole optimizer step per step there as in the fleet, "
+              "so this sum is what the same ranks with the same work could do without each "
+              "other, and a fraction under 1 is the fleet's own cost: waiting for the slower "
+              "rank (the split's imbalance), the all-reduce, and on one box the ranks sharing "
+              "its cores' cache and memory bandwidth, which each solo run had alone")]
     return report("Mixed fleet (CPU emulation)", machine_lines(torch.device("cpu"), command),
                   body, notes)
