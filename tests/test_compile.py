@@ -35,7 +35,7 @@ def _losses(tmp_path, name, sets, graphs=None):
 
 def test_compiled_chooses_the_kernel_arms_before_the_first_trace():
     """A trace that chose the KDA arm itself (set `_impl` on the first forward) guarded on
-    `_impl is None`, and step 2 recompiled every block."""
+    `_impl is None`, and step 2 recompiled."""
     from dormouse.model.kda import KDAMixer
     from dormouse.train.run import build_model, compiled
 

@@ -576,22 +576,21 @@ class KDAMixer(nn.Module):
         """The arm this mixer runs on `device` (a torch device or a described `arms.Card`)."""
         return choose_arm("kda", self.cfg.kda_impl, device, dtype, {"head_dim": self.head_dim})
 
-    def resolve_arm(self, dtype: torch.dtype) -> str:
-        """Choose (and announce) the arm now, for the device of this mixer's parameters and the
-        forward's compute dtype, instead of on the first forward. torch.compile calls this
-        first (train.run.compiled): a trace that sets `_impl` itself guards on `_impl is
-        None`, so the second step recompiled (measured: small's step 2 took 13.6 s instead of
-        0.48 s on the H200, reduce-overhead; tiny's 2.3 s instead of 0.04 s on the CPU with
-        aot_eager)."""
-        dev = self.o_proj.weight.device
+    def resolve_arm(self, dtype: torch.dtype, device: torch.device | None = None) -> str:
+        """Choose (and announce) the arm for `device` (default: this mixer's parameters') and
+        the forward's compute dtype. The first forward does it when nothing did before;
+        torch.compile has it done first (train.run.compiled): a trace that sets `_impl` itself
+        guards on `_impl is None`, so the second step recompiled (measured: small's step 2
+        took 13.6 s instead of 0.48 s on the H200, reduce-overhead; tiny's 2.3 s instead of
+        0.04 s on the CPU with aot_eager)."""
+        dev = device if device is not None else self.o_proj.weight.device
         self._impl = _arm_name(self.cfg.kda_impl, self.head_dim, dev, dtype)
         self._impl_device = dev
         return self._impl
 
     def _kernel(self, x: torch.Tensor):
         if self._impl is None or self._impl_device != x.device:
-            self._impl = _arm_name(self.cfg.kda_impl, self.head_dim, x.device, _compute_dtype(x))
-            self._impl_device = x.device
+            self.resolve_arm(_compute_dtype(x), x.device)
         return _KERNELS[self._impl]
 
     @property
