@@ -145,6 +145,8 @@ class TrainConfig:
     muon_sf: Literal["rms", "jordan"] = "rms"
     muon_momentum: float = 0.95
     adam_betas: tuple[float, ...] = (0.9, 0.95)
+    # Adam's epsilon for the AdamW groups and the Engram tables (torch's default)
+    adam_eps: float = 1e-8
     engram_lr_mult: float = 5.0
     optim_8bit: bool = False
     # data and I/O
@@ -543,6 +545,9 @@ def validate(run: RunConfig) -> RunConfig:
         raise ConfigError(f"warmup={t.warmup} is longer than the run (steps={t.steps})")
     if len(t.adam_betas) != 2 or not all(0 <= b < 1 for b in t.adam_betas):
         raise ConfigError(f"adam_betas={t.adam_betas} must be two numbers in [0, 1)")
+    if not (math.isfinite(t.adam_eps) and t.adam_eps > 0):
+        raise ConfigError(f"adam_eps={t.adam_eps} must be a finite number > 0 (Adam's epsilon; "
+                          f"torch's default is 1e-8)")
     biggest = max(m.n_experts * m.d_model * m.d_ffn, m.engram_rows * m.engram_dim,
                   m.d_model * m.d_attn, m.d_model * m.vocab)  # fmt: skip
     if biggest > _TENSOR_MAX:

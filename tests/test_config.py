@@ -87,6 +87,7 @@ def test_preset_param_targets_listed():
         (["lr=inf"], "lr=inf is not a finite number"),
         (["fit_gb=nan"], "fit_gb=nan is not a finite number"),
         (["adam_betas=0.9,nan"], "is not a finite number"),
+        (["adam_eps=0"], "adam_eps=0.0 must be a finite number > 0"),
         (["muon_momentum=1"], "muon_momentum=1.0 must be in"),
         (["wsd_decay_frac=2"], "wsd_decay_frac=2.0 must be in"),
         (["seed=-1"], "must not be negative"),

@@ -522,6 +522,17 @@ def test_from_config_resolves_ns_dtype_auto(caplog):
     assert "ns_dtype=auto -> bf16" in caplog.text
 
 
+def test_adam_eps_reaches_every_adam_group():
+    # the AdamW groups (torch's AdamW reads eps from its own dicts) and the Engram group
+    opt = MixOptimizer.from_config(StandIn(), TrainConfig(lr=0.01, adam_eps=1e-5), "cpu")
+    kinds = {g["kind"] for g in opt.param_groups if "eps" in g}
+    assert {"engram"} <= kinds and len(kinds) >= 2, kinds
+    assert all(g["eps"] == 1e-5 for g in opt.param_groups if "eps" in g)
+    assert all(g["eps"] == 1e-5 for g in opt.adamw.param_groups)
+    with pytest.raises(ConfigError, match="adam_eps=0 must be"):
+        MixOptimizer(StandIn(), lr=0.01, adam_eps=0)
+
+
 def test_unknown_knob_is_refused():
     with pytest.raises(ConfigError, match="ns_kind"):
         MixOptimizer(StandIn(), lr=0.01, ns_kind="cubic")

@@ -30,6 +30,7 @@ decay uses the scheduled `lr` (p *= 1 - lr*wd), as torch.optim.Muon and AdamW do
 from __future__ import annotations
 
 import logging
+import math
 import statistics
 import time
 
@@ -46,8 +47,9 @@ from .rowadam import moments, row_adam_, row_adam_dense_, row_state
 
 log = logging.getLogger(__name__)
 
-#: Adam's epsilon for the Engram group (torch AdamW's default, as the AdamW groups use).
-ENGRAM_EPS = 1e-8
+#: Adam's epsilon, the AdamW groups' and the Engram group's (torch AdamW's default); the
+#: config's adam_eps.
+ADAM_EPS = 1e-8
 #: muon_state_dtype / engram_state_dtype values; "int8": blockwise codes (dormouse.train.quant)
 STATE_DTYPES = ("fp32", "bf16", "int8")
 #: Group entries a load leaves as built: the kernel choice is this machine's, not the run's.
@@ -122,7 +124,7 @@ class MixOptimizer(torch.optim.Optimizer):
     tables (`HostTables` modules, found at construction), whose rows are not parameters.
     Both are stepped by `row_adam_`: only rows whose gradient is non-zero move (their m, v,
     step count and the row itself), with lr = group lr (base lr x engram_lr_mult, scheduled
-    by set_lr_factor), betas = adam_betas, eps = ENGRAM_EPS, no weight decay.
+    by set_lr_factor), betas = adam_betas, eps = adam_eps, no weight decay.
 
     `muon_state_dtype="bf16"` stores the stacked momentum in bf16: half the memory, and
     APPROXIMATE by design (it drifts from the fp32 trajectory by bf16 round-off).
@@ -153,6 +155,7 @@ class MixOptimizer(torch.optim.Optimizer):
         adam_betas: tuple[float, float] = (0.9, 0.95),
         engram_lr_mult: float = 5.0,
         optim_8bit: bool = False,
+        adam_eps: float = ADAM_EPS,
     ):
         _check("opt", opt, ("mix", "adamw"))
         _check("ns_kind", ns_kind, ("quintic", "polar_express"))
@@ -164,6 +167,8 @@ class MixOptimizer(torch.optim.Optimizer):
         _check("muon_sf", muon_sf, ("rms", "jordan"))
         if ns_steps < 1:
             raise ConfigError(f"ns_steps={ns_steps} must be >= 1")
+        if not (math.isfinite(adam_eps) and adam_eps > 0):
+            raise ConfigError(f"adam_eps={adam_eps} must be a finite number > 0")
         self.optim_8bit = optim_8bit
         self.routes = route_params(model, opt)
         named = [(r, p) for r, (_, p) in zip(self.routes, model.named_parameters(), strict=True)]
@@ -209,7 +214,8 @@ class MixOptimizer(torch.optim.Optimizer):
                     "params": [p for _, p in sel], "names": [r.name for r, _ in sel],
                     "kind": kind, "lr": glr, "base_lr": glr, "weight_decay": gwd,
                 })  # fmt: skip
-        self.adamw = self._make_adamw(adam_groups, lr, tuple(adam_betas)) if adam_groups else None
+        self.adamw = (self._make_adamw(adam_groups, lr, tuple(adam_betas), adam_eps)
+                      if adam_groups else None)  # fmt: skip
 
         # ---- the Engram group: VRAM tables (parameters) and host stores (not) ----
         vram = [(r, p) for r, p in named if r.owner == "engram"]
@@ -224,7 +230,7 @@ class MixOptimizer(torch.optim.Optimizer):
                 "params": [p for _, p in vram],
                 "names": [r.name for r, _ in vram] + [n for n, _ in self._host],
                 "kind": "engram", "lr": glr, "base_lr": glr, "weight_decay": 0.0,
-                "betas": tuple(adam_betas), "eps": ENGRAM_EPS,
+                "betas": tuple(adam_betas), "eps": adam_eps,
             }]  # fmt: skip
 
         self._muon_groups = groups
@@ -241,7 +247,7 @@ class MixOptimizer(torch.optim.Optimizer):
 
     # ---- construction helpers ----
 
-    def _make_adamw(self, groups: list[dict], lr: float, betas: tuple[float, float]):
+    def _make_adamw(self, groups: list[dict], lr: float, betas: tuple[float, float], eps: float):
         params = [p for g in groups for p in g["params"]]
         if self.optim_8bit:
             try:
@@ -259,15 +265,15 @@ class MixOptimizer(torch.optim.Optimizer):
                     f"CUDA tensors only, but AdamW parameters live on {off}; run on a CUDA "
                     f"device or use --set optim_8bit=false"
                 )
-            return bnb.optim.AdamW8bit(groups, lr=lr, betas=betas)
+            return bnb.optim.AdamW8bit(groups, lr=lr, betas=betas, eps=eps)
         all_cuda = all(p.device.type == "cuda" for p in params)
         # fused on CUDA (one kernel for all; FSDP2's DTensor shards too: AdamW is elementwise,
         # and one process and a sharded fleet then run the same arithmetic, which gate g12
         # measured apart by 10x its round-off spread with foreach on the fleet, on an H200);
         # foreach on the CPU.
         if all_cuda:
-            return torch.optim.AdamW(groups, lr=lr, betas=betas, fused=True)
-        return torch.optim.AdamW(groups, lr=lr, betas=betas, foreach=True)
+            return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, fused=True)
+        return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, foreach=True)
 
     @torch.no_grad()
     def _init_state(self, muon_state_dtype: str) -> None:
@@ -336,7 +342,7 @@ class MixOptimizer(torch.optim.Optimizer):
             ns_dtype=ns_dtype, muon_state_dtype=t.muon_state_dtype, muon_variant=t.muon_variant,
             muon_sf=t.muon_sf, momentum=t.muon_momentum, adam_betas=tuple(t.adam_betas),
             engram_lr_mult=t.engram_lr_mult, optim_8bit=t.optim_8bit,
-            engram_state_dtype=t.engram_state_dtype,
+            engram_state_dtype=t.engram_state_dtype, adam_eps=t.adam_eps,
         )  # fmt: skip
         if t.compile and t.compile_mode == "reduce-overhead" and device_type == "cuda":
             why = opt.capture_step()
