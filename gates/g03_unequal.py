@@ -10,7 +10,8 @@ from gates.harness import (
 CLAIM = "unequal batches equal the token-weighted mean"
 INSTRUMENT = ("capacity 4,2 (world 2) and 4,2,3 (world 3), no clip, adam_eps=1e-5: the "
               "fleet's reduced step-1 gradient and its step-1 parameters vs sum_r (t_r / sum t) "
-              "g_r computed by hand (references/gradref.py) and applied by the same MixOptimizer")  # fmt: skip
+              "g_r computed by hand (references/gradref.py) and applied by the same "
+              "MixOptimizer")  # fmt: skip
 
 #: Relative error of the update, by world size. World 2 measured 1.5e-6 (torch 2.13,
 #: CPU/gloo; earlier runs 1.7e-6): fp32 round-off of the summation order, through
@@ -21,7 +22,7 @@ INSTRUMENT = ("capacity 4,2 (world 2) and 4,2,3 (world 3), no clip, adam_eps=1e-
 #: each with the code before and after the KDA mixer's projections were fused into two
 #: matmuls (a change of matmul round-off only), 12 runs a world: world 2 1.4e-6 .. 7.8e-6
 #: (seed 8, the code before: already over the old 5e-6), world 3 1.3e-6 .. 1.7e-5 (the default
-#: seed after). The world-3 tail, isolated 2026-12-03 (gate 14's comment): AdamW's first
+#: seed after). The world-3 tail, isolated 2026-12-03 (harness.STEADY_ADAM): AdamW's first
 #: step lr * g / (|g| + eps) on elements whose gradient sits near eps = 1e-8 amplifies the
 #: gradient's fp32 round-off. The fixture now runs Adam at eps = 1e-5; re-measured over the
 #: default seed and seeds 8-12 (AMD EPYC): world 2 2.7e-6 .. 9.1e-6 (seed 11; unchanged: that

@@ -12,8 +12,9 @@ CLAIM = ("non-finite agreement: a NaN on any rank makes every rank skip that ste
 INSTRUMENT = ("a NaN loss with a finite gradient at step 3 of 5 on rank 0, on rank 1, on both "
               "(world 2, capacity 3,1) and on each of ranks 0, 1, 2 (world 3, capacity 3,1,2); "
               "engram_ram, the LFB controller on, adam_eps=1e-5: every rank's local and "
-              "agreed verdicts; SHA-256 of each rank's whole state (parameters, gradients, buffers, host tables "
-              "and moments, optimizer state) before and after the skipped step; the losses, "
+              "agreed verdicts; SHA-256 of each rank's whole state (parameters, gradients, "
+              "buffers, host tables and moments, optimizer state) before and after the skipped "
+              "step; the losses, "
               "parameters, host tables and LFB biases after it vs one process that never "
               "trains on that batch; and with verdict=device (no host tables), world 3, NaN "
               "on rank 0 and on rank 2")  # fmt: skip
@@ -21,8 +22,8 @@ INSTRUMENT = ("a NaN loss with a finite gradient at step 3 of 5 on rank 0, on ra
 #: After the skip the fleet and the reference train 2 more steps: gate 1's fp32 round-off of
 #: the summation order (losses; measured up to 4.8e-7 here) ...
 TOL_LOSS = 5e-6
-#: ... and on the final parameters. The fixture runs Adam at eps = 1e-5 (gate 14's reason: at
-#: torch's 1e-8 the small gradients near eps amplify fp32 round-off; measured 2026-12-03 at
+#: ... and on the final parameters. The fixture runs Adam at eps = 1e-5 (harness.STEADY_ADAM:
+#: at torch's 1e-8 the small gradients near eps amplify fp32 round-off; measured 2026-12-03 at
 #: world 3, the default seed: parameters 7.2e-8, host tables 6.7e-5 of the 1e-4 then allowed).
 #: At 1e-5, over the default seed and seeds 8-12, world 2 (NaN on rank 0) and world 3 (on
 #: rank 0, on rank 2), and the verdict=device runs (24 runs, AMD EPYC): parameters 7.8e-9 ..

@@ -10,34 +10,27 @@ same bytes after every step.
 from __future__ import annotations
 
 from gates.harness import (
-    SPREAD_K, FleetSpec, Record, batches_of, fleet, fleet_env, fmt, judge, max_abs_diff, max_rel_diff,
-    on, rel_err, single, update_rel_err, worlds,
+    SPREAD_K, STEADY_ADAM, FleetSpec, Record, batches_of, fleet, fleet_env, fmt, judge,
+    max_abs_diff, max_rel_diff, on, rel_err, single, update_rel_err, worlds,
 )
 
 CLAIM = ("host-RAM Engram tables (engram_ram) stay fleet-correct: every rank's table is the "
          "single process's")  # fmt: skip
-INSTRUMENT = ("tiny, engram_ram=true, adam_eps=1e-5, DDP, capacity 3,1 / 3,1,2 / 3,1,2,2 (world 2, 3, 4) vs one "
-              "process at the global batch, 16 steps, fp32, no clip: max |dloss|; the pre-clip "
-              "norm of every step (it includes the host rows); host-table relative error and "
-              "table-UPDATE relative error after the run; SHA-256 of each rank's host table "
-              "after every step")  # fmt: skip
+INSTRUMENT = ("tiny, engram_ram=true, adam_eps=1e-5, DDP, capacity 3,1 / 3,1,2 / 3,1,2,2 "
+              "(world 2, 3, 4) vs one process at the global batch, 16 steps, fp32, no clip: "
+              "max |dloss|; the pre-clip norm of every step (it includes the host rows); "
+              "host-table relative error and table-UPDATE relative error after the run; SHA-256 "
+              "of each rank's host table after every step")  # fmt: skip
 
-#: The fixture steps Adam with eps = 1e-5 (torch's default is 1e-8), for this reason,
-#: isolated 2026-12-03: the Engram conv starts at zero, so in these 16 steps the tables'
-#: gradients are 1e-9 .. 1e-6, many within 0.1-10x of eps = 1e-8. There Adam's first step
-#: lr * g / (|g| + eps) has the slope lr / eps = 5e3 (lr x engram_lr_mult = 5e-3), so an fp32
-#: round-off of 1e-10 in a row's gradient sum (the fleet sums per rank, then over the ranks)
-#: moves that element's update by ~5e-5: measured, the world-3 fleet's table differed from
-#: the reference from the first step that moved it (5.4e-5 on one element, update 3.8e-4
-#: relative), and after 16 steps by table 8.4e-5 / update 1.3e-4 relative (AMD EPYC) and
-#: 1.03e-4 / 1.6e-4 (Intel Xeon, CI), past the 1e-4 this gate then allowed; the dense AdamW
-#: groups feed the same amplification into the loss (world 3, seed 9: |dloss| 4.1e-6, norms
-#: 1.5e-5). World 3 shows it most: its loss weights 3/2, 1/2, 1 and DDP's division by 3 round
-#: where world 2 and 4's (powers of two) are exact. At eps = 1e-5 the fixture's gradients sit
-#: below eps, each update is near-linear in its gradient, and round-off stays round-off. The
-#: claim (the rows reduced and stepped alike) does not depend on eps; a gradient-scale error
-#: shows MORE at this eps (a linear step keeps the factor Adam's sign-like step cancels).
-ENGRAM_SETS = ("engram_ram=true", "adam_eps=1e-5")
+#: Adam at eps = 1e-5 (harness.STEADY_ADAM, whose comment gives the mechanism). Measured on
+#: this fixture at torch's 1e-8: the world-3 fleet's table differed from the reference from
+#: the first step that moved it (5.4e-5 on one element, update 3.8e-4 relative), and after 16
+#: steps by table 8.4e-5 / update 1.3e-4 relative (AMD EPYC) and 1.03e-4 / 1.6e-4 (Intel
+#: Xeon, CI), past the 1e-4 this gate then allowed; the dense AdamW groups fed the same
+#: amplification into the loss (world 3, seed 9: |dloss| 4.1e-6, norms 1.5e-5). The claim
+#: (the rows reduced and stepped alike) does not depend on eps; a gradient-scale error shows
+#: MORE at 1e-5 (a linear step keeps the factor Adam's sign-like step cancels).
+ENGRAM_SETS = ("engram_ram=true", STEADY_ADAM)
 #: Unequal capacity: each rank's rows carry the weight world * t_r / sum(t), so a mean taken
 #: without that weighting (or a rank's own rows alone) shows; from world 3 on, a summation
 #: order that depends on the rank shows in the ranks' SHA-256 (a + b == b + a in fp32, but

@@ -14,8 +14,7 @@ so each rank's gradient carries the loss-scale weighting.
 from __future__ import annotations
 
 from gates.g01_trajectory import FP32_TOL, measure
-from gates.g14_engram_ram_fleet import ENGRAM_SETS
-from gates.g14_engram_ram_fleet import _one as engram_one
+from gates.g14_engram_ram_fleet import ENGRAM_SETS, _one as engram_one
 from gates.harness import (
     SPREAD_K, FleetSpec, Record, fleet, fleet_env, fmt, judge, max_abs_diff, on, single, tol_on,
     worlds,
