@@ -421,6 +421,70 @@ def test_fused_conv_silu_matches_the_torch_conv():
         assert torch.equal(a, b), name
 
 
+@pytest.mark.slow
+@pytest.mark.skipif(not _fla_ready(), reason="fla arm needs CUDA sm_80+ and fla-core")
+def test_qk_l2norm_op_matches_the_torch_norm():
+    """The fla arm's q/k L2-norm (`dormouse::qk_l2norm`, our Triton kernels) against the
+    torch arm's `_l2norm` on q|k|v's views: outputs, the gradient into q|k|v's layout, v
+    passed through bitwise, a zero row, odd widths (head_dim 24: a masked tile), compiled."""
+    from dormouse.model.kda import _l2norm
+    from dormouse.model.qk_norm import qk_l2norm
+
+    gen = torch.Generator().manual_seed(5)
+
+    def case(B, T, H, D, dtype):
+        x = torch.randn(B, T, 3 * H * D, generator=gen, dtype=torch.float64)
+        x[0, 0, :D] = 0  # q's first row: the norm's eps alone under the root
+        dys = [torch.randn(B, T, H, D, generator=gen, dtype=torch.float64) for _ in range(3)]
+        return x.to(dtype).cuda(), [d.to(dtype).cuda() for d in dys]
+
+    def torch_norm(x, H):
+        B, T, _ = x.shape
+        q, k, v = x.view(B, T, 3, H, -1).unbind(2)
+        return _l2norm(q), _l2norm(k), v
+
+    def run(fn, x, dys, H):
+        x = x.detach().clone().requires_grad_(True)
+        outs = fn(x, H)
+        sum((o.double() * d.double()).sum() for o, d in zip(outs, dys)).backward()
+        return [o.detach() for o in outs], x.grad
+
+    for B, T, H, D in ((2, 100, 3, 64), (1, 33, 2, 24), (2, 70, 12, 128)):
+        # fp32: the same fp32 sums and root in a different order (Triton's row reduction,
+        # torch's), the gradient r (dy - y (y . dy)) where torch's autograd goes through
+        # the product chain: both ~1 ulp. A missing eps, a norm over the wrong axis or a
+        # dropped y (y . dy) term moves them by O(1)
+        x, dys = case(B, T, H, D, torch.float32)
+        (q, k, v), dx = run(qk_l2norm, x, dys, H)
+        (q0, k0, v0), dx0 = run(torch_norm, x, dys, H)
+        assert q.is_contiguous() and k.is_contiguous() and v.is_contiguous()
+        assert torch.equal(v, v0) and not q[0, 0, 0].any()  # the zero row stays zeros
+        for name, a, b in (("q", q, q0), ("k", k, k0), ("dx", dx, dx0)):
+            assert _rel_err(a, b) <= 1e-6, (name, (B, T, H, D), _rel_err(a, b))
+        # bf16 against the fp64 truth of the same bf16 inputs: the outputs round once like
+        # the torch chain's; the gradient reads the normalised rows as kept in bf16 (as
+        # fla's own in-kernel norm does) where torch's autograd keeps the fp32 input, so its
+        # rounding is bf16's, bounded at 2^-7 relative to the largest entry, as the conv's
+        xb, dyb = case(B, T, H, D, torch.bfloat16)
+        (q, k, v), dx = run(qk_l2norm, xb, dyb, H)
+        (q64, k64, _), dx64 = run(torch_norm, xb.double(), [d.double() for d in dyb], H)
+        (q0, k0, _), dx0 = run(torch_norm, xb, dyb, H)
+        assert q.dtype == dx.dtype == torch.bfloat16
+        for name, a, truth, eager in (("q", q, q64, q0), ("k", k, k64, k0),
+                                      ("dx", dx, dx64, dx0)):  # fmt: skip
+            assert _rel_err(a, truth) <= 2 ** -7, (name, _rel_err(a, truth), _rel_err(eager, truth))
+
+    # compiled (the op one node of inductor's graph): the same kernels, the same bits
+    def f(x):
+        return [o * 2 for o in qk_l2norm(x, 3)]
+
+    x, dys = case(2, 64, 3, 64, torch.bfloat16)
+    compiled = torch.compile(f, dynamic=False)
+    (outs_c, dx_c), (outs_e, dx_e) = run(lambda x, H: compiled(x), x, dys, 3), run(
+        lambda x, H: f(x), x, dys, 3)
+    assert all(torch.equal(a, b) for a, b in zip(outs_c, outs_e)) and torch.equal(dx_c, dx_e)
+
+
 def _op_inputs(B, T, H, D, seed):
     """Inputs as the mixer hands them to the kernel: bf16 q, k (L2-normalised), v, beta; g fp32."""
     q, k, v, g, beta, _ = (x.cuda() for x in _inputs(B, T, H, D, D, seed=seed))

@@ -25,6 +25,7 @@ from dormouse import cache
 from dormouse.config import ModelConfig
 from dormouse.model.arms import Arm, announce, check_request, choose_arm
 from dormouse.model.layers import LowRankDelta, RMSNorm
+from dormouse.model.qk_norm import qk_l2norm
 
 log = logging.getLogger(__name__)
 
@@ -712,9 +713,13 @@ class KDAMixer(nn.Module):
                  for n in ("q", "k", "v")], dim=-1,
             )  # fmt: skip
             qkv = qkv + dl
-        qkv, new_tail = self.qkv_conv.silu(qkv, conv_tail, fused=self._impl == "fla")
-        q, k, v = qkv.view(B, T, 3, H, Dh).unbind(dim=2)
-        q, k = _l2norm(q), _l2norm(k)
+        fla = self._impl == "fla"
+        qkv, new_tail = self.qkv_conv.silu(qkv, conv_tail, fused=fla)
+        if fla:  # one pass each way in our Triton kernels, q, k, v contiguous (qk_norm.py)
+            q, k, v = qk_l2norm(qkv, H)
+        else:
+            q, k, v = qkv.view(B, T, 3, H, Dh).unbind(dim=2)
+            q, k = _l2norm(q), _l2norm(k)
 
         f = self.dt_bias.float().expand(B, T, -1)
         if self.f_down is not None:
