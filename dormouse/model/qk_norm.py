@@ -22,6 +22,7 @@ row is head_dim wide (a power of two up to 256 in every preset), BT rows a progr
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -88,6 +89,11 @@ def _kernels():
     return triton, fwd, bwd
 
 
+def _on(t: torch.Tensor):
+    """Launch on t's card (Triton launches on the current one; a fleet rank may hold another)."""
+    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
+
+
 def _launch_shape(qkv: torch.Tensor, heads: int) -> tuple[int, int, int]:
     *lead, width = qkv.shape
     if width % (3 * heads):
@@ -109,8 +115,9 @@ def _qk_l2norm(qkv: torch.Tensor, heads: int) -> tuple[torch.Tensor, torch.Tenso
     q, k, v = (qkv.new_empty(*lead, heads, d) for _ in range(3))
     r = qkv.new_empty(*lead, 2, heads, dtype=torch.float32)
     if n:
-        fwd[(triton.cdiv(n, _BT), 3 * heads)](qkv, q, k, v, r, n, EPS, H=heads, D=d,
-                                               BD=triton.next_power_of_2(d), BT=_BT)  # fmt: skip
+        with _on(qkv):
+            fwd[(triton.cdiv(n, _BT), 3 * heads)](qkv, q, k, v, r, n, EPS, H=heads, D=d,
+                                                   BD=triton.next_power_of_2(d), BT=_BT)  # fmt: skip
     return q, k, v, r
 
 
@@ -132,8 +139,9 @@ def _qk_l2norm_bwd(q: torch.Tensor, k: torch.Tensor, r: torch.Tensor, dq: torch.
     dx = q.new_empty(*lead, 3 * heads * d)
     n = dx.numel() // (3 * heads * d) if dx.numel() else 0
     if n:
-        bwd[(triton.cdiv(n, _BT), 3 * heads)](q, k, r, dq, dk, dv, dx, n, H=heads, D=d,
-                                               BD=triton.next_power_of_2(d), BT=_BT)  # fmt: skip
+        with _on(q):
+            bwd[(triton.cdiv(n, _BT), 3 * heads)](q, k, r, dq, dk, dv, dx, n, H=heads, D=d,
+                                                   BD=triton.next_power_of_2(d), BT=_BT)  # fmt: skip
     return dx
 
 
