@@ -25,6 +25,7 @@ from dormouse import cache
 from dormouse.config import ModelConfig
 from dormouse.model.arms import Arm, announce, check_request, choose_arm
 from dormouse.model.layers import LowRankDelta, RMSNorm
+from dormouse.model.qk_norm import EPS as _L2_EPS
 from dormouse.model.qk_norm import qk_l2norm
 
 log = logging.getLogger(__name__)
@@ -551,7 +552,7 @@ class ShortConv(nn.Module):
         return y, xt[:, T:]
 
 
-def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+def _l2norm(x: torch.Tensor, eps: float = _L2_EPS) -> torch.Tensor:
     xf = x.float()
     return (xf * torch.rsqrt(xf.pow(2).sum(-1, keepdim=True) + eps)).to(x.dtype)
 

@@ -27,7 +27,7 @@ import functools
 
 import torch
 
-EPS = 1e-6  # kda._l2norm's
+EPS = 1e-6  # under the root; kda._l2norm (the torch arm) takes the same
 _BT = 16  # rows (tokens) a program: 16 x 128 bf16 = 4 KiB a tile; memory-bound either way
 
 
@@ -94,14 +94,14 @@ def _on(t: torch.Tensor):
     return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
 
 
-def _launch_shape(qkv: torch.Tensor, heads: int) -> tuple[int, int, int]:
+def _outputs(qkv: torch.Tensor, heads: int) -> tuple[torch.Tensor, ...]:
+    """The forward's (q, k, v, r), allocated: the op and its fake share the shapes."""
     *lead, width = qkv.shape
     if width % (3 * heads):
         raise ValueError(f"qk_l2norm: the last dim {width} is not 3 x {heads} heads of one width")
-    n = 1
-    for s in lead:
-        n *= s
-    return n, width // (3 * heads), width
+    d = width // (3 * heads)
+    return (*(qkv.new_empty(*lead, heads, d) for _ in range(3)),
+            qkv.new_empty(*lead, 2, heads, dtype=torch.float32))  # fmt: skip
 
 
 @torch.library.custom_op("dormouse::qk_l2norm", mutates_args=())
@@ -110,10 +110,8 @@ def _qk_l2norm(qkv: torch.Tensor, heads: int) -> tuple[torch.Tensor, torch.Tenso
     """qkv [..., 3 x heads x D] (contiguous) -> (q, k L2-normalised per head row; v), each
     [..., heads, D] contiguous in qkv's dtype, and the reciprocal norms [..., 2, heads] fp32."""
     triton, fwd, _ = _kernels()
-    n, d, _ = _launch_shape(qkv, heads)
-    lead = qkv.shape[:-1]
-    q, k, v = (qkv.new_empty(*lead, heads, d) for _ in range(3))
-    r = qkv.new_empty(*lead, 2, heads, dtype=torch.float32)
+    q, k, v, r = _outputs(qkv, heads)
+    n, d = r.numel() // (2 * heads), q.shape[-1]
     if n:
         with _on(qkv):
             fwd[(triton.cdiv(n, _BT), 3 * heads)](qkv, q, k, v, r, n, EPS, H=heads, D=d,
@@ -123,10 +121,7 @@ def _qk_l2norm(qkv: torch.Tensor, heads: int) -> tuple[torch.Tensor, torch.Tenso
 
 @_qk_l2norm.register_fake
 def _(qkv, heads):
-    _, d, _ = _launch_shape(qkv, heads)
-    lead = qkv.shape[:-1]
-    return (*(qkv.new_empty(*lead, heads, d) for _ in range(3)),
-            qkv.new_empty(*lead, 2, heads, dtype=torch.float32))  # fmt: skip
+    return _outputs(qkv, heads)
 
 
 @torch.library.custom_op("dormouse::qk_l2norm_bwd", mutates_args=())
@@ -137,7 +132,7 @@ def _qk_l2norm_bwd(q: torch.Tensor, k: torch.Tensor, r: torch.Tensor, dq: torch.
     triton, _, bwd = _kernels()
     *lead, heads, d = q.shape
     dx = q.new_empty(*lead, 3 * heads * d)
-    n = dx.numel() // (3 * heads * d) if dx.numel() else 0
+    n = r.numel() // (2 * heads)
     if n:
         with _on(q):
             bwd[(triton.cdiv(n, _BT), 3 * heads)](q, k, r, dq, dk, dv, dx, n, H=heads, D=d,
