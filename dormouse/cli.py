@@ -395,7 +395,7 @@ def build_parser() -> argparse.ArgumentParser:
     li.set_defaults(fn=cmd_link)
 
     b = sub.add_parser("bench", help="benchmark tables: step (the default; --baseline gpt), optim, "
-                       "memory, shards, fleet; warm fills the kernel caches")
+                       "memory, shards, fleet, kernels; warm fills the kernel caches")
     b.add_argument("rest", nargs=argparse.REMAINDER)
     b.set_defaults(fn=cmd_bench)
     return p

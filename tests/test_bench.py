@@ -111,6 +111,16 @@ def test_bad_device_and_step_counts_are_refused(capsys):
         assert "sees no CUDA device" in capsys.readouterr().err
 
 
+def test_kernels_is_refused_off_cuda_and_with_no_steps(capsys):
+    # `bench kernels` times our Triton kernels against fla's and the torch arm's: CUDA only
+    assert main_bench(["kernels", "tiny", "--device", "cpu"]) == 2
+    err = capsys.readouterr()
+    assert "bench kernels times Triton kernels on CUDA; this device is cpu" in err.err
+    assert err.err.count("\n") == 1 and "Traceback" not in err.err and "|" not in err.out
+    assert main_bench(["kernels", "tiny", "--device", "cpu", "--steps", "0"]) == 2
+    assert "--steps 0 --warmup 3: steps must be >= 1" in capsys.readouterr().err
+
+
 def test_optim_times_the_real_models_parameter_set(capsys):
     from dormouse.cli import main  # through the CLI: `dormouse bench optim ...`
 

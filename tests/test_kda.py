@@ -356,9 +356,10 @@ def test_mixer_fla_matches_torch_and_decodes():
 @pytest.mark.slow
 @pytest.mark.skipif(not _fla_ready(), reason="fla arm needs CUDA sm_80+ and fla-core")
 def test_fused_conv_silu_matches_the_torch_conv():
-    """The fla arm's short conv + SiLU (fla's causal_conv1d, `ShortConv.silu(fused=True)`)
-    against the torch arm's taps and F.silu: the same output and gradients, the same new
-    tail, and the same numbers whether the window arrives whole, split, or byte by byte."""
+    """The fla arm's short conv + SiLU (`ShortConv.silu(fused=True)`: fla's causal_conv1d
+    forward, our backward kernel) against the torch arm's taps and F.silu: the same output and
+    gradients, the same new tail, and the same numbers whether the window arrives whole,
+    split, or byte by byte."""
     gen = torch.Generator().manual_seed(3)
     conv = ShortConv(96, 4).cuda()
     x64 = torch.randn(2, 100, 96, generator=gen, dtype=torch.float64).cuda()
@@ -373,13 +374,28 @@ def test_fused_conv_silu_matches_the_torch_conv():
 
     # fp32: both sum the same four products in the same order in fp32; what differs is the
     # SiLU's rounding (torch's vs Triton's sigmoid), fused multiply-adds and the backward's
-    # summation order over B x T for the taps' gradient (per 64-step chunk, then the
-    # chunks): measured on an H200 (2026-12-03) y 1.3e-7, dx 1.3e-7, dw 1.5e-7 relative, the
-    # tail bitwise. A tap applied to the wrong offset, a flipped tap order or a missing SiLU
+    # summation order over B x T for the taps' gradient (per span of up to 128 steps, then
+    # the spans): measured on an H200 (2026-12-04, our backward) y 7.9e-8, dx 7.5e-8, dw
+    # 1.3e-7 relative, the tail bitwise. A tap applied to the wrong offset, a flipped tap order or a missing SiLU
     # moves every output by O(1).
     got, ref = run(x64.float(), True), run(x64.float(), False)
     for name, a, b in zip(("y", "tail", "dx", "dw"), got, ref):
         assert _rel_err(a, b) <= 1e-5, (name, _rel_err(a, b))
+    # the backward is our kernel (conv_silu.py), its blocks planned from the shape: taps 3 and
+    # 5, channels that leave a block part-masked (130, 600), fewer steps than taps, a row of
+    # several spans whose windows cross the spans' borders, a batch of 3; same bound, same
+    # reasons (measured on the H200: dx 5.4e-8..7.6e-8, dw 5.7e-8..1.5e-7)
+    for B, T, C, W in ((3, 2, 130, 4), (1, 300, 64, 3), (2, 77, 600, 5)):
+        c2 = ShortConv(C, W).cuda()
+        xs = torch.randn(B, T, C, generator=gen).cuda().requires_grad_(True)
+        dys = torch.randn(B, T, C, generator=gen).cuda()
+        out = []
+        for fused in (True, False):
+            xs.grad = c2.weight.grad = None
+            (c2.silu(xs, None, fused=fused)[0] * dys).sum().backward()
+            out.append((xs.grad.clone(), c2.weight.grad.clone()))
+        for name, a, b in zip(("dx", "dw"), *out):
+            assert _rel_err(a, b) <= 1e-5, (name, (B, T, C, W), _rel_err(a, b))
     # bf16: the fused sums round once (fp32 inside), the eager chain after every product
     # and sum: measured against the fp64 truth of the same bf16 inputs, fused 2.8e-3 and the
     # eager chain 6.9e-3 relative (bf16's unit round-off is 3.9e-3); bound 2^-7
@@ -443,6 +459,11 @@ def test_qk_l2norm_op_matches_the_torch_norm():
         q, k, v = x.view(B, T, 3, H, -1).unbind(2)
         return _l2norm(q), _l2norm(k), v
 
+    def fp64_norm(x, H):  # the truth, written out (`_l2norm` computes in fp32 whatever x is)
+        B, T, _ = x.shape
+        q, k, v = x.double().view(B, T, 3, H, -1).unbind(2)
+        return [t * torch.rsqrt((t * t).sum(-1, keepdim=True) + 1e-6) for t in (q, k)] + [v]
+
     def run(fn, x, dys, H):
         x = x.detach().clone().requires_grad_(True)
         outs = fn(x, H)
@@ -467,7 +488,7 @@ def test_qk_l2norm_op_matches_the_torch_norm():
         # rounding is bf16's, bounded at 2^-7 relative to the largest entry, as the conv's
         xb, dyb = case(B, T, H, D, torch.bfloat16)
         (q, k, v), dx = run(qk_l2norm, xb, dyb, H)
-        (q64, k64, _), dx64 = run(torch_norm, xb.double(), [d.double() for d in dyb], H)
+        (q64, k64, _), dx64 = run(fp64_norm, xb.double(), [d.double() for d in dyb], H)
         (q0, k0, _), dx0 = run(torch_norm, xb, dyb, H)
         assert q.dtype == dx.dtype == torch.bfloat16
         for name, a, truth, eager in (("q", q, q64, q0), ("k", k, k64, k0),

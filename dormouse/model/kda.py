@@ -454,14 +454,15 @@ def _arm_name(impl: str, head_dim: int, device: torch.device, dtype: torch.dtype
     return announce(choose_arm("kda", impl, device, dtype, {"head_dim": head_dim})).name
 
 
-# ---- the short conv and its SiLU, fused by fla (the fla arm) ---------------------------
-# fla's causal_conv1d kernels, each output the taps' products summed in fp32 in tap order
-# (tap 0 x the oldest input .. tap W-1 x the current byte, zeros before the window) and
-# rounded once; the backward recomputes the pre-activation from x rather than keeping it.
-# Custom ops, as kda_chunk: fla's functions are compiler-disabled, and an op is one opaque
-# node in a compiled graph. Measured on an H200 at b1 32 x 2048 (docs/performance.md): the
-# eager chain it replaces (padded cat, W products and sums, SiLU, each a pass over
-# [B, T, 3 x d_attn]) ran ~110 ms of the 842 GPU ms of a step, compiled, at ~1.25 TB/s.
+# ---- the short conv and its SiLU, fused (the fla arm) ----------------------------------
+# The forward is fla's causal_conv1d kernel, each output the taps' products summed in fp32 in
+# tap order (tap 0 x the oldest input .. tap W-1 x the current byte, zeros before the window)
+# and rounded once; the backward is our own kernel (conv_silu.py), which recomputes the
+# pre-activation from x in registers rather than keeping it. Custom ops, as kda_chunk: fla's
+# functions are compiler-disabled, and an op is one opaque node in a compiled graph. Measured
+# on an H200 at b1 32 x 2048 (docs/performance.md): the eager chain it replaces (padded cat,
+# W products and sums, SiLU, each a pass over [B, T, 3 x d_attn]) ran ~110 ms of the 842 GPU
+# ms of a step, compiled, at ~1.25 TB/s.
 
 
 @torch.library.custom_op("dormouse::conv_silu", mutates_args=())
@@ -482,10 +483,9 @@ def _(x, w):
 def _conv_silu_bwd(x: torch.Tensor, w: torch.Tensor,
                    dy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """(dx, dw) of `dormouse::conv_silu` (dw in w's dtype, summed over B and T in fp32)."""
-    from fla.modules.causal_conv1d import causal_conv1d_bwd
+    from .conv_silu import conv_silu_bwd
 
-    dx, dw, *_ = causal_conv1d_bwd(x, dy, None, w, None, None, activation="silu")
-    return dx, dw
+    return conv_silu_bwd(x, w, dy)
 
 
 @_conv_silu_bwd.register_fake
