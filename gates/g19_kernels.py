@@ -5,8 +5,10 @@ shapes that cross and pad chunks, fp64 gradients); the MoE dispatch arms (groupe
 runs, batched) vs `references/moe_dense.py` (dropless) and vs `references/moe_capacity.py`
 (capacity 0.5 and 1.0: forward, drops, every gradient). cuda=True: the same MoE arms on the
 GPU (TF32 off, the fp64 reference on the CPU), the torch KDA arm on the GPU, and the fla arm
-vs kda_naive in fp32. The tolerances are the ones tests/test_kda.py and tests/test_moe.py
-measured, quoted with their reasons.
+vs kda_naive in fp32, and the fla arm's other mixer ops (the short conv + SiLU: fla's forward
+and our backward kernel; our q/k L2-norm) vs `references/short_conv.py` in fp64. The
+tolerances are the ones tests/test_kda.py and tests/test_moe.py measured, quoted with their
+reasons.
 """
 
 from __future__ import annotations
@@ -29,6 +31,13 @@ KDA_FP64_GRAD_TOL = 1e-9
 # tests/test_kda.py, measured on an H200: fla's fp32 dots run in TF32; o 2.6e-4, S 1.5e-3
 # (o ~0.3, S ~3); the bounds leave ~8x headroom, a wrong scale or decay order is off by >0.1.
 FLA_FP32_TOL_O, FLA_FP32_TOL_S = 2e-3, 1e-2
+# The fla arm's mixer ops in fp32 against references/short_conv.py in fp64, relative to the
+# largest entry. Conv + SiLU (fla's forward, our backward kernel): tests/test_kda.py measured
+# y 7.9e-8, dx 5.4e-8..7.6e-8, dw 5.7e-8..1.5e-7 against the torch arm's fp32 chain on an H200
+# (fp32 sums in another order, Triton's sigmoid); a tap on the wrong step, a flipped tap
+# order or a lost SiLU term moves them by O(1). q/k norm: q/k 1.2e-7..1.8e-7, d(q|k|v)
+# 1.8e-8..3.5e-8 there; a missing eps, the wrong axis or a dropped y (y . dy) term is O(1).
+CONV_FP32_TOL, NORM_FP32_TOL = 1e-5, 1e-6
 # tests/test_moe.py: fp32 module vs fp64 reference, dot products of length <= 32 over O(1)
 # values: round-off ~1e-6; a routing or gating mistake moves outputs by O(0.1).
 MOE_ATOL, MOE_RTOL = 2e-5, 1e-4
@@ -40,7 +49,9 @@ TOLERANCE = (f"KDA torch arm fp32 <= {fmt(KDA_FP32_TOL)} (round-off, measured ~2
              f"gradients <= {fmt(KDA_FP64_GRAD_TOL)}; fla fp32 o <= {fmt(FLA_FP32_TOL_O)}, "
              f"S <= {fmt(FLA_FP32_TOL_S)} (TF32 dots, measured 2.6e-4 / 1.5e-3 on an H200); MoE "
              f"fp32 vs fp64 |d| <= {fmt(MOE_ATOL)} + {fmt(MOE_RTOL)}|ref| (round-off ~1e-6), "
-             f"drops equal exactly")  # fmt: skip
+             f"drops equal exactly; on CUDA the fla arm's conv + SiLU <= {fmt(CONV_FP32_TOL)} "
+             f"and q/k norm <= {fmt(NORM_FP32_TOL)} relative, fp32 vs fp64 (measured <= 1.5e-7 "
+             f"/ 1.8e-7 on an H200)")  # fmt: skip
 
 
 # ---- KDA -----------------------------------------------------------------------------------
@@ -91,6 +102,85 @@ def kda_grad_err() -> float:
     # the arm ignores) is an infinite error, not a crash
     return max(math.inf if a is None else (a - b).abs().max().item() for a, b in
                zip(grads(kda_torch, chunk_size=4), grads(kda_naive)))  # fmt: skip
+
+
+# ---- the fla arm's mixer ops ---------------------------------------------------------------
+
+# (B, T, C, taps): a row of several spans of the backward's plan, a part-masked block (130,
+# 600), fewer steps than taps, taps 3 and 5
+CONV_SHAPES = ((2, 100, 96, 4), (3, 2, 130, 4), (1, 300, 64, 3), (2, 77, 600, 5))
+# (B, T, heads, head_dim): an odd head_dim (24: a masked tile), b1's 128
+NORM_SHAPES = ((2, 100, 3, 64), (1, 33, 2, 24), (1, 20, 12, 128))
+
+
+def _rel(a: torch.Tensor, ref: torch.Tensor) -> float:
+    a, ref = a.detach().double().cpu(), ref.detach()
+    return ((a - ref).abs().max() / ref.abs().max()).item()
+
+
+def conv_errors(op, device, shape, seed: int) -> dict:
+    """op(x, w) (silu of the short conv, with gradients) in fp32 on `device` vs the fp64
+    reference on the CPU: the output, dx and dw, relative to each one's largest entry."""
+    from references.short_conv import short_conv_silu
+
+    B, T, C, W = shape
+    gen = torch.Generator().manual_seed(seed)
+    x, dy = torch.randn(B, T, C, generator=gen), torch.randn(B, T, C, generator=gen)
+    w = torch.rand(C, W, generator=gen) - 0.5
+    x32 = x.to(device, copy=True).requires_grad_(True)
+    w32 = w.to(device, copy=True).requires_grad_(True)
+    y = op(x32, w32)
+    (y * dy.to(device)).sum().backward()
+    x64, w64 = x.double().requires_grad_(True), w.double().requires_grad_(True)
+    ref = short_conv_silu(x64, w64)
+    (ref * dy.double()).sum().backward()
+    return {"y": _rel(y, ref), "dx": _rel(x32.grad, x64.grad), "dw": _rel(w32.grad, w64.grad)}
+
+
+def norm_errors(op, device, shape, seed: int) -> dict:
+    """op(qkv, heads) -> (q, k, v) in fp32 on `device` vs the fp64 reference on the CPU:
+    q, k and the gradient into q|k|v's layout, relative; v must pass through bitwise."""
+    from references.short_conv import qk_l2norm
+
+    B, T, H, Dh = shape
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(B, T, 3 * H * Dh, generator=gen)
+    x[0, 0, :Dh] = 0  # a zero row: eps alone under the root
+    dys = [torch.randn(B, T, H, Dh, generator=gen) for _ in range(3)]
+    x32 = x.to(device, copy=True).requires_grad_(True)
+    outs = op(x32, H)
+    sum((o * d.to(device)).sum() for o, d in zip(outs, dys)).backward()
+    x64 = x.double().requires_grad_(True)
+    refs = qk_l2norm(x64, H)
+    sum((o * d.double()).sum() for o, d in zip(refs, dys)).backward()
+    v = x[..., 2 * H * Dh :].reshape(B, T, H, Dh)
+    return {
+        "q": _rel(outs[0], refs[0]),
+        "k": _rel(outs[1], refs[1]),
+        "dx": _rel(x32.grad, x64.grad),
+        "v_exact": torch.equal(outs[2].detach().cpu(), v),
+    }
+
+
+def mixer_op_parts(bad: list) -> list[str]:
+    """The fla arm's conv + SiLU and q/k norm ops on CUDA vs references/short_conv.py."""
+    from dormouse.model.qk_norm import qk_l2norm
+
+    parts = []
+    conv = [conv_errors(torch.ops.dormouse.conv_silu, "cuda", s, 30 + i)
+            for i, s in enumerate(CONV_SHAPES)]  # fmt: skip
+    worst = {k: max(e[k] for e in conv) for k in ("y", "dx", "dw")}
+    if max(worst.values()) > CONV_FP32_TOL:
+        bad.append(f"conv + SiLU fp32 {worst} > {fmt(CONV_FP32_TOL)}")
+    parts.append("conv_silu/cuda fp32 " + " ".join(f"{k} {fmt(v)}" for k, v in worst.items()))
+    norm = [norm_errors(lambda x, h: list(qk_l2norm(x, h)), "cuda", s, 40 + i)
+            for i, s in enumerate(NORM_SHAPES)]  # fmt: skip
+    worst = {k: max(e[k] for e in norm) for k in ("q", "k", "dx")}
+    if max(worst.values()) > NORM_FP32_TOL or not all(e["v_exact"] for e in norm):
+        bad.append(f"q/k norm fp32 {worst} > {fmt(NORM_FP32_TOL)} or v not passed through")
+    parts.append("qk_l2norm/cuda fp32 " + " ".join(f"{k} {fmt(v)}" for k, v in worst.items())
+                 + ", v bitwise" * all(e["v_exact"] for e in norm))  # fmt: skip
+    return parts
 
 
 # ---- MoE -----------------------------------------------------------------------------------
@@ -212,6 +302,7 @@ def _run(cuda: bool) -> Record:
                     bad.append(f"kda fla fp32 o {fmt(eo)} S {fmt(eS)} over {fmt(FLA_FP32_TOL_O)}"
                                f" / {fmt(FLA_FP32_TOL_S)}")  # fmt: skip
                 parts.append(f"kda fla/cuda fp32 o {fmt(eo)} S {fmt(eS)}")
+                parts += mixer_op_parts(bad)
             else:
                 parts.append(f"kda fla: not run ({reason})")
 
@@ -235,7 +326,10 @@ def _run(cuda: bool) -> Record:
     instrument = ("KDA: kda_torch vs references/kda_naive.py, fp32, (B,T,H,K,V)="
                   "(2,{37,64,29},3,16,8) with chunks 16/16/1 and a carried state, fp64 "
                   "gradients at T=11 chunk 4"
-                  + ("; kda_fla vs kda_naive fp32 at (2,100,2,64,64)" if cuda else "")
+                  + ("; kda_fla vs kda_naive fp32 at (2,100,2,64,64); the fla arm's "
+                     "conv + SiLU op (B,T,C,taps) in " + str(CONV_SHAPES) + " and q/k norm op "
+                     "(B,T,H,D) in " + str(NORM_SHAPES) + " vs references/short_conv.py, "
+                     "forward and gradients, fp32 vs fp64" if cuda else "")
                   + f"; MoE (D={D}, F={FF}, E={E}, k={K}, shared {R}) each dispatch arm vs "
                   "references/moe_dense.py (dropless) and references/moe_capacity.py (capacity "
                   "0.5, 1.0), 3 rows x 8 tokens, forward + x and weight gradients vs fp64"
