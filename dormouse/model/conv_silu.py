@@ -9,8 +9,8 @@ window, the sums in fp32. fla's backward does three things:
   SiLU derivative W times;
 - it writes each tile's tap gradients to a [B x T / 64, C, W] fp32 buffer, which a sum then
   reduces.
-Measured on an H200 at b1 32 x 2048 x 4608 (docs/performance.md): 2.41 ms a call with the sum,
-37.5 ms of an ~810 ms step.
+Measured on an H200 at b1 32 x 2048 x 4608 (docs/performance.md): 2.3-2.4 ms a call with the
+sum, 37.5 ms of an ~810 ms step.
 
 Here each program walks its span of time one step at a time, for one block of channels, with
 windows of rows held in registers and slid by one row a step:
@@ -20,7 +20,8 @@ windows of rows held in registers and slid by one row a step:
   z[t+W-1] = sum_j w[j] x[t+j] and g = dy silu'(z), so every derivative is computed once;
 - dx[t] = sum_s w[W-1-s] g[t+s] is written, and dw[j] += g[t] x[t-(W-1)+j] is summed in fp32
   registers over the span, then written once per (batch row, span) and summed by torch.
-Measured on the H200 (docs/h200-compile/): 0.93 ms a call at that shape (1.9 TB/s).
+Measured on the H200 (`bench kernels`, docs/h200-compile/kernels-b1-32.md): 0.92 ms a call at
+that shape (1.98 TB/s of the least bytes: x, dy read, dx written).
 
 The block shapes come from the input's shape (`_plan`), with no autotuning. Triton is imported
 only when the kernel first runs.
