@@ -29,10 +29,11 @@ only when the kernel first runs.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 
 import torch
+
+from .qk_norm import _on  # launch on the tensors' card, as the norm's kernels do
 
 _LANES = 4  # channels a thread holds: 8-byte bf16 loads; x, dy and g windows + W sums in regs
 _AHEAD = 2  # rows of x and dy loaded ahead of the step that uses them
@@ -112,11 +113,6 @@ def _kernel():
             tl.store(p_dw + j, acc[j], mask=m_c)
 
     return triton, bwd
-
-
-def _on(t: torch.Tensor):
-    """Launch on t's card (Triton launches on the current one; a fleet rank may hold another)."""
-    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
 
 
 def _plan(B: int, T: int, C: int) -> tuple[int, int, int]:
