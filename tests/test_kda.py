@@ -445,6 +445,7 @@ def test_qk_l2norm_op_matches_the_torch_norm():
     passed through bitwise, a zero row, odd widths (head_dim 24: a masked tile), compiled."""
     from dormouse.model.kda import _l2norm
     from dormouse.model.qk_norm import qk_l2norm
+    from references.short_conv import qk_l2norm as reference_norm
 
     gen = torch.Generator().manual_seed(5)
 
@@ -458,11 +459,6 @@ def test_qk_l2norm_op_matches_the_torch_norm():
         B, T, _ = x.shape
         q, k, v = x.view(B, T, 3, H, -1).unbind(2)
         return _l2norm(q), _l2norm(k), v
-
-    def fp64_norm(x, H):  # the truth, written out (`_l2norm` computes in fp32 whatever x is)
-        B, T, _ = x.shape
-        q, k, v = x.double().view(B, T, 3, H, -1).unbind(2)
-        return [t * torch.rsqrt((t * t).sum(-1, keepdim=True) + 1e-6) for t in (q, k)] + [v]
 
     def run(fn, x, dys, H):
         x = x.detach().clone().requires_grad_(True)
@@ -488,7 +484,8 @@ def test_qk_l2norm_op_matches_the_torch_norm():
         # rounding is bf16's, bounded at 2^-7 relative to the largest entry, as the conv's
         xb, dyb = case(B, T, H, D, torch.bfloat16)
         (q, k, v), dx = run(qk_l2norm, xb, dyb, H)
-        (q64, k64, _), dx64 = run(fp64_norm, xb.double(), [d.double() for d in dyb], H)
+        # the truth in fp64 (`_l2norm` computes in fp32 whatever x is)
+        (q64, k64, _), dx64 = run(reference_norm, xb.double(), [d.double() for d in dyb], H)
         (q0, k0, _), dx0 = run(torch_norm, xb, dyb, H)
         assert q.dtype == dx.dtype == torch.bfloat16
         for name, a, truth, eager in (("q", q, q64, q0), ("k", k, k64, k0),

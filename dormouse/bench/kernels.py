@@ -81,6 +81,8 @@ def _conv_rows(x, w, dy, steps, warmup, device, shape) -> list[list[str]]:
 
 
 def _norm_rows(qkv, dys, heads, steps, warmup, device, shape) -> list[list[str]]:
+    from references.short_conv import qk_l2norm as reference_norm
+
     from ..model.kda import _l2norm
     from ..model.qk_norm import qk_l2norm
 
@@ -97,11 +99,8 @@ def _norm_rows(qkv, dys, heads, steps, warmup, device, shape) -> list[list[str]]
             torch.autograd.backward(outs, [d.to(o.dtype) for d, o in zip(dys, outs)])
         return outs, x.grad
 
-    def fp64_norm(x):  # the truth, written out (`_l2norm` computes in fp32 whatever x is)
-        q, k, v = x.view(B, T, 3, heads, -1).unbind(2)
-        return [t * torch.rsqrt((t * t).sum(-1, keepdim=True) + 1e-6) for t in (q, k)] + [v]
-
-    (q64, k64, _), dx64 = fwd_bwd(fp64_norm, qkv.double())
+    # the truth: the written-out norm in fp64 (`_l2norm` computes in fp32 whatever x is)
+    (q64, k64, _), dx64 = fwd_bwd(lambda x: reference_norm(x, heads), qkv.double())
     rows = []
     for arm, fn in (("ours (model/qk_norm.py)", lambda x: list(qk_l2norm(x, heads))),
                     ("torch _l2norm chain, eager (the torch arm)", torch_norm)):  # fmt: skip
