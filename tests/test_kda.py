@@ -355,6 +355,35 @@ def test_mixer_fla_matches_torch_and_decodes():
 
 @pytest.mark.slow
 @pytest.mark.skipif(not _fla_ready(), reason="fla arm needs CUDA sm_80+ and fla-core")
+def test_mixer_fla_gradients_match_torch_arm():
+    """The whole fla-arm mixer (fla's chunk kernel, our conv + SiLU backward and q/k norm,
+    the gates, the per-iteration deltas) against the torch arm: the input's gradient and
+    every parameter's, two segments, fp32."""
+    cfg = _cfg(segment_len=32)
+    m_t = _mixer(cfg, seed=4).cuda()
+    m_f = _mixer(replace(cfg, kda_impl="fla"), seed=4).cuda()
+    gen = torch.Generator().manual_seed(9)
+    h0 = torch.randn(2, 64, cfg.d_model, generator=gen).cuda()
+    w = torch.randn(2, 64, cfg.d_model, generator=gen).cuda()
+
+    def grads(m):
+        h = h0.clone().requires_grad_(True)
+        (m(h, iteration=1)[0] * w).sum().backward()
+        return {"h": h.grad, **{n: p.grad for n, p in m.named_parameters()}}
+
+    gt, gf = grads(m_t), grads(m_f)
+    assert m_f.impl == "fla" and gt.keys() == gf.keys()
+    errs = {n: _rel_err(gf[n], gt[n]) for n in gt if gt[n] is not None and gt[n].abs().max() > 0}
+    print("mixer fla vs torch, relative grad error:",
+          {n: f"{e:.1e}" for n, e in sorted(errs.items(), key=lambda kv: -kv[1])[:6]})
+    assert all(gf[n] is not None for n in gt if gt[n] is not None)
+    # 1e-2 relative, the kernel-level bound above: fla's fp32 dots run in TF32; a wrong
+    # tap, a dropped norm term or a gate's wrong sign moves a gradient by O(1)
+    assert max(errs.values()) <= 1e-2, errs
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _fla_ready(), reason="fla arm needs CUDA sm_80+ and fla-core")
 def test_fused_conv_silu_matches_the_torch_conv():
     """The fla arm's short conv + SiLU (`ShortConv.silu(fused=True)`: fla's causal_conv1d
     forward, our backward kernel) against the torch arm's taps and F.silu: the same output and
