@@ -184,6 +184,31 @@ def test_an_lr_given_on_resume_is_applied(tmp_path):
     assert all(r["lr"] == 0 for r in rows if r["kind"] == "train" and r["step"] > 2)
 
 
+def test_every_optimizer_hyperparameter_given_on_resume_is_applied(tmp_path):
+    """A resume with other optimizer settings steps with this run's groups, entry for entry
+    (a fresh optimizer's for the new config), not the checkpoint's: adam_eps used to be
+    logged as changed and then stepped with the file's value."""
+    from dormouse.train.loop import Callbacks
+    from dormouse.train.run import _optimizer
+
+    run = _run(tmp_path, tmp_path / "r", "steps=4")
+    torch.manual_seed(0)
+    train(DormouseModel(run.model), run, log=_quiet, stop_at=2)
+    new = apply_sets(run, ["adam_eps=1e-5", "adam_betas=0.8,0.9", "muon_momentum=0.9",
+                           "wd=0.05", "ns_steps=3", "muon_variant=plain", "engram_lr_mult=2"])  # fmt: skip
+    seen = []
+    lines = []
+    train(DormouseModel(new.model), new, log=lines.append, resume=True,
+          callbacks=Callbacks(after_step=lambda i: seen.append(
+              [{k: v for k, v in g.items() if k not in ("params", "lr")}
+               for g in i["opt"].param_groups])))  # fmt: skip
+    assert any(x.startswith("changed on resume: adam_eps") for x in lines), lines
+    fresh = _optimizer(DormouseModel(new.model), new, torch.device("cpu"))
+    want = [{k: v for k, v in g.items() if k not in ("params", "lr")} for g in fresh.param_groups]
+    assert seen and all(groups == want for groups in seen), (seen[0], want)
+    assert {g["eps"] for g in fresh.param_groups if "eps" in g} == {1e-5}
+
+
 def test_resume_on_other_bytes_of_the_same_size_is_refused(tmp_path, capsys):
     """The data file rewritten with other content of the same size resumed silently: the
     checkpoint now holds the data's fingerprint (size + sampled blocks)."""

@@ -843,9 +843,11 @@ def trim_metrics(path: str | Path, step: int) -> int:
     return dropped
 
 
-#: Training fields a resume may change; those the optimizer's state carries are re-applied.
-RESUME_HYPER = ("base_lr", "weight_decay", "momentum", "nesterov", "ns_steps", "ns_kind",
-                "ns_dtype", "muon_sf", "betas")  # fmt: skip
+#: The optimizer group entries a resume takes from the checkpoint: its parameters and the lr
+#: last set (the loop sets it again from base_lr before the next step). Every other entry
+#: (base_lr, betas, eps, weight_decay, momentum, the polar's knobs, ...) is this run's, so a
+#: hyperparameter given on resume is applied, not only logged as changed.
+RESUME_FROM_CHECKPOINT = ("params", "lr")
 
 
 def resume_changes(saved: RunConfig, now: RunConfig) -> list[str]:

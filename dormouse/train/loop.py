@@ -660,9 +660,10 @@ def train(
         if int(ck["step"]) > cfg.steps:
             raise TrainingError(f"--resume: {path} is at step {ck['step']}, beyond steps="
                                 f"{cfg.steps}; raise --steps to continue it")  # fmt: skip
-        # The saved optimizer state carries its groups' lr, wd, momentum...: put this run's
-        # back, so a hyperparameter given on resume is applied, not only recorded.
-        mine = [{k: g[k] for k in ckpt.RESUME_HYPER if k in g} for g in opt.param_groups]
+        # The saved optimizer state carries its groups' lr, wd, eps, momentum...: put this
+        # run's back, so a hyperparameter given on resume is applied, not only recorded.
+        mine = [{k: v for k, v in g.items() if k not in ckpt.RESUME_FROM_CHECKPOINT}
+                for g in opt.param_groups]  # fmt: skip
         # either format, at any world size (a sharded one is resharded to this fleet's)
         ckpt.load_train_state(net, opt, ck, path, run.model)
         for g, hyper in zip(opt.param_groups, mine, strict=True):
