@@ -223,6 +223,28 @@ def test_ddp_wrapped_model_uses_the_same_functions_and_names(one_rank_group):
     _assert_same(_snapshot(plain, opt3), saved)
 
 
+def _fleet_work(work) -> None:
+    """Run a gloo rank's `work`, then tear the fleet down while the interpreter is whole.
+
+    FSDP's modules hold the process group and sit in reference cycles, so the group's last
+    reference would otherwise go only at interpreter exit, where gloo's threads can abort the
+    rank ("terminate called without an active exception": seen once under xdist load, rank 1
+    SIGABRT after its work was done). The work's locals go when it returns; gc collects the
+    cycles; the barrier keeps a rank from closing its pairs while a peer still uses them.
+    """
+    import gc
+
+    import torch.distributed as dist
+
+    try:
+        work()
+        gc.collect()
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+        gc.collect()
+
+
 def _fsdp_rank(rank: int, tmp: str) -> None:
     """One rank of a 2-rank gloo fleet: FSDP2 (per block, then the root, as the trainer wraps),
     AdamW (FSDP2 runs no Muon), one step on this rank's bytes; rank 0 saves the full state;
@@ -234,8 +256,9 @@ def _fsdp_rank(rank: int, tmp: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", store=dist.FileStore(f"{tmp}/store", 2), rank=rank,
                             world_size=2)  # fmt: skip
-    mesh = init_device_mesh("cpu", (2,))  # a CPU mesh on a machine with cards too
-    try:
+
+    def work() -> None:
+        mesh = init_device_mesh("cpu", (2,))  # a CPU mesh on a machine with cards too
         for ram in (False, True):
 
             def build(seed):
@@ -261,8 +284,8 @@ def _fsdp_rank(rank: int, tmp: str) -> None:
             if rank == 0:
                 torch.save(again, f"{tmp}/again-{ram}.pt")
             dist.barrier()
-    finally:
-        dist.destroy_process_group()
+
+    _fleet_work(work)
 
 
 @pytest.mark.skipif(not torch.distributed.is_available(), reason="torch built without distributed")
@@ -447,8 +470,9 @@ def _sharded_fleet_rank(rank: int, world: int, tmp: str, mode: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", store=dist.FileStore(f"{tmp}/store-{mode}{world}", world),
                             rank=rank, world_size=world)  # fmt: skip
-    mesh = init_device_mesh("cpu", (world,))
-    try:
+
+    def work() -> None:
+        mesh = init_device_mesh("cpu", (world,))
         for kind, ram in (("adamw", False), ("mix", True)):
             model = _tiny(ram, 0 if mode == "save" else 5)
             for block in model.blocks:
@@ -471,8 +495,8 @@ def _sharded_fleet_rank(rank: int, world: int, tmp: str, mode: str) -> None:
             if rank == 0:
                 torch.save(full, f"{tmp}/{kind}-{mode}{world}.pt")
             dist.barrier()
-    finally:
-        dist.destroy_process_group()
+
+    _fleet_work(work)
 
 
 @pytest.mark.skipif(not torch.distributed.is_available(), reason="torch built without distributed")
