@@ -74,8 +74,18 @@ def test_a_pickle_with_code_is_refused(tmp_path):
 
     bad = tmp_path / "evil.pt"
     torch.save({"config": "{}", "model": Evil()}, bad)
-    with pytest.raises(ckpt.CheckpointError, match="could not be read"):
+    with pytest.raises(ckpt.CheckpointError, match="could not be read") as e:
         ckpt.read_checkpoint(bad)
+    # one line with torch's reason, never torch's advice to load it with weights_only=False
+    msg = str(e.value)
+    assert "\n" not in msg and "system" in msg and "never runs code" in msg, msg
+    assert "weights_only" not in msg and "arbitrary code" not in msg, msg
+    for i, body in enumerate(("garbage\n", "a text file named like a checkpoint\n")):
+        text = tmp_path / f"notes{i}.pt"  # read as a pickle: opcode 'g' refused, 'a' fails
+        text.write_text(body)
+        with pytest.raises(ckpt.CheckpointError, match="could not be read") as e:
+            ckpt.read_checkpoint(text)
+        assert "\n" not in str(e.value) and "weights_only" not in str(e.value), str(e.value)
 
 
 def test_shape_mismatch_names_the_fields(tmp_path):

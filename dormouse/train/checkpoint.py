@@ -623,6 +623,21 @@ def _ckpt_name(run_dir: Path) -> str:
         return "ckpt"
 
 
+def _load_failure(e: Exception) -> str:
+    """torch.load's failure in one line. A weights-only refusal is said as such, with torch's
+    reason (e.g. "Unsupported operand 103", "unsupported GLOBAL posix.system") and without its
+    advice to load with weights_only=False, which would run the file's code."""
+    text = str(e)
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    if text.startswith("Weights only load failed"):
+        noise = ("Weights only load failed", "Please file an issue", "Check the documentation")
+        why = [ln for ln in lines if not ln.startswith(noise)]
+        detail = why[0].removeprefix("WeightsUnpickler error:").strip().rstrip(".") if why else ""
+        return ("a weights-only load refuses it" + (f": {detail[:160]}" if detail else "")
+                + "; dormouse never runs code from a checkpoint")  # fmt: skip
+    return f"{type(e).__name__}: {lines[0][:200]}" if lines else type(e).__name__
+
+
 def read_checkpoint(path: str | Path, mmap: bool = False) -> dict[str, Any]:
     """Load a checkpoint file with weights_only=True (no code runs from the file). A sharded
     checkpoint's file is its manifest: ck["shards_dir"] is its directory, checked present; its
@@ -639,8 +654,8 @@ def read_checkpoint(path: str | Path, mmap: bool = False) -> dict[str, Any]:
         ck = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except Exception as e:
         raise CheckpointError(
-            f"{path} could not be read as a dormouse checkpoint ({type(e).__name__}: {e}); "
-            f"it may be truncated or not a checkpoint at all"
+            f"{path} could not be read as a dormouse checkpoint ({_load_failure(e)}); it may "
+            f"be truncated or not a checkpoint at all"
         ) from None
     sharded_ = isinstance(ck, dict) and ck.get("format") == SHARDED_FORMAT
     if not isinstance(ck, dict) or "config" not in ck or not (
