@@ -258,7 +258,8 @@ class Heartbeat:
                     rec = self.seen[r]
                     raise DistError(
                         f"rank {r} is gone (its process, pid {rec['pid']} on this host, exited "
-                        f"without a word at step {rec.get('step')}) while rank {self.rank} waits "
+                        f"without a word; its last heartbeat said step {rec.get('step')}) while "
+                        f"rank {self.rank} waits "
                         f"for it at step {self.step} ({self.phase}). {self._saved()}; find why "
                         f"it died (out of memory?), then relaunch with --resume auto"
                     )
@@ -293,7 +294,10 @@ class Heartbeat:
                 peers.append(f"rank {r} beats (step {rec.get('step')}, {rec.get('phase')})")
                 continue
             culprits.append(r)
-            peers.append(f"rank {r} {how}, last at step {rec.get('step')} ({rec.get('phase')})")
+            # a pulse goes every `interval` s: the step it said may be behind where the rank
+            # stopped (a fast loop runs many steps between two pulses), so say how old it is
+            peers.append(f"rank {r} {how}; its last heartbeat, {silent:.1f} s before, said step "
+                         f"{rec.get('step')} ({rec.get('phase')})")  # fmt: skip
         text = str(e)
         if self.launcher_pid is not None and os.getppid() != self.launcher_pid:
             hint = f"the torchrun agent that launched this rank (pid {self.launcher_pid}) is gone"
