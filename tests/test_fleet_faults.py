@@ -193,6 +193,26 @@ def test_a_killed_rank_is_one_line_on_the_survivor(torchrun):
     assert _checkpoint_loads(fleet.out) >= 35
 
 
+def test_a_peer_gone_during_a_store_barrier_is_named_with_its_heartbeats_age():
+    """The other path a killed rank takes (the store barrier around a save, which CI hit):
+    the same wording as the collective's, the step its last pulse said and how old it is."""
+    from dormouse.train.context import DistError
+    from dormouse.train.watchdog import Heartbeat
+
+    store = torch.distributed.HashStore()
+    hb = Heartbeat(0, 2, 10.0, lambda: store, "dormouse/test")  # threads never started
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()  # a pid that has exited
+    hb.seen[1] = {"n": 3, "pid": gone.pid, "host": hb.host, "state": "alive", "step": 7,
+                  "phase": "train"}  # fmt: skip
+    hb.changed[1] = time.monotonic() - 1.5
+    with pytest.raises(DistError) as e:
+        hb.gather()
+    m = re.search(r"rank 1 is gone .*its last heartbeat, (\d+\.\d) s before, said step 7\)",
+                  str(e.value))  # fmt: skip
+    assert m and 1.5 <= float(m.group(1)) < 10, str(e.value)  # 1.5 s old, plus the polling
+
+
 def test_workers_end_when_their_torchrun_agent_is_killed(torchrun):
     """SIGKILL on the torchrun agent (old: its workers trained on, orphaned, for ever)."""
     fleet = torchrun()

@@ -258,13 +258,19 @@ class Heartbeat:
                     rec = self.seen[r]
                     raise DistError(
                         f"rank {r} is gone (its process, pid {rec['pid']} on this host, exited "
-                        f"without a word; its last heartbeat said step {rec.get('step')}) while "
-                        f"rank {self.rank} waits "
+                        f"without a word; its last heartbeat, {self._age(r):.1f} s before, said "
+                        f"step {rec.get('step')}) while rank {self.rank} waits "
                         f"for it at step {self.step} ({self.phase}). {self._saved()}; find why "
                         f"it died (out of memory?), then relaunch with --resume auto"
                     )
             time.sleep(delay)
             delay = min(2 * delay, 0.05)
+
+    def _age(self, r: int) -> float:
+        """Seconds since peer r's heartbeat last changed. A pulse goes every `interval` s, so
+        the step it said may be behind where the rank stopped (a fast loop runs many steps
+        between two pulses): a message naming that step says how old it is."""
+        return time.monotonic() - self.changed.get(r, time.monotonic())
 
     def _dead_peers(self) -> list[int]:
         """Peers on this host whose process exited without saying they left."""
@@ -294,8 +300,7 @@ class Heartbeat:
                 peers.append(f"rank {r} beats (step {rec.get('step')}, {rec.get('phase')})")
                 continue
             culprits.append(r)
-            # a pulse goes every `interval` s: the step it said may be behind where the rank
-            # stopped (a fast loop runs many steps between two pulses), so say how old it is
+            # the step's age: see _age
             peers.append(f"rank {r} {how}; its last heartbeat, {silent:.1f} s before, said step "
                          f"{rec.get('step')} ({rec.get('phase')})")  # fmt: skip
         text = str(e)
