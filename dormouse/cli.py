@@ -12,6 +12,7 @@ import logging
 import math
 import os
 import sys
+from dataclasses import replace
 
 from .config import ConfigError, apply_sets, check_device, preset, preset_names, validate
 from .errors import UserError
@@ -56,24 +57,40 @@ def setup_logging(stream_name: str = "stdout") -> logging.Handler:
     return handler
 
 
+def _with_data(run, paths: list[str]):
+    """--data's paths as typed: through `--set data=` a comma would split a path in two and
+    its spaces would be dropped; an empty one (an unset shell variable) is refused, not read
+    as "no --data" (the embedded default corpus)."""
+    if not all(paths):
+        raise ConfigError(f"--data {' '.join(repr(p) for p in paths)}: an empty path (an unset "
+                          f"shell variable?); name the file, or omit --data for the embedded "
+                          f"default corpus")  # fmt: skip
+    return replace(run, train=replace(run.train, data=tuple(paths)))
+
+
 def _run_from_args(args):
     run = preset(args.preset)
     sets = list(args.set or [])
     if args.steps is not None:
         sets.append(f"steps={args.steps}")
-    if getattr(args, "data", None):
-        sets.append("data=" + ",".join(args.data))
-    if args.out:
+    # `is not None`: an empty --out or --device (an unset shell variable) must reach validate,
+    # not fall back to runs/PRESET or auto
+    if args.out is not None:
         sets.append(f"out_dir={args.out}")
-    if args.device:
+    if args.device is not None:
         sets.append(f"device={args.device}")
     if getattr(args, "dist", False):
         sets.append("dist=true")
     if getattr(args, "capacity", None):
         sets.append(f"dist_capacity={args.capacity}")
-    if getattr(args, "fit", None):
+    if getattr(args, "fit", None) is not None:
+        if not args.fit > 0:  # fit_gb=0 is "no --fit": --fit 0 would train unfitted, silently
+            raise ConfigError(f"--fit {args.fit:g}: '{args.fit:g}' is not a card size; give the "
+                              f"card's memory in GB (e.g. --fit 16), or omit --fit")  # fmt: skip
         sets.append(f"fit_gb={args.fit}")
     run = apply_sets(run, sets)
+    if getattr(args, "data", None):
+        run = _with_data(run, args.data)
     if not args.out and run.train.out_dir == "runs/default":
         run = apply_sets(run, [f"out_dir=runs/{args.preset}"])
     return validate(run)
@@ -175,8 +192,6 @@ def _arms_for_this_machine(run, source: str):
     """A checkpoint records the kernel arms it was trained with (say kda_impl=fla on a GPU);
     every arm computes the same function (tests/test_kda.py, tests/test_moe.py), so eval and
     sample choose afresh for the device they run on instead of refusing a CPU."""
-    from dataclasses import replace
-
     pinned = {k: getattr(run.model, k) for k in ("kda_impl", "moe_impl")}
     pinned = {k: v for k, v in pinned.items() if v != "auto"}
     if not pinned:
@@ -197,12 +212,12 @@ def cmd_eval(args) -> int:
     if args.batches is not None and args.batches < 1:
         raise ConfigError(f"--batches {args.batches}: evaluate at least one batch (omit it for "
                           f"the run's eval_batches)")  # fmt: skip
-    if args.device:
+    if args.device is not None:
         check_device(args.device)
     ck = read_checkpoint(args.checkpoint)
     run = _arms_for_this_machine(ck["run"], args.checkpoint)
     if args.data:
-        run = apply_sets(run, ["data=" + ",".join(args.data)])
+        run = _with_data(run, args.data)
     device = resolve_device(args.device or "auto")
     model = make_model(run.model)
     load_model(model, ck, args.checkpoint)
@@ -232,7 +247,7 @@ def cmd_sample(args) -> int:
     from .train.run import resolve_device
 
     check_sample_args(args.bytes, args.temperature, args.top_k)
-    if args.device:
+    if args.device is not None:
         check_device(args.device)
     # argv that is not UTF-8 reaches Python as surrogate escapes: they map back to the very
     # bytes typed, which is what a byte-level model wants
@@ -262,7 +277,7 @@ def cmd_export(args) -> int:
 
 def cmd_plan(args) -> int:
     run = preset(args.preset)
-    run = apply_sets(run, list(args.set or []))
+    run = validate(apply_sets(run, list(args.set or [])))  # d_model=0 was a torch traceback
     if args.routes:
         import torch
 

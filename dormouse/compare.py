@@ -38,7 +38,17 @@ def read_evals(run: str | Path) -> tuple[str, list[dict]]:
             row = json.loads(line)
         except ValueError:
             raise CompareError(f"{metrics}: line {n} is not JSON; the file is damaged") from None
+        if not isinstance(row, dict):
+            raise CompareError(f"{metrics}: line {n} is JSON but not an object ({line[:40]!r}); "
+                               f"the file is damaged: delete that line or pass another run")
         if row.get("kind") == "eval":
+            # a damaged row was a KeyError or TypeError deep in the table
+            odd = [k for k in ("step", "loss", "train_s", "bytes")
+                   if (k in row or k in ("step", "loss")) and not _number(row.get(k))]
+            if odd:
+                raise CompareError(f"{metrics}: line {n} is an eval row without a numeric "
+                                   f"{', '.join(odd)}; the file is damaged: delete that line or "
+                                   f"pass another run")  # fmt: skip
             rows.append(row)
     if not rows:
         raise CompareError(f"{metrics}: no evaluation rows (train with eval_every > 0 and a "
@@ -55,6 +65,10 @@ def read_evals(run: str | Path) -> tuple[str, list[dict]]:
         except ValueError:
             pass
     return label, sorted(rows, key=lambda r: r["step"])
+
+
+def _number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
 def _size(n: float) -> str:
@@ -105,8 +119,13 @@ def plot(runs: list[tuple[str, list[dict]]], png: Path, target: float) -> None:
         lo = min(finite)
         a.set_ylim(lo - 0.05, min(max(finite), lo + 2.5) + 0.05)
     fig.tight_layout()
-    fig.savefig(png, dpi=110)
-    plt.close(fig)
+    try:
+        # the format named: for a name without a suffix matplotlib wrote NAME.png, not NAME
+        fig.savefig(png, dpi=110, format=png.suffix[1:].lower() or "png")
+    except ValueError as e:  # "Format 'txt' is not supported (supported formats: ...)"
+        raise CompareError(f"--out {png}: {e}; name the image .png (or .pdf, .svg)") from None
+    finally:
+        plt.close(fig)
 
 
 def on_clock(rows: list[dict], step_ms: float) -> list[dict]:
@@ -144,7 +163,9 @@ def main_compare(paths: list[str], out: str | None, target: float | None,
     target, lines = summary(runs, target)
     for line in lines:
         log.info(line)
-    png = Path(out) if out else Path(paths[0]) / "compare.png"
+    png = Path(out) if out is not None else Path(paths[0]) / "compare.png"
+    if png.is_dir():  # matplotlib wrote DIR.png beside it, and the log named DIR (`--out ""`: .)
+        raise CompareError(f"--out {png} is a folder; name the image, e.g. {png / 'compare.png'}")
     try:
         plot(runs, png, target)
     except ImportError:

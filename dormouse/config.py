@@ -390,7 +390,8 @@ def parse_value(tp, text: str, key: str):
             return text
         if origin is tuple:
             (inner, *_rest) = typing.get_args(tp)
-            parts = [p for p in text.replace(" ", "").strip("()[]").split(",") if p != ""]
+            # spaces around an item go, those inside stay: `data=my file.txt` is one path
+            parts = [p.strip() for p in text.strip().strip("()[]").split(",") if p.strip()]
             return tuple(parse_value(inner, p, key) for p in parts)
     except ValueError as e:
         raise ConfigError(f"--set {key}={text!r}: not a valid {_tname(tp)} ({e})") from None
@@ -480,7 +481,8 @@ def check_file_name(name: str, key: str = "ckpt_name") -> str:
 
 def _check_path(text: str, what: str) -> None:
     if not text or "\0" in text:
-        raise ConfigError(f"{what}={text!r} is not a usable path (empty, or holds a NUL byte)")
+        raise ConfigError(f"{what}={text!r} is not a usable path (empty, or holds a NUL byte; "
+                          f"an unset shell variable gives an empty one); name the file or folder")
 
 
 def validate(run: RunConfig) -> RunConfig:

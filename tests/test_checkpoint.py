@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import io
 import os
+import re
 from dataclasses import replace
 from pathlib import Path
 
@@ -467,6 +468,19 @@ def test_export_writes_one_file_that_loads_anywhere(tmp_path):
     _assert_same({"model": one["model"], "optimizer": one["optimizer"]},
                  _snapshot(model, opt))  # fmt: skip
     assert main(["export", str(path), "--to", str(tmp_path)]) == 2  # a folder is no file
+
+
+def test_export_to_a_path_under_a_file_names_to(tmp_path):
+    """The refusal came from the run folder's writer: `cannot create the run folder ...; pick
+    a writable --out`, a flag export does not have."""
+    path, _ = _save(tmp_path)
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    for dest in (afile / "model.pt", afile / "sub" / "model.pt"):
+        with pytest.raises(ckpt.CheckpointError, match=re.escape(
+                f"--to {dest}: {afile} is a file, not a folder; name a file in a folder")):
+            ckpt.export_checkpoint(path, dest)
+    assert afile.read_text() == "x"
 
 
 def _sharded_fleet_rank(rank: int, world: int, tmp: str, mode: str) -> None:

@@ -29,6 +29,14 @@ def test_set_types_each_field_kind():
     assert run.train.schedule == "wsd"
 
 
+def test_tuple_items_keep_their_inner_spaces():
+    """Every space of a tuple value was dropped: `data=my file.txt` read `myfile.txt`."""
+    run = apply_sets(preset("tiny"), ["data=my file.txt, b.bin", "adam_betas=( 0.8, 0.9 )"])
+    assert run.train.data == ("my file.txt", "b.bin") and run.train.adam_betas == (0.8, 0.9)
+    with pytest.raises(ConfigError, match="not a valid float"):
+        apply_sets(preset("tiny"), ["adam_betas=0.8 5,0.9"])  # was 0.85
+
+
 def test_unknown_key_names_nearest():
     with pytest.raises(ConfigError, match="did you mean 'd_model'"):
         apply_sets(preset("tiny"), ["d_modle=3"])

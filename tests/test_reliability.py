@@ -334,6 +334,73 @@ def test_sample_takes_a_non_utf8_prompt_as_its_bytes(tmp_path, capsys, monkeypat
     assert rc == 0 and seen["prompt"] == b"\xff\xfedef " and "def " in text
 
 
+def test_empty_flag_values_are_refused_not_defaulted(tmp_path, capsys, monkeypatch):
+    """An empty --data, --out or --device (an unset shell variable: `--data "$CORPUS"`) fell
+    back to the embedded corpus, runs/PRESET in the working folder, or auto, and trained."""
+    monkeypatch.chdir(tmp_path)
+    corpus, out = _corpus(tmp_path), tmp_path / "r"
+    dry = ["train", "tiny", "--steps", 2, "--dry-run", "--set", "batch=2", "--set", "seq_len=32"]
+    _refused(*_cli(capsys, *dry, "--out", out, "--data", "")[::2], "--data ''", "empty path",
+             "omit --data")
+    _refused(*_cli(capsys, *dry, "--out", out, "--data", corpus, "")[::2], "empty path")
+    _refused(*_cli(capsys, *dry, "--data", corpus, "--out", "")[::2], "out_dir=''",
+             "not a usable path")
+    _refused(*_cli(capsys, *dry, "--data", corpus, "--out", out, "--device", "")[::2],
+             "device '' is not a device")
+    for cmd in ("eval", "sample"):
+        _refused(*_cli(capsys, cmd, tmp_path / "nothing.pt", "--device", "")[::2],
+                 "--device '' is not a device")
+    assert not (tmp_path / "runs").exists() and not out.exists()
+    assert _train(capsys, tmp_path, out)[0] == 0
+    _refused(*_cli(capsys, "eval", out / "ckpt.pt", "--data", "")[::2], "--data ''", "empty path")
+
+
+def test_data_paths_are_taken_as_typed(tmp_path, capsys):
+    """--data went through `--set data=`: a comma split a path in two and every space was
+    dropped (`my file.txt` was read as `myfile.txt`, which may be another file)."""
+    text = _corpus(tmp_path).read_bytes()
+    paths = [tmp_path / "my file.txt", tmp_path / "a,b.txt"]
+    for p in paths:
+        p.write_bytes(text)
+    (tmp_path / "myfile.txt").write_bytes(text[:5000])  # what the old parsing read instead
+    rc, said, err = _cli(capsys, "train", "tiny", "--data", *paths, "--out", tmp_path / "r",
+                         "--dry-run", *SMALL)  # fmt: skip
+    assert rc == 0, err
+    for p in paths:
+        assert f"data: {p}: {len(text)} bytes" in said, said
+    assert "myfile.txt" not in said
+    out = tmp_path / "r"
+    assert _train(capsys, tmp_path, out)[0] == 0
+    rc, said, err = _cli(capsys, "eval", out / "ckpt.pt", "--data", paths[0], "--device", "cpu")
+    assert rc == 0 and f"data: {paths[0]}:" in said, err
+
+
+def test_fit_zero_is_refused_not_ignored(tmp_path, capsys):
+    """fit_gb=0 is "no --fit", so `--fit 0` trained unfitted without a word."""
+    for gb in ("0", "-3"):
+        rc, _, err = _train(capsys, tmp_path, tmp_path / "r", "--fit", gb, "--dry-run")
+        _refused(rc, err, f"--fit {gb}:", "not a card size", "omit --fit")
+
+
+@pytest.mark.parametrize("sets, needle", [
+    (["d_model=0"], "d_model=0 must be positive"),  # was torch's traceback from nn.Conv1d
+    (["lr=nan"], "lr=nan is not a finite number"),  # was a parameter count, exit 0
+    (["dropout=1.5"], "dropout=1.5 must be in [0, 1)"),
+])  # fmt: skip
+def test_plan_validates_its_sets(capsys, sets, needle):
+    args = [x for s in sets for x in ("--set", s)]
+    for extra in ([], ["--routes"]):
+        _refused(*_cli(capsys, "plan", "tiny", *args, *extra)[::2], needle)
+
+
+def test_bench_batch_or_seq_zero_is_refused(capsys):
+    """bench --batch 0 / --seq 0 timed the preset's own 4 x 64 and printed a table."""
+    for flag, needle in (("--batch", "batch=0 must be positive"),
+                         ("--seq", "seq_len=0 must be positive")):  # fmt: skip
+        rc, said, err = _cli(capsys, "bench", "step", "tiny", "--device", "cpu", flag, "0")
+        assert rc == 2 and needle in err and "| tiny |" not in said, (rc, said, err)
+
+
 # ---- divergence ------------------------------------------------------------------------------
 
 
@@ -395,6 +462,37 @@ def test_bad_out_folders_are_refused(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(os, "access", lambda p, m: False if Path(p) == locked else real(p, m))
     _refused(*_train(capsys, tmp_path, locked / "run")[::2], "not writable")
     assert afile.read_text() == "x" and list(locked.iterdir()) == []
+
+
+def _evals(folder: Path, *rows) -> Path:
+    folder.mkdir()
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return folder
+
+
+def test_compare_refuses_damaged_metrics_and_images_it_cannot_write(tmp_path, capsys):
+    """A metrics row that is a list or has no numeric loss was an AttributeError, KeyError or
+    TypeError; `--out c.txt` was matplotlib's ValueError; `--out DIR` (or a name without a
+    suffix) wrote DIR.png beside it while the log named DIR."""
+    row = {"kind": "eval", "step": 2, "loss": 5.5, "train_s": 0.1, "bytes": 100}
+    a = _evals(tmp_path / "a", row, {**row, "step": 4, "loss": 5.4})
+    damaged = {"list": [1, 2], "noloss": {k: v for k, v in row.items() if k != "loss"},
+               "strloss": {**row, "loss": "x"}, "strbytes": {**row, "bytes": "1k"}}
+    for name, bad in damaged.items():
+        b = _evals(tmp_path / name, row, bad)
+        _refused(*_cli(capsys, "compare", a, b, "--out", tmp_path / "c.png")[::2],
+                 f"{b / 'metrics.jsonl'}: line 2", "damaged")
+    _refused(*_cli(capsys, "compare", a, a, "--out", tmp_path / "c.txt")[::2], "--out",
+             "c.txt", "name the image .png")
+    pics = tmp_path / "pics"
+    pics.mkdir()
+    _refused(*_cli(capsys, "compare", a, a, "--out", pics)[::2], "is a folder",
+             str(pics / "compare.png"))
+    _refused(*_cli(capsys, "compare", a, a, "--out", "")[::2], "--out . is a folder")
+    rc, said, _ = _cli(capsys, "compare", a, a, "--out", tmp_path / "plot")
+    assert rc == 0 and f"written to {tmp_path / 'plot'}" in said
+    assert (tmp_path / "plot").read_bytes()[:4] == b"\x89PNG"
+    assert not list(tmp_path.glob("*.png")) and not (tmp_path / "c.txt").exists()
 
 
 def test_a_full_disk_at_save_keeps_the_previous_checkpoint(tmp_path, capsys, monkeypatch):

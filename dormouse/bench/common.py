@@ -36,7 +36,9 @@ def resolve_device(name: str) -> torch.device:
 
 def configure(name: str, sets, batch: int | None = None, seq: int | None = None) -> RunConfig:
     """A preset with --set, --batch and --seq applied, validated before anything is timed."""
-    sets = [*sets, *([f"batch={batch}"] if batch else []), *([f"seq_len={seq}"] if seq else [])]
+    # `is not None`: --batch 0 ran the preset's batch under a table that looked measured
+    sets = [*sets, *([f"batch={batch}"] if batch is not None else []),
+            *([f"seq_len={seq}"] if seq is not None else [])]  # fmt: skip
     return validate(apply_sets(preset(name), sets))
 
 

@@ -607,6 +607,10 @@ def export_checkpoint(src: str | Path, dest: str | Path) -> Path:
     if dest.is_dir():
         raise CheckpointError(f"--to {dest} is a folder; name the file to write, e.g. "
                               f"{dest / 'model.pt'}")  # fmt: skip
+    above = next((p for p in dest.parents if p.exists()), None)
+    if above is not None and not above.is_dir():  # else save's refusal names the run's --out
+        raise CheckpointError(f"--to {dest}: {above} is a file, not a folder; name a file in a "
+                              f"folder, e.g. {above.parent / 'model.pt'}")  # fmt: skip
     ck = read_checkpoint(src)
     model, optim = (ck["model"], ck["optimizer"]) if "model" in ck else _full_state(ck, src)
     return save_checkpoint(dest, run=ck["run"], model_state=model, optimizer_state=optim,
