@@ -213,6 +213,24 @@ def test_a_peer_gone_during_a_store_barrier_is_named_with_its_heartbeats_age():
     assert m and 1.5 <= float(m.group(1)) < 10, str(e.value)  # 1.5 s old, plus the polling
 
 
+def test_a_store_drop_seen_before_the_agents_exit_finished_names_the_agent(monkeypatch):
+    """The race CI hit: a SIGKILLed agent's sockets (the store it hosts) close before the
+    kernel re-parents its workers, so a worker's store call fails while getppid() still
+    names the agent; the line must still say the agent is gone, not "no rank is known to
+    have died". Here the "agent" is a process that exits 0.3 s after the drop."""
+    from dormouse.train.watchdog import Heartbeat
+
+    agent = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(0.3)"])
+    monkeypatch.setattr(os, "getppid", lambda: agent.pid)  # as if it launched this process
+    store = torch.distributed.HashStore()
+    hb = Heartbeat(1, 2, 10.0, lambda: store, "dormouse/test", launcher_pid=agent.pid)
+    hb.seen[0] = {"n": 3, "pid": os.getpid(), "host": hb.host, "state": "alive", "step": 7,
+                  "phase": "train"}  # fmt: skip
+    line = hb.explain(RuntimeError("Connection reset by peer"))
+    agent.wait()
+    assert f"the torchrun agent that launched this rank (pid {agent.pid}) is gone" in line, line
+
+
 def test_workers_end_when_their_torchrun_agent_is_killed(torchrun):
     """SIGKILL on the torchrun agent (old: its workers trained on, orphaned, for ever)."""
     fleet = torchrun()

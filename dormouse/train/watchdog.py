@@ -33,6 +33,10 @@ WATCHDOG_EXIT = 3
 FIRST_STEP_TIMEOUT_S = 3600.0
 #: One collective waits this many dist_timeouts (see init_parallel).
 COLLECTIVE_TIMEOUT_FACTOR = 2.0
+#: A store connection that dropped with every peer still beating: wait this long for the
+#: torchrun agent's exit to finish (its sockets close before its children are re-parented;
+#: CI saw the drop first) before saying "no rank is known to have died".
+LAUNCHER_EXIT_S = 1.0
 
 
 def short(e: BaseException, n: int = 200) -> str:
@@ -190,7 +194,7 @@ class Heartbeat:
                 self.last_io = now
                 self.changed = {r: now for r in self.changed}
                 continue
-            if self.launcher_pid is not None and os.getppid() != self.launcher_pid:
+            if self._launcher_gone():
                 self._end(f"the torchrun agent that launched it (pid {self.launcher_pid}) is "
                           f"gone")  # fmt: skip
             for r, rec in list(self.seen.items()):
@@ -272,6 +276,20 @@ class Heartbeat:
         between two pulses): a message naming that step says how old it is."""
         return time.monotonic() - self.changed.get(r, time.monotonic())
 
+    def _launcher_gone(self, wait_s: float = 0.0) -> bool:
+        """True once the torchrun agent that launched this rank has exited (this process was
+        re-parented). A SIGKILLed agent closes its sockets (the store it hosts) before the
+        kernel re-parents its children, so a store connection can drop a few ms before
+        getppid() changes: `wait_s` polls that long for it."""
+        if self.launcher_pid is None:
+            return False
+        deadline = time.monotonic() + wait_s
+        while os.getppid() == self.launcher_pid and pid_alive(self.launcher_pid):
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.02)
+        return True
+
     def _dead_peers(self) -> list[int]:
         """Peers on this host whose process exited without saying they left."""
         return [r for r, rec in list(self.seen.items())
@@ -304,7 +322,7 @@ class Heartbeat:
             peers.append(f"rank {r} {how}; its last heartbeat, {silent:.1f} s before, said step "
                          f"{rec.get('step')} ({rec.get('phase')})")  # fmt: skip
         text = str(e)
-        if self.launcher_pid is not None and os.getppid() != self.launcher_pid:
+        if self._launcher_gone(wait_s=0.0 if culprits or "imed out" in text else LAUNCHER_EXIT_S):
             hint = f"the torchrun agent that launched this rank (pid {self.launcher_pid}) is gone"
         elif culprits:
             hint = f"rank {', '.join(map(str, culprits))} stopped"
