@@ -335,11 +335,45 @@ def test_fleet_divides_each_fleet_by_the_solo_rates_around_it(capsys):
         assert frac == pytest.approx(tok / total, abs=(tok / total) * (0.5 / tok + 0.5 / total)
                                      + 5e-4 + 1e-9)  # fmt: skip
     assert "| equal | 1 |" in out  # the per-split summary over the rounds
+    for r in rows:  # every fleet has its side-by-side blocks (every 2 steps, 4 steps)
+        assert "(n=" in r.split("|")[-2]
+
+
+def test_fleet_side_by_side_walls_leave_out_the_blocks_and_divide_by_the_blocks_around():
+    from types import SimpleNamespace
+
+    from dormouse.bench.fleet import _side_fractions, _walls
+
+    # steps end at 1, 2, 3 | block after 3 steps, resumed at 10 | steps end at 11, 12, 13.5 |
+    # block after 6 steps, resumed at 20 | steps end at 22, 24
+    stamps = [1.0, 2.0, 3.0, 11.0, 12.0, 13.5, 22.0, 24.0]
+    blocks = [{"after": 0, "rate": 10.0, "resume": None}, {"after": 3, "rate": 20.0, "resume": 10.0},
+              {"after": 6, "rate": 40.0, "resume": 20.0}]  # fmt: skip
+    walls = _walls(stamps, blocks)
+    # step 3 starts when the block after step 2 ended (10), not at step 2's end (3)
+    assert walls == [None, 1.0, 1.0, 1.0, 1.0, 1.5, 2.0, 2.0]
+    other = [{"after": 0, "rate": 30.0}, {"after": 3, "rate": 60.0}, {"after": 6, "rate": 120.0}]
+    args = SimpleNamespace(global_batch=4, seq=25)  # 100 tokens a step
+    got = _side_fractions(args, walls, [blocks, other], half=3)
+    # only the segment of steps 3-5 starts in the second half: median wall 1.0 s -> 100
+    # tokens/s, over the mean of the two blocks' summed rates ((20 + 60) + (40 + 120)) / 2
+    assert got == {"side_sum": 120.0, "side": pytest.approx(100 / 120), "side_n": 1}
+    # steps 6-7 have no block after them: no segment
+    assert _side_fractions(args, walls, [blocks, other], half=6)["side_n"] == 0
 
 
 def test_fleet_refuses_zero_rounds(capsys):
     assert main_bench(["fleet", "--rounds", "0"]) == 2
     assert "--rounds 0" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag, value", [("--micro", "25"), ("--micro", "-1"), ("--side", "-1"),
+                                         ("--side", "nan")])  # fmt: skip
+def test_fleet_refuses_a_micro_batch_over_the_global_batch_and_a_negative_side(capsys, flag,
+                                                                              value):  # fmt: skip
+    assert main_bench(["fleet", "--global-batch", "24", flag, value]) == 2
+    err = capsys.readouterr().err
+    assert f"{flag} {value}" in err and len(err.strip().splitlines()) == 1
 
 
 # ---- bench step: the FLOPs beyond 6N, the peak, the parts ------------------------------------

@@ -12,13 +12,24 @@ the CPU a slow card is EMULATED: `--slow RANK:FACTOR` (the `emulate_slow` knob) 
 rank sleep FACTOR x its own compute each step, and divides its start-up matmul rate by
 1 + FACTOR; it is not a measurement of a real slower card.
 
-    python -m dormouse bench fleet --world 2 --slow 1:1.0 --global-batch 96 --seq 64 \
-        --steps 40 --every 8 --rounds 3
+Both baselines above are timed minutes away from the fleet, one rank at a time, where a
+shared box's speed moves by as much as the effect. The third (`--side S`, on by default)
+is timed inside each fleet run: every `--every` steps all ranks stop together, each trains
+its own solo trainer on the whole global batch for S seconds side by side with the others,
+and they resume; each segment of fleet steps is divided by the summed solo rates of the two
+blocks around it, seconds apart, taken while the ranks share the box as the fleet's do.
+`--micro B` runs every step, solo and fleet, as micro-batches of at most B windows, so a
+window costs the same at the whole batch and at a share (in one forward, a window's cost
+moves with the batch: the forward's fixed part and the cache).
+
+    python -m dormouse bench fleet --world 2 --slow 1:1.0 --global-batch 96 --micro 16 \
+        --seq 64 --steps 48 --every 8 --rounds 3
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import os
 import socket
 import statistics
@@ -46,11 +57,21 @@ def add_args(ap) -> None:
     ap.add_argument("--every", type=int, default=10, help="rebalance_every (default 10)")
     ap.add_argument("--rounds", type=int, default=1,
                     help="repeat the three splits this many times (default 1)")
+    ap.add_argument("--micro", type=int, default=0,
+                    help="run every step (solo and fleet) as micro-batches of at most this many "
+                         "windows, so a window costs the same at any share (0: each rank's share "
+                         "in one forward; default 0)")  # fmt: skip
+    ap.add_argument("--side", type=float, default=2.0,
+                    help="seconds of each side-by-side solo block inside a fleet run, every "
+                         "--every steps (0: none; default 2.0)")  # fmt: skip
 
 
-def _sets(args, extra=()) -> list[str]:
-    return [f"seq_len={args.seq}", f"batch={args.global_batch}", "eval_every=0", "ckpt_every=0",
-            "log_every=1000", "dtype=fp32", *args.set, *extra]  # fmt: skip
+def _sets(args, windows: int, extra=()) -> list[str]:
+    """`windows` a step: one forward, or with --micro B micro-batches of at most B."""
+    rows = ([f"batch={min(args.micro, windows)}", f"global_batch={windows}"] if args.micro
+            else [f"batch={windows}"])  # fmt: skip
+    return [f"seq_len={args.seq}", *rows, "eval_every=0", "ckpt_every=0", "log_every=1000",
+            "dtype=fp32", *args.set, *extra]  # fmt: skip
 
 
 def _solo(args, rank: int, share: int | None = None) -> float:
@@ -61,7 +82,7 @@ def _solo(args, rank: int, share: int | None = None) -> float:
     from .common import build, windows
 
     n = share or args.global_batch
-    run = configure(args.preset, _sets(args, [f"batch={n}"]))
+    run = configure(args.preset, _sets(args, n))
     model, step, _ = build(run, torch.device("cpu"))
     timer = StepTimer(model, torch.device("cpu"), parse_slow(args.slow, rank))
     data = windows(run, 8)
@@ -76,7 +97,53 @@ def _solo(args, rank: int, share: int | None = None) -> float:
     return n * args.seq / statistics.median(walls[2:])
 
 
-def _rank(rank: int, world: int, port: int, sets: list[str], preset: str, out: str) -> None:
+def _side_by_side(preset: str, sets: list[str], slow: str, rank: int):
+    """This rank's solo trainer inside its fleet process (the whole global batch, one forward,
+    its emulation on), warmed by one step: `block(seconds)` trains it alone for at least that
+    long (2 steps at least) and returns its tokens/s there."""
+    from ..train.balance import StepTimer
+    from ..train.fleet import parse_slow
+    from .common import build, windows
+
+    run = configure(preset, sets)
+    model, step, _ = build(run, torch.device("cpu"))
+    timer = StepTimer(model, torch.device("cpu"), parse_slow(slow, rank))
+    data = windows(run, 4)
+    n = run.train.global_batch or run.train.batch
+    tokens = n * run.train.seq_len
+    done = [0]
+
+    def one() -> float:
+        i = done[0]
+        done[0] += 1
+        t0 = time.perf_counter()
+        timer.start(n)
+        step(i, data[i % len(data)])
+        timer.stop()
+        return time.perf_counter() - t0
+
+    one()  # the warm step: first-use costs, and the emulation's first compute figure
+
+    def block(seconds: float) -> float:
+        walls: list[float] = []
+        t0 = time.perf_counter()
+        while len(walls) < 2 or time.perf_counter() - t0 < seconds:
+            walls.append(one())
+        return tokens * len(walls) / sum(walls)
+
+    return block
+
+
+def _rank(rank: int, world: int, port: int, sets: list[str], preset: str, out: str,
+          side: tuple | None = None) -> None:  # fmt: skip
+    """One fleet rank. side = (solo sets, emulate_slow, every, seconds): every `every` steps
+    all ranks stop together (a barrier), each trains its own solo trainer alone for `seconds`
+    side by side with the others, and they resume together; the fleet's step walls leave
+    those blocks out."""
+    import json
+
+    import torch.distributed as dist
+
     from ..config import apply_sets, preset as load
     from ..train.loop import Callbacks
     from ..train.run import train_run
@@ -95,18 +162,32 @@ def _rank(rank: int, world: int, port: int, sets: list[str], preset: str, out: s
     lg.setLevel(logging.INFO)
     stamps: list[float] = []
     splits: list[str] = []
+    blocks: list[dict] = []  # {"after": steps done, "rate": solo tokens/s, "resume": clock}
+    solo = _side_by_side(preset, side[0], side[1], rank) if side else None
 
     def after(info):
         stamps.append(time.perf_counter())
         splits.append(",".join(str(s.windows) for s in info["ctx"].shapes))
+        if solo is not None and len(stamps) % side[2] == 0:
+            dist.barrier()
+            rate = solo(side[3])
+            dist.barrier()
+            blocks.append({"after": len(stamps), "rate": rate, "resume": time.perf_counter()})
 
     run = apply_sets(load(preset), sets + [f"out_dir={out}/run{rank}"])
+    if solo is not None:  # the first fleet step starts with the other ranks' too
+        blocks.append({"after": 0, "rate": solo(side[3]), "resume": None})
     train_run(run, device_type="cpu", callbacks=Callbacks(after_step=after))
-    if rank == 0:
-        import json
+    Path(out, f"rank{rank}.json").write_text(json.dumps({"stamps": stamps, "splits": splits,
+                                                         "lines": lines if rank == 0 else [],
+                                                         "blocks": blocks}))  # fmt: skip
 
-        Path(out, "rank0.json").write_text(json.dumps({"stamps": stamps, "splits": splits,
-                                                        "lines": lines}))  # fmt: skip
+
+def _walls(stamps: list[float], blocks: list[dict]) -> list[float | None]:
+    """Step i's wall (i >= 1) from the end of step i-1, or from the end of the side-by-side
+    block run right after it; None for step 0 (no start stamp)."""
+    resume = {b["after"]: b["resume"] for b in blocks if b["resume"] is not None}
+    return [None] + [b - resume.get(i, a) for i, (a, b) in enumerate(zip(stamps, stamps[1:]), 1)]
 
 
 def _fleet(args, capacity: str, every: int) -> dict:
@@ -118,19 +199,51 @@ def _fleet(args, capacity: str, every: int) -> dict:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     out = tempfile.mkdtemp(prefix="dormouse-bench-fleet-")
-    sets = _sets(args, [f"global_batch={args.global_batch}", "dist=true",
+    sets = _sets(args, args.global_batch, [f"global_batch={args.global_batch}", "dist=true",
                         f"dist_capacity={capacity}", f"rebalance_every={every}",
                         f"emulate_slow={args.slow}", f"steps={args.steps}"])  # fmt: skip
-    mp.start_processes(_rank, (args.world, port, sets, args.preset, out), nprocs=args.world,
-                       join=True, start_method="spawn")  # fmt: skip
-    got = json.loads(Path(out, "rank0.json").read_text())
-    walls = [b - a for a, b in zip(got["stamps"], got["stamps"][1:])]
-    tail = walls[len(walls) // 2:]  # the second half: after the re-balancer settled
-    return {"tok_s": args.global_batch * args.seq / statistics.median(tail),
-            "start": got["splits"][0], "end": got["splits"][-1],
-            # a taken re-split says "OLD -> NEW" before its rates; a kept split says "kept"
-            "resplits": [ln for ln in got["lines"] if ln.startswith("rebalance")
-                         and "->" in ln.split(" (rates")[0]]}  # fmt: skip
+    side = ((_sets(args, args.global_batch), args.slow, args.every, args.side)
+            if args.side > 0 and args.every > 0 else None)  # fmt: skip
+    mp.start_processes(_rank, (args.world, port, sets, args.preset, out, side),
+                       nprocs=args.world, join=True, start_method="spawn")  # fmt: skip
+    got = [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(args.world)]
+    walls = _walls(got[0]["stamps"], got[0]["blocks"])
+    half = len(walls) // 2
+    tail = walls[half:]  # the second half: after the re-balancer settled
+    res = {"tok_s": args.global_batch * args.seq / statistics.median(tail),
+           "start": got[0]["splits"][0], "end": got[0]["splits"][-1],
+           # a taken re-split says "OLD -> NEW" before its rates; a kept split says "kept"
+           "resplits": [ln for ln in got[0]["lines"] if ln.startswith("rebalance")
+                        and "->" in ln.split(" (rates")[0]]}  # fmt: skip
+    if side:
+        res.update(_side_fractions(args, walls, [g["blocks"] for g in got], half))
+    return res
+
+
+def _side_cells(f: dict) -> list[str]:
+    if not f.get("side_n"):
+        return ["-", "-"]
+    return [f"{f['side_sum']:,.0f}", f"{f['side']:.3f} (n={f['side_n']})"]
+
+
+def _side_fractions(args, walls: list, blocks: list[list[dict]], half: int) -> dict:
+    """The fleet against its ranks side by side: each segment of fleet steps between two
+    side-by-side blocks, at the median step wall of its steps, over the mean of the two blocks'
+    summed solo rates; the median over the segments that start in the second half."""
+    after = [b["after"] for b in blocks[0]]
+    tokens = args.global_batch * args.seq
+    fracs, sums = [], []
+    for k in range(len(after) - 1):
+        lo, hi = after[k], after[k + 1]
+        seg = [w for w in walls[max(lo, 1):hi] if w is not None]
+        if lo < half or not seg:
+            continue
+        total = sum((r[k]["rate"] + r[k + 1]["rate"]) / 2 for r in blocks)
+        sums.append(total)
+        fracs.append(tokens / statistics.median(seg) / total)
+    return {"side_sum": statistics.median(sums) if sums else float("nan"),
+            "side": statistics.median(fracs) if fracs else float("nan"),
+            "side_n": len(fracs)}
 
 
 def run(args, command: str) -> str:
@@ -139,6 +252,13 @@ def run(args, command: str) -> str:
                  "at best, 0.89 of the sum)")
     if args.rounds < 1:
         raise UserError(f"bench fleet: --rounds {args.rounds}; give at least 1")
+    if not 0 <= args.micro <= args.global_batch:
+        raise UserError(f"bench fleet: --micro {args.micro} with --global-batch "
+                        f"{args.global_batch}; give 0 (one forward a share) or 1 .. "
+                        f"{args.global_batch}")  # fmt: skip
+    if not (args.side >= 0 and math.isfinite(args.side)):
+        raise UserError(f"bench fleet: --side {args.side}; give the seconds of a side-by-side "
+                        "block, >= 0 (0: none)")  # fmt: skip
     torch.set_num_threads(1)
     # Every fleet run sits between two measurements of the solo rates and is divided by their
     # mean: a shared box's speed drifts between runs by as much as the effect measured (23%
@@ -165,15 +285,18 @@ def run(args, command: str) -> str:
     rows = [[str(rnd), name, f["start"], f["end"], str(len(f["resplits"])), f"{f['tok_s']:,.0f}",
              f"{total:,.0f}", f"{drift:.0%}", f"{f['tok_s'] / total:.3f}", f["share_ms"],
              f"{1000 * args.global_batch * args.seq / f['tok_s']:.0f}", f"{share:,.0f}",
-             f"{f['tok_s'] / share:.3f}"]
+             f"{f['tok_s'] / share:.3f}", *_side_cells(f)]
             for rnd, name, f, total, drift, share in runs]  # fmt: skip
     summary = []
     for name, _, _ in MODES:
         fr = [f["tok_s"] / total for _, n, f, total, _, _ in runs if n == name]
         fs = [f["tok_s"] / share for _, n, f, _, _, share in runs if n == name]
+        fb = [f["side"] for _, n, f, _, _, _ in runs if n == name and f.get("side_n")]
         summary.append([name, str(len(fr)), f"{statistics.median(fr):.3f}", f"{min(fr):.3f}",
                         f"{max(fr):.3f}", f"{statistics.median(fs):.3f}", f"{min(fs):.3f}",
-                        f"{max(fs):.3f}"])  # fmt: skip
+                        f"{max(fs):.3f}",
+                        *([f"{statistics.median(fb):.3f}", f"{min(fb):.3f}", f"{max(fb):.3f}"]
+                          if fb else ["-", "-", "-"])])  # fmt: skip
     body = (table(["measurement"] + [f"rank {r} solo tokens/s" for r in range(args.world)],
                   [[("before the first fleet" if i == 0 else f"after fleet {i}")]
                    + [f"{v:,.0f}" for v in row] for i, row in enumerate(solos)])
@@ -182,13 +305,17 @@ def run(args, command: str) -> str:
                      "sum of solo rates (mean of the two around it)", "solo drift across it",
                      "of the sum", "solo step ms at the shares (per rank)", "fleet step ms",
                      "sum of solo rates at the last split's shares",
-                     "of that sum"], rows)
+                     "of that sum", "side-by-side solo sum (second half)",
+                     "of the side-by-side sum (median of its segments)"], rows)
             + "\n\n"
             + table(["split", "runs", "median of the sum", "min", "max",
-                     "median at the shares", "min", "max"], summary)
+                     "median at the shares", "min", "max", "median side by side", "min",
+                     "max"], summary)
             + "\n")
     notes = [f"{args.preset}, global batch {args.global_batch} windows of {args.seq}, "
-             f"{args.steps} steps per fleet, rebalance_every={args.every}; fleet tokens/s = "
+             + (f"in micro-batches of at most {args.micro} (solo and fleet alike), "
+                if args.micro else "each rank's share in one forward, ")
+             + f"{args.steps} steps per fleet, rebalance_every={args.every}; fleet tokens/s = "
              f"global batch x seq / median step wall over the second half of the steps (rank 0)",
              f"EMULATION: --slow {args.slow}: that rank sleeps FACTOR x its own compute each step "
              f"and its start-up matmul rate is divided by 1 + FACTOR (emulate_slow)",
@@ -202,6 +329,14 @@ def run(args, command: str) -> str:
               "so this sum is what the same ranks with the same work could do without each "
               "other, and a fraction under 1 is the fleet's own cost: waiting for the slower "
               "rank (the split's imbalance), the all-reduce, and on one box the ranks sharing "
-              "its cores' cache and memory bandwidth, which each solo run had alone")]
+              "its cores' cache and memory bandwidth, which each solo run had alone"),
+             (f"side by side: inside each fleet run, every {args.every} steps all ranks stop "
+              f"together and each trains its own solo trainer (the whole global batch, its "
+              f"emulation on) for {args.side:g} s at the same time as the others, then they "
+              "resume together (those blocks are left out of the fleet's walls); each segment "
+              "of fleet steps is divided by the mean of the summed solo rates of the two blocks "
+              "around it, seconds apart, so the box's drift cancels, and the solo ranks share "
+              "the box as the fleet's ranks do; the median over the segments in the second "
+              "half (n in the cell)" if args.side > 0 else "side by side: off (--side 0)")]
     return report("Mixed fleet (CPU emulation)", machine_lines(torch.device("cpu"), command),
                   body, notes)
