@@ -692,7 +692,8 @@ def _context():
         # Imported once in the server; each rank is then a fork of an interpreter that has
         # torch loaded but has run nothing (no thread pools, no CUDA context to inherit).
         # (torch._dynamo: DDP imports it on construction, ~3 s; matplotlib: rank 0 plots its
-        # loss curve at the end of every run.)
+        # loss curve at the end of every run; gates._frozen, last: gc.freeze, so no rank's
+        # collector walks what it inherited.)
         ctx.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo",
                                     "torch.distributed.fsdp",
                                     "torch.distributed.checkpoint.state_dict",
@@ -700,7 +701,8 @@ def _context():
                                     "dormouse.train.loop", "dormouse.train.run",
                                     "dormouse.train.fleet", "dormouse.train.parallelize",
                                     "gates.harness", "references.single",
-                                    "references.fingerprint", "matplotlib.pyplot"])  # fmt: skip
+                                    "references.fingerprint", "matplotlib.pyplot",
+                                    "gates._frozen"])  # fmt: skip
         _forkserver_ready = True
     return ctx
 
