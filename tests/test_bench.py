@@ -321,7 +321,7 @@ def test_fleet_divides_each_fleet_by_the_solo_rates_around_it(capsys):
         assert f"| {when} |" in out
     solo = [sum(float(c.strip().replace(",", "")) for c in ln.split("|")[2:-1])
             for ln in out.splitlines() if ln.startswith(("| before the first", "| after fleet"))]
-    rows = [ln for ln in out.splitlines() if ln.startswith("| 1 |")]
+    rows = [ln for ln in out.splitlines() if ln.startswith("| 1 |") and ln.count("|") > 12]
     assert [r.split("|")[2].strip() for r in rows] == ["equal", "start-up auto",
                                                        "re-balanced auto"]  # fmt: skip
     for i, r in enumerate(rows):  # fleet i+1's sum: the mean of the solo rates around it
@@ -337,6 +337,31 @@ def test_fleet_divides_each_fleet_by_the_solo_rates_around_it(capsys):
     assert "| equal | 1 |" in out  # the per-split summary over the rounds
     for r in rows:  # every fleet has its side-by-side blocks (every 2 steps, 4 steps)
         assert "(n=" in r.split("|")[-2]
+    # where the step goes: only the re-balanced fleet, whose ranks all time themselves
+    where = [ln for ln in out.splitlines() if ln.startswith("| 1 |") and ln.count("|") == 9]
+    assert [w.split("|")[2].strip() for w in where] == ["re-balanced auto"]
+    cells = [c.strip() for c in where[0].split("|")[1:-1]]
+    assert float(cells[3]) > 0 and float(cells[4]) > 0 and "(n=" in cells[7]
+
+
+def test_fleet_where_the_step_goes_from_each_rank_s_own_compute():
+    from dormouse.bench.fleet import _where
+
+    # 5 steps; walls of steps 1-4 (step 0 has none); rank 0 holds 6 windows, rank 1 2
+    walls = [None, 1.0, 1.2, 1.0, 0.9]
+    splits = ["6,2"] * 5
+    # rank 0 times 0.8 s for 6 windows, rank 1 0.9 s for 2 (a slow rank, emulated); json
+    # turns the step keys into strings; step 4 has no compute (never stopped)
+    computes = [{"1": 0.8, "2": 0.8, "3": 0.8}, {1: 0.9, 2: 1.0, 3: 0.9}]
+    got = _where(walls, splits, computes, half=2)
+    assert got["where_n"] == 2  # steps 2 and 3: the second half, with both ranks' compute
+    assert got["wall_ms"] == pytest.approx(1100)  # median of 1.2 and 1.0
+    assert got["floor_ms"] == pytest.approx(950)  # the slower rank each step: 1.0, 0.9
+    assert got["own_ms"] == pytest.approx(150)  # 1.2 - 1.0 and 1.0 - 0.9
+    # rates 7.5 and 2.105 windows/s (medians of 2/1.0 and 2/0.9): 8 windows / 9.605
+    assert got["ideal_ms"] == pytest.approx(1000 * 8 / (7.5 + (2 / 1.0 + 2 / 0.9) / 2))
+    # a fleet whose rank 0 never timed itself (no re-balancing): nothing to say
+    assert _where(walls, splits, [{}, computes[1]], half=2) == {"where_n": 0}
 
 
 def test_fleet_side_by_side_walls_leave_out_the_blocks_and_divide_by_the_blocks_around():

@@ -174,13 +174,42 @@ def _rank(rank: int, world: int, port: int, sets: list[str], preset: str, out: s
             dist.barrier()
             blocks.append({"after": len(stamps), "rate": rate, "resume": time.perf_counter()})
 
+    computes = _record_compute(stamps)
     run = apply_sets(load(preset), sets + [f"out_dir={out}/run{rank}"])
     if solo is not None:  # the first fleet step starts with the other ranks' too
         blocks.append({"after": 0, "rate": solo(side[3]), "resume": None})
     train_run(run, device_type="cpu", callbacks=Callbacks(after_step=after))
     Path(out, f"rank{rank}.json").write_text(json.dumps({"stamps": stamps, "splits": splits,
                                                          "lines": lines if rank == 0 else [],
-                                                         "blocks": blocks}))  # fmt: skip
+                                                         "blocks": blocks,
+                                                         "computes": computes}))  # fmt: skip
+
+
+def _record_compute(stamps: list[float]) -> dict[int, float]:
+    """{step: this rank's timed compute seconds}, as the fleet's balancer times it (its
+    StepTimer: the step's start to the last gradient accumulated, an emulated sleep
+    included, waiting for a peer not), read as the loop's stream stops the timer at the start
+    of the next step; only a fleet whose ranks all time themselves (re-balancing, or an
+    emulated slow rank) fills it. The side-by-side trainer's timer is another instance."""
+    from ..train import balance
+
+    out: dict[int, float] = {}
+    init, take = balance.FleetStream.__init__, balance.StepTimer.stop
+
+    def fleet_init(self, *a, **kw):
+        init(self, *a, **kw)
+        if self.timer is not None:
+            self.timer.bench_steps = stamps
+
+    def stop(self):
+        seconds = take(self)
+        done = getattr(self, "bench_steps", None)
+        if done is not None and seconds is not None and done:
+            out[len(done) - 1] = seconds  # stopped at the start of step len(done)
+        return seconds
+
+    balance.FleetStream.__init__, balance.StepTimer.stop = fleet_init, stop
+    return out
 
 
 def _walls(stamps: list[float], blocks: list[dict]) -> list[float | None]:
@@ -217,7 +246,44 @@ def _fleet(args, capacity: str, every: int) -> dict:
                         and "->" in ln.split(" (rates")[0]]}  # fmt: skip
     if side:
         res.update(_side_fractions(args, walls, [g["blocks"] for g in got], half))
+    res.update(_where(walls, got[0]["splits"], [g["computes"] for g in got], half))
     return res
+
+
+def _where(walls: list, splits: list[str], computes: list[dict], half: int) -> dict:
+    """Where the fleet's step goes, second half, from each rank's own timed compute (only
+    where every rank timed itself): the median step wall; the median of the slowest rank's
+    compute that step (the step's floor at this split); the median of wall - that floor (the
+    fleet's own cost: all-reduce wait past the last gradient, clip, verdict, optimizer, the
+    loop); and the step the ranks' in-fleet rates would give at a perfect split, the global
+    batch over the sum of each rank's median windows per compute second."""
+    steps = [i for i in range(max(half, 1), len(walls))
+             if walls[i] is not None and all(str(i) in c or i in c for c in computes)]
+    if not steps:  # the last step's compute is never read (no next step stops its timer)
+        return {"where_n": 0}
+
+    def comp(r: int, i: int) -> float:
+        c = computes[r]
+        return c[i] if i in c else c[str(i)]  # json keys are strings
+
+    shares = {i: [int(w) for w in splits[i].split(",")] for i in steps}
+    floor = [max(comp(r, i) for r in range(len(computes))) for i in steps]
+    rates = [statistics.median(shares[i][r] / comp(r, i) for i in steps)
+             for r in range(len(computes))]
+    total = sum(shares[steps[0]])
+    wall = statistics.median(walls[i] for i in steps)
+    return {"where_n": len(steps), "wall_ms": 1000 * wall,
+            "floor_ms": 1000 * statistics.median(floor),
+            "own_ms": 1000 * statistics.median(walls[i] - f for i, f in zip(steps, floor)),
+            "ideal_ms": 1000 * total / sum(rates)}
+
+
+def _where_row(rnd: int, name: str, f: dict) -> list[str] | None:
+    if not f.get("where_n"):
+        return None
+    return [str(rnd), name, f["end"], f"{f['wall_ms']:.0f}", f"{f['floor_ms']:.0f}",
+            f"{f['own_ms']:.0f} ({f['own_ms'] / f['wall_ms']:.1%})", f"{f['ideal_ms']:.0f}",
+            f"{f['ideal_ms'] / f['wall_ms']:.3f} (n={f['where_n']})"]  # fmt: skip
 
 
 def _side_cells(f: dict) -> list[str]:
@@ -312,6 +378,12 @@ def run(args, command: str) -> str:
                      "median at the shares", "min", "max", "median side by side", "min",
                      "max"], summary)
             + "\n")
+    where = [w for w in (_where_row(rnd, name, f) for rnd, name, f, *_ in runs) if w]
+    if where:
+        body += ("\n" + table(["round", "split", "last", "fleet step ms", "slowest rank's compute "
+                               "ms (the floor)", "over the floor: the fleet's own cost ms",
+                               "step at the in-fleet rates' sum ms", "of the fleet step"], where)
+                 + "\n")
     notes = [f"{args.preset}, global batch {args.global_batch} windows of {args.seq}, "
              + (f"in micro-batches of at most {args.micro} (solo and fleet alike), "
                 if args.micro else "each rank's share in one forward, ")
@@ -337,6 +409,14 @@ def run(args, command: str) -> str:
               "of fleet steps is divided by the mean of the summed solo rates of the two blocks "
               "around it, seconds apart, so the box's drift cancels, and the solo ranks share "
               "the box as the fleet's ranks do; the median over the segments in the second "
-              "half (n in the cell)" if args.side > 0 else "side by side: off (--side 0)")]
+              "half (n in the cell)" if args.side > 0 else "side by side: off (--side 0)"),
+             ("where the step goes (last table; fleets whose ranks all time themselves, i.e. "
+              "re-balancing): each rank's compute per step as its balancer times it (the step's "
+              "start to its last gradient, the emulated sleep included), second half; the floor "
+              "is the slowest rank's compute that step, what is over it the fleet's own cost "
+              "(the all-reduce's tail, the clip, the verdict, the optimizer, the loop), and the "
+              "in-fleet rates' step the global batch over the sum of the ranks' median windows "
+              "per compute second: the step of a perfect split with no per-step cost or noise. "
+              "Drift-free (every figure from the same steps), but timed by the code under test")]
     return report("Mixed fleet (CPU emulation)", machine_lines(torch.device("cpu"), command),
                   body, notes)
