@@ -692,14 +692,17 @@ def _context():
         # Imported once in the server; each rank is then a fork of an interpreter that has
         # torch loaded but has run nothing (no thread pools, no CUDA context to inherit).
         # (torch._dynamo: DDP imports it on construction, ~3 s; matplotlib: rank 0 plots its
-        # loss curve at the end of every run; gates._frozen, last: gc.freeze, so no rank's
-        # collector walks what it inherited.)
+        # loss curve at the end of every run; fit, optim, muon, device: every rank's start
+        # imports them, 8-9% of a short fleet's rank time when each fork imported them anew;
+        # gates._frozen, last: gc.freeze, so no rank's collector walks what it inherited.)
         ctx.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo",
                                     "torch.distributed.fsdp",
                                     "torch.distributed.checkpoint.state_dict",
                                     "dormouse.model.model",
                                     "dormouse.train.loop", "dormouse.train.run",
                                     "dormouse.train.fleet", "dormouse.train.parallelize",
+                                    "dormouse.train.fit", "dormouse.train.optim",
+                                    "dormouse.train.muon", "dormouse.train.device",
                                     "gates.harness", "references.single",
                                     "references.fingerprint", "matplotlib.pyplot",
                                     "gates._frozen"])  # fmt: skip
