@@ -372,8 +372,9 @@ def test_fleet_side_by_side_walls_leave_out_the_blocks_and_divide_by_the_blocks_
     # steps end at 1, 2, 3 | block after 3 steps, resumed at 10 | steps end at 11, 12, 13.5 |
     # block after 6 steps, resumed at 20 | steps end at 22, 24
     stamps = [1.0, 2.0, 3.0, 11.0, 12.0, 13.5, 22.0, 24.0]
-    blocks = [{"after": 0, "rate": 10.0, "resume": None}, {"after": 3, "rate": 20.0, "resume": 10.0},
-              {"after": 6, "rate": 40.0, "resume": 20.0}]  # fmt: skip
+    blocks = [{"after": 0, "rate": 10.0, "resume": None},
+              {"after": 3, "rate": 20.0, "resume": 10.0},
+              {"after": 6, "rate": 40.0, "resume": 20.0}]
     walls = _walls(stamps, blocks)
     # step 3 starts when the block after step 2 ended (10), not at step 2's end (3)
     assert walls == [None, 1.0, 1.0, 1.0, 1.0, 1.5, 2.0, 2.0]

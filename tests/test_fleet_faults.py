@@ -70,6 +70,14 @@ def _children(pid: int) -> list[int]:
     return sorted(out)
 
 
+def _rank_of(pid: int) -> int:
+    """A torchrun worker's RANK, from its environment: PIDs say nothing of the order (a
+    machine whose pid_max is 32768 wraps them during a full suite; CI killed the rank it
+    took for rank 1, which was rank 0)."""
+    env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return int(next(v for k, _, v in (e.partition(b"=") for e in env) if k == b"RANK"))
+
+
 def _running(pid: int) -> bool:
     try:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in "ZX"
@@ -108,7 +116,7 @@ class Torchrun:
             assert self.p.poll() is None, self.log(0, "stderr")[-2000:]
             assert time.monotonic() - t0 < limit, "the fleet never reached the step"
             time.sleep(0.05)
-        self.workers = _children(self.p.pid)
+        self.workers = sorted(_children(self.p.pid), key=_rank_of)  # rank order
         assert len(self.workers) == 2, self.workers
 
     def wait_gone(self, pids: list[int], limit: float) -> float:
