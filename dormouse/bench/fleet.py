@@ -98,9 +98,10 @@ def _solo(args, rank: int, share: int | None = None) -> float:
 
 
 def _side_by_side(preset: str, sets: list[str], slow: str, rank: int):
-    """This rank's solo trainer inside its fleet process (the whole global batch, one forward,
-    its emulation on), warmed by one step: `block(seconds)` trains it alone for at least that
-    long (2 steps at least) and returns its tokens/s there."""
+    """This rank's solo trainer inside its fleet process (the whole global batch, as one
+    forward or with --micro in micro-batches, its emulation on), warmed by one step:
+    `block(seconds)` trains it alone for at least that long (2 steps at least) and returns its
+    tokens/s there."""
     from ..train.balance import StepTimer
     from ..train.fleet import parse_slow
     from .common import build, windows
