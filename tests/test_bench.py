@@ -350,9 +350,9 @@ def test_fleet_where_the_step_goes_from_each_rank_s_own_compute():
     # 5 steps; walls of steps 1-4 (step 0 has none); rank 0 holds 6 windows, rank 1 2
     walls = [None, 1.0, 1.2, 1.0, 0.9]
     splits = ["6,2"] * 5
-    # rank 0 times 0.8 s for 6 windows, rank 1 0.9 s for 2 (a slow rank, emulated); json
-    # turns the step keys into strings; step 4 has no compute (never stopped)
-    computes = [{"1": 0.8, "2": 0.8, "3": 0.8}, {1: 0.9, 2: 1.0, 3: 0.9}]
+    # rank 0 times 0.8 s for 6 windows, rank 1 0.9 s for 2 (a slow rank, emulated); step 4
+    # has no compute (never stopped)
+    computes = [{1: 0.8, 2: 0.8, 3: 0.8}, {1: 0.9, 2: 1.0, 3: 0.9}]
     got = _where(walls, splits, computes, half=2)
     assert got["where_n"] == 2  # steps 2 and 3: the second half, with both ranks' compute
     assert got["wall_ms"] == pytest.approx(1100)  # median of 1.2 and 1.0

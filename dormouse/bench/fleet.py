@@ -74,34 +74,10 @@ def _sets(args, windows: int, extra=()) -> list[str]:
             "dtype=fp32", *args.set, *extra]  # fmt: skip
 
 
-def _solo(args, rank: int, share: int | None = None) -> float:
-    """tokens/s of this rank alone on the whole global batch, or on `share` windows a step
-    (its emulation on)."""
-    from ..train.balance import StepTimer
-    from ..train.fleet import parse_slow
-    from .common import build, windows
-
-    n = share or args.global_batch
-    run = configure(args.preset, _sets(args, n))
-    model, step, _ = build(run, torch.device("cpu"))
-    timer = StepTimer(model, torch.device("cpu"), parse_slow(args.slow, rank))
-    data = windows(run, 8)
-    walls = []
-    for i in range(8):
-        t0 = time.perf_counter()
-        timer.start(n)
-        step(i, data[i])
-        timer.stop()
-        walls.append(time.perf_counter() - t0)
-    timer.remove()
-    return n * args.seq / statistics.median(walls[2:])
-
-
-def _side_by_side(preset: str, sets: list[str], slow: str, rank: int):
-    """This rank's solo trainer inside its fleet process (the whole global batch, as one
-    forward or with --micro in micro-batches, its emulation on), warmed by one step:
-    `block(seconds)` trains it alone for at least that long (2 steps at least) and returns its
-    tokens/s there."""
+def _trainer(preset: str, sets: list[str], slow: str, rank: int, draws: int):
+    """One rank's solo trainer (its emulation on): (one, tokens a step, its timer), where
+    one() trains the next step on the next of `draws` random batches and returns its wall
+    seconds."""
     from ..train.balance import StepTimer
     from ..train.fleet import parse_slow
     from .common import build, windows
@@ -109,9 +85,8 @@ def _side_by_side(preset: str, sets: list[str], slow: str, rank: int):
     run = configure(preset, sets)
     model, step, _ = build(run, torch.device("cpu"))
     timer = StepTimer(model, torch.device("cpu"), parse_slow(slow, rank))
-    data = windows(run, 4)
+    data = windows(run, draws)
     n = run.train.global_batch or run.train.batch
-    tokens = n * run.train.seq_len
     done = [0]
 
     def one() -> float:
@@ -123,6 +98,25 @@ def _side_by_side(preset: str, sets: list[str], slow: str, rank: int):
         timer.stop()
         return time.perf_counter() - t0
 
+    return one, n * run.train.seq_len, timer
+
+
+def _solo(args, rank: int, share: int | None = None) -> float:
+    """tokens/s of this rank alone on the whole global batch, or on `share` windows a step
+    (its emulation on)."""
+    one, tokens, timer = _trainer(args.preset, _sets(args, share or args.global_batch),
+                                  args.slow, rank, 8)  # fmt: skip
+    walls = [one() for _ in range(8)]
+    timer.remove()
+    return tokens / statistics.median(walls[2:])
+
+
+def _side_by_side(preset: str, sets: list[str], slow: str, rank: int):
+    """This rank's solo trainer inside its fleet process (the whole global batch, as one
+    forward or with --micro in micro-batches, its emulation on), warmed by one step:
+    `block(seconds)` trains it alone for at least that long (2 steps at least) and returns its
+    tokens/s there."""
+    one, tokens, _ = _trainer(preset, sets, slow, rank, 4)
     one()  # the warm step: first-use costs, and the emulation's first compute figure
 
     def block(seconds: float) -> float:
@@ -237,6 +231,8 @@ def _fleet(args, capacity: str, every: int) -> dict:
     mp.start_processes(_rank, (args.world, port, sets, args.preset, out, side),
                        nprocs=args.world, join=True, start_method="spawn")  # fmt: skip
     got = [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(args.world)]
+    for g in got:  # json wrote the step keys as strings
+        g["computes"] = {int(k): v for k, v in g["computes"].items()}
     walls = _walls(got[0]["stamps"], got[0]["blocks"])
     half = len(walls) // 2
     tail = walls[half:]  # the second half: after the re-balancer settled
@@ -259,18 +255,13 @@ def _where(walls: list, splits: list[str], computes: list[dict], half: int) -> d
     loop); and the step the ranks' in-fleet rates would give at a perfect split, the global
     batch over the sum of each rank's median windows per compute second."""
     steps = [i for i in range(max(half, 1), len(walls))
-             if walls[i] is not None and all(str(i) in c or i in c for c in computes)]
+             if walls[i] is not None and all(i in c for c in computes)]
     if not steps:  # the last step's compute is never read (no next step stops its timer)
         return {"where_n": 0}
-
-    def comp(r: int, i: int) -> float:
-        c = computes[r]
-        return c[i] if i in c else c[str(i)]  # json keys are strings
-
     shares = {i: [int(w) for w in splits[i].split(",")] for i in steps}
-    floor = [max(comp(r, i) for r in range(len(computes))) for i in steps]
-    rates = [statistics.median(shares[i][r] / comp(r, i) for i in steps)
-             for r in range(len(computes))]
+    floor = [max(c[i] for c in computes) for i in steps]
+    rates = [statistics.median(shares[i][r] / c[i] for i in steps)
+             for r, c in enumerate(computes)]
     total = sum(shares[steps[0]])
     wall = statistics.median(walls[i] for i in steps)
     return {"where_n": len(steps), "wall_ms": 1000 * wall,
