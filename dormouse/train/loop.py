@@ -263,6 +263,19 @@ def dropout_keys(model, ctx: DPContext, seed: int, step: int | None, rows: int):
     return row_keys(seed, step, torch.arange(first, first + rows))
 
 
+def _say_first_step(t_step: float, device: torch.device) -> None:
+    """The cold start in the log: the first step (compile, CUDA-graph capture, kernel
+    autotune) and the time since the process imported dormouse."""
+    from .. import STARTED
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    now = time.perf_counter()
+    log.info(f"first step took {now - t_step:.1f} s (tracing, compiling, autotuning where "
+             f"they run; cached for the next run); step 1 reached {now - STARTED:.1f} s after "
+             f"start")  # fmt: skip
+
+
 def train_step(model, net, opt, ctx: DPContext, x, y, cfg, factor: float, autocast,
                cb: Callbacks | None = None, step: int | None = None,
                scaler: LossScaler | None = None, defer: bool = False):
@@ -894,6 +907,7 @@ def train(
                                        step=step, scaler=scaler, defer=defer)  # fmt: skip
             if step == start:  # the first step may be long on one rank (kernel autotune)
                 beat.settled()
+                _say_first_step(t_step, device)
             done = step + 1
             evals = bool(cfg.eval_every and done % cfg.eval_every == 0 and done != end
                          and data.has_val)  # fmt: skip
