@@ -334,15 +334,15 @@ class ByteStream:
                 f"{self.name!r}: the checkpoint's data position is a {sd.get('kind')!r}, this "
                 f"run reads a single stream; resume with the same --data files"
             )
-        if sd["n_bytes"] != self.view.shape[0]:
+        if sd.get("n_bytes") != self.view.shape[0]:
             raise DataError(
-                f"{self.name!r}: the checkpoint's stream read a train split of {sd['n_bytes']} "
+                f"{self.name!r}: the checkpoint's stream read a train split of {sd.get('n_bytes')} "
                 f"bytes, this one has {self.view.shape[0]}; resume with the same --data, "
                 f"val_frac and val_bytes (or start a new run without --resume)"
             )
-        if sd["stride"] != self.stride:
+        if sd.get("stride") != self.stride:
             raise DataError(
-                f"{self.name!r}: the checkpoint's run read {sd['stride']} bytes per step, this "
+                f"{self.name!r}: the checkpoint's run read {sd.get('stride')} bytes per step, this "
                 f"one reads {self.stride} (global batch*(seq_len+1)); resume with the same "
                 f"global batch and seq_len"
             )

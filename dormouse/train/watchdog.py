@@ -20,7 +20,7 @@ from typing import Callable, Mapping
 import torch.distributed as dist
 
 from ..errors import UserError
-from .checkpoint import pid_alive
+from .run_dir import pid_alive
 from .context import DistError
 
 
