@@ -233,8 +233,8 @@ def cmd_eval(args) -> int:
     data = open_data(run.train)
     t = run.train
     if args.batches:
-        what = f"{args.batches} batches of {t.batch}x{t.seq_len} spread over the val split"
-        batches = data.val_batches(args.batches, t.batch, t.seq_len)
+        batches = data.val_batches(args.batches, t.batch, t.seq_len)  # at most the distinct ones
+        what = f"{len(batches)} batches of {t.batch}x{t.seq_len} spread over the val split"
     else:
         # the default: every val byte scored once, deterministic
         what = f"the whole val split ({data.val_bytes_total()} bytes scored once)"

@@ -192,7 +192,7 @@ def evaluate_fleet(model, batches, ctx: DPContext, autocast_dtype) -> dict[str, 
     mine = batches[ctx.rank::ctx.world]
     pad = []
     if ctx.eval_on_all_ranks:  # a rank with fewer (or no) batches of its own repeats the first
-        pad = batches[:1] * (-(-len(batches) // ctx.world) - len(mine))
+        pad = list(batches[:1]) * (-(-len(batches) // ctx.world) - len(mine))
     total, count = _sums(model, mine, ctx.device, autocast_dtype, pad)
     total, count = ctx.sum_all([total, count])
     return _result(total, int(count))
