@@ -115,9 +115,12 @@ def plot(runs: list[tuple[str, list[dict]]], png: Path, target: float) -> None:
         lo = min(finite)
         a.set_ylim(lo - 0.05, min(max(finite), lo + 2.5) + 0.05)
     fig.tight_layout()
+    from .train.checkpoint import write_atomic
+
+    fmt = png.suffix[1:].lower() or "png"  # for a name without one matplotlib wrote NAME.png
     try:
-        # the format named: for a name without a suffix matplotlib wrote NAME.png, not NAME
-        fig.savefig(png, dpi=110, format=png.suffix[1:].lower() or "png")
+        # replaced by rename, as a run's files are: a link at --out is replaced, not followed
+        write_atomic(png, lambda f: fig.savefig(f, dpi=110, format=fmt))
     except ValueError as e:  # "Format 'txt' is not supported (supported formats: ...)"
         raise CompareError(f"--out {png}: {e}; name the image .png (or .pdf, .svg)") from None
     finally:
