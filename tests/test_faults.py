@@ -434,6 +434,27 @@ def test_a_full_disk_at_a_metrics_append_warns_and_the_run_goes_on(tmp_path, tra
     assert hashes(tmp_path, out) == before
 
 
+def test_held_metrics_rows_are_written_once_the_file_takes_them(tmp_path):
+    """The rows a failed append kept go out with the next append that succeeds, in order
+    (the failure here: a link put in the file's place, refused by O_NOFOLLOW, then undone)."""
+    from dormouse.train.run_dir import Metrics
+
+    path = tmp_path / "metrics.jsonl"
+    m = Metrics(path)
+    m.write({"kind": "train", "step": 1, "loss": 1.0})
+    path.rename(tmp_path / "real.jsonl")
+    path.symlink_to(tmp_path / "real.jsonl")
+    for step in (2, 3):
+        m.write({"kind": "train", "step": step, "loss": 1.0})
+    held = (tmp_path / "real.jsonl").read_text().splitlines()
+    assert [json.loads(x)["step"] for x in held] == [1]
+    path.unlink()
+    (tmp_path / "real.jsonl").rename(path)
+    m.write({"kind": "train", "step": 4, "loss": 1.0})
+    assert [json.loads(x)["step"] for x in path.read_text().splitlines()] == [1, 2, 3, 4]
+    assert m.pending == []
+
+
 PLOT_FULL = """\
 import resource, sys
 import matplotlib.figure as mf

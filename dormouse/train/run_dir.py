@@ -534,13 +534,20 @@ class Metrics:
     be written: the rows are kept and written with the next append that succeeds; a partial
     line is cut off again, so the file stays whole lines."""
 
+    #: Rows held at most while appends fail (~25 MB of ~250-byte rows); older ones are let go.
+    HELD = 100_000
+
     def __init__(self, path: Path):
         self.path = path
         self.pending: list[str] = []
         self.failing = False
+        self.lost = 0
 
     def write(self, row: dict) -> None:
         self.pending.append(json.dumps(row) + "\n")
+        if len(self.pending) > self.HELD:
+            self.pending.pop(0)
+            self.lost += 1
         data = "".join(self.pending).encode()
         try:
             _append(self.path, data)
@@ -556,9 +563,9 @@ class Metrics:
         self.pending, self.failing = [], False
 
     def close(self) -> None:
-        if self.pending:
-            log.warning(f"warning: {len(self.pending)} row(s) could not be written to "
-                        f"{self.path} (the log has them)")  # fmt: skip
+        if self.pending or self.lost:
+            log.warning(f"warning: {len(self.pending) + self.lost} row(s) could not be written "
+                        f"to {self.path} (the log has them)")  # fmt: skip
 
 
 def _append(path: Path, data: bytes) -> None:
