@@ -385,7 +385,7 @@ def nonfinite_entries(state: dict) -> list[str]:
 # ---- the sharded format ------------------------------------------------------------------
 
 #: A sharded checkpoint's directory: `<stem>.<step>.<token>.shards` beside `<stem>.pt`.
-_SHARDS = re.compile(r"(?P<stem>.+)\.[0-9]+\.(?P<token>[A-Za-z0-9_]+)\.shards\Z")
+SHARDS_NAME = re.compile(r"(?P<stem>.+)\.[0-9]+\.(?P<token>[A-Za-z0-9_]+)\.shards\Z")
 
 
 def _dist() -> bool:
@@ -542,7 +542,7 @@ def remove_checkpoint(path: str | Path) -> None:
 def _prune_shards(path: Path, keep: str) -> None:
     """Remove `path`'s shard directories other than `keep` (those of replaced checkpoints)."""
     for p in path.parent.iterdir():
-        m = _SHARDS.match(p.name)
+        m = SHARDS_NAME.match(p.name)
         if m and m["stem"] == path.stem and p.name != keep and p.is_dir():
             shutil.rmtree(p, ignore_errors=True)
 
@@ -800,7 +800,7 @@ def read_checkpoint(path: str | Path, mmap: bool = False) -> dict[str, Any]:
         )
     if sharded_:
         name = ck.get("shards")
-        if not isinstance(name, str) or not _SHARDS.match(name) or Path(name).name != name:
+        if not isinstance(name, str) or not SHARDS_NAME.match(name) or Path(name).name != name:
             raise CheckpointError(f"{path} names no valid shards directory ({name!r}); the file "
                                   f"is damaged")  # fmt: skip
         ck["shards_dir"] = path.parent / name
@@ -974,8 +974,8 @@ def load_train_state(net: torch.nn.Module, opt, ck: dict[str, Any], path: str | 
 #: A writer's temp file or shard staging directory (write_atomic, _staging_dir):
 #: `.NAME.PID.RANDOM.tmp`, or `.NAME.RANDOM.tmp` from an older writer of checkpoints. The run
 #: folder's cleaner (run_dir.clean_stale_temps) removes a dead writer's.
-_TEMP = re.compile(r"\.(?P<name>.+\.(?:pt|json|jsonl|png))\.(?:(?P<pid>[0-9]+)\.)?[A-Za-z0-9_]+"
-                   r"\.tmp\Z")
+TEMP_NAME = re.compile(r"\.(?P<name>.+\.(?:pt|json|jsonl|png))\.(?:(?P<pid>[0-9]+)\.)?"
+                       r"[A-Za-z0-9_]+\.tmp\Z")
 
 
 #: The optimizer group entries a resume takes from the checkpoint: its parameters and the lr

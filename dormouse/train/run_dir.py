@@ -82,7 +82,7 @@ def pid_alive(pid: int) -> bool:
 
 def _leftover(name: str) -> bool:
     """A name only a dormouse writer makes: a temp file or a shards directory."""
-    return bool(ckpt._TEMP.match(name) or ckpt._SHARDS.match(name))
+    return bool(ckpt.TEMP_NAME.match(name) or ckpt.SHARDS_NAME.match(name))
 
 
 class RunDir:
@@ -433,7 +433,7 @@ class RunDir:
         if not self.path.is_dir():
             return removed
         for p in sorted(self.path.iterdir()):
-            m, s = ckpt._TEMP.match(p.name), ckpt._SHARDS.match(p.name)
+            m, s = ckpt.TEMP_NAME.match(p.name), ckpt.SHARDS_NAME.match(p.name)
             if m:
                 pid = int(m["pid"]) if m["pid"] else None
                 if pid is not None and pid != os.getpid() and pid_alive(pid):
