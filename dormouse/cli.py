@@ -104,12 +104,11 @@ def _elastic_restart(env) -> int:
         return 0
 
 
-def _dry_run(run, device, autocast, plan: str) -> int:
+def _dry_run(run, device, autocast, plan: str, folder) -> int:
     """Everything a run checks before its first step, without training or writing a file."""
     from .train import checkpoint as ckpt
     from .train.context import DPContext
     from .train.data import open_data
-    from .train.loop import ckpt_path
     from .train.optim import MixOptimizer
     from .train.run import build_model, dtype_name
 
@@ -123,11 +122,11 @@ def _dry_run(run, device, autocast, plan: str) -> int:
     if t.eval_every and data.has_val:
         data.val_batches(1, t.batch, t.seq_len)
     if plan == "resume":
-        ck = ckpt.read_checkpoint(ckpt_path(run), mmap=True)
+        path = folder.checkpoint(run)
+        ck = ckpt.read_checkpoint(path, mmap=True)
         diff = ckpt.shape_mismatch(ck["run"].model, run.model)
         if diff:
-            raise ckpt.CheckpointError(f"{ckpt_path(run)} has another model shape: "
-                                       + "; ".join(diff))  # fmt: skip
+            raise ckpt.CheckpointError(f"{path} has another model shape: " + "; ".join(diff))
     log.info(f"dry run: ok ({run.source}, {n / 1e6:.2f}M parameters, device={device}, "
              f"dtype={dtype_name(autocast)}, steps={t.steps}; would {_PLAN_WORDS[plan]} in "
              f"{t.out_dir}); nothing trained or written")  # fmt: skip
@@ -138,8 +137,8 @@ _PLAN_WORDS = {"fresh": "start afresh", "resume": "resume", "complete": "do noth
 
 
 def cmd_train(args) -> int:
-    from .train import checkpoint as ckpt
     from .train.run import prepare, train_run
+    from .train.run_dir import RunDir
 
     run = _run_from_args(args)
     if run.train.dist or os.environ.get("WORLD_SIZE", "").strip() not in ("", "1"):
@@ -148,20 +147,29 @@ def cmd_train(args) -> int:
         check_launch(run.train.dist, os.environ)
     if args.dry_run and not run.train.dist:
         run, device, autocast = prepare(run)
-    plan = ckpt.plan_run_folder(run, args.resume or "never", args.overwrite,
-                                _elastic_restart(os.environ))  # fmt: skip
-    if args.dry_run and run.train.dist:  # the fleet's own checks run when its ranks meet
-        log.info(f"dry run: fleet launch accepted; would {_PLAN_WORDS[plan]} in "
-                 f"{run.train.out_dir} (the fleet's own checks run when its ranks meet); "
-                 f"nothing trained or written")  # fmt: skip
-        return 0
-    if args.dry_run:
-        return _dry_run(run, device, autocast, plan)
-    if plan == "complete":
-        return 0
-    if os.environ.get("RANK", "0") in ("", "0"):
-        _say_cleaned(ckpt.clean_stale_temps(run.train.out_dir), run.train.out_dir)
-    report = train_run(run, resume=plan == "resume", progress=not run.train.dist)
+    folder = RunDir(run.train.out_dir)
+    # one writer a folder: this process, or rank 0 of a fleet (the others write nothing)
+    writer = os.environ.get("RANK", "0") in ("", "0")
+    with folder.hold(run, overwrite=args.overwrite, writer=writer, dry=args.dry_run):
+        plan = folder.plan(run, args.resume or "never", args.overwrite,
+                           _elastic_restart(os.environ))  # fmt: skip
+        if args.dry_run and run.train.dist:  # the fleet's own checks run when its ranks meet
+            log.info(f"dry run: fleet launch accepted; would {_PLAN_WORDS[plan]} in "
+                     f"{run.train.out_dir} (the fleet's own checks run when its ranks meet); "
+                     f"nothing trained or written")  # fmt: skip
+            return 0
+        if args.dry_run:
+            return _dry_run(run, device, autocast, plan, folder)
+        if plan == "complete":
+            return 0
+        if writer:
+            _say_cleaned(folder.clean_stale_temps(), run.train.out_dir)
+            aside = folder.set_metrics_aside() if plan == "fresh" and not args.overwrite else None
+            if aside:
+                log.info(f"{run.train.out_dir}: the rows of the earlier run there (it wrote no "
+                         f"checkpoint) are kept in {aside}; this run starts a new metrics.jsonl")
+        report = train_run(run, resume=plan == "resume", progress=not run.train.dist,
+                           folder=folder)  # fmt: skip
     final = (report.get("val") or {}).get("bpb", 0.0)
     if not math.isfinite(final):
         from .train.loop import TrainingError
@@ -225,8 +233,8 @@ def cmd_eval(args) -> int:
     data = open_data(run.train)
     t = run.train
     if args.batches:
-        what = f"{args.batches} batches of {t.batch}x{t.seq_len} spread over the val split"
-        batches = data.val_batches(args.batches, t.batch, t.seq_len)
+        batches = data.val_batches(args.batches, t.batch, t.seq_len)  # at most the distinct ones
+        what = f"{len(batches)} batches of {t.batch}x{t.seq_len} spread over the val split"
     else:
         # the default: every val byte scored once, deterministic
         what = f"the whole val split ({data.val_bytes_total()} bytes scored once)"
@@ -266,9 +274,10 @@ def cmd_sample(args) -> int:
 
 
 def cmd_export(args) -> int:
-    from .train.checkpoint import export_checkpoint, read_checkpoint
+    from .train.checkpoint import read_checkpoint
+    from .train.run_dir import export
 
-    out = export_checkpoint(args.run, args.to)
+    out = export(args.run, args.to, overwrite=args.overwrite)
     ck = read_checkpoint(out, mmap=True)
     log.info(f"export {args.run} -> {out}: one file (format {ck['format']}, step {ck['step']}, "
              f"{out.stat().st_size / 2**20:.1f} MiB) that eval and sample load anywhere")
@@ -385,7 +394,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     x = sub.add_parser("export", help="one checkpoint file from a run (sharded or not)")
     x.add_argument("run", help="a run folder or its checkpoint file")
-    x.add_argument("--to", required=True, help="the file to write (e.g. model.pt)")
+    x.add_argument("--to", required=True, help="the file to write (e.g. model.pt), outside "
+                   "every run folder")
+    x.add_argument("--overwrite", action="store_true", help="replace --to if it exists")
     x.set_defaults(fn=cmd_export)
 
     pl = sub.add_parser("plan", help="parameter count, optimizer routes, --fit arithmetic")

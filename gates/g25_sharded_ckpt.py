@@ -193,7 +193,7 @@ def _exported_eval(run_dir: Path) -> tuple[float, float, str]:
 
 
 def run(cuda: bool = False) -> Record:
-    from dormouse.train.checkpoint import clean_stale_temps
+    from dormouse.train.run_dir import RunDir
 
     t0 = time.perf_counter()
     ref = _launch("full", 2, work_dir("sharded-full") / "run")
@@ -241,7 +241,7 @@ def run(cuda: bool = False) -> Record:
         step, fp = _saved_fingerprint(kill_dir)
     except Exception as e:  # noqa: BLE001 - an unloadable checkpoint is the failure measured
         step, fp = -1, f"unloadable: {type(e).__name__}: {e}"[:200]
-    removed = clean_stale_temps(kill_dir)
+    removed = RunDir(kill_dir).clean_stale_temps()
     # rank 0 removes the temp directory itself when it lives to see the failure; the next
     # start removes it when rank 0 died first
     left = sorted(p.name for p in kill_dir.iterdir() if p.name.endswith(".tmp"))

@@ -238,11 +238,12 @@ def train_run(
     rate: float | None = None,
     timeout_s: float | None = None,
     close: bool = True,
+    folder=None,
 ) -> dict:
     """Build and train `run`; returns the loop's report.
 
     `model` replaces the seeded build (the caller must build it identically on every rank);
-    `callbacks` observe the loop. Fleet only: `rate` replaces this rank's measured matmul rate
+    `callbacks` observe the loop; `folder` is the run folder the CLI holds. Fleet only: `rate` replaces this rank's measured matmul rate
     (`--capacity auto`), `timeout_s` replaces dist_timeout, `close=False` leaves the process
     group up for a caller that gathers more afterwards.
     """
@@ -257,13 +258,14 @@ def train_run(
         return train(model, compiled(model, run, device, autocast),
                      _optimizer(model, run, device), ctx, run, autocast=autocast,
                      resume=resume, stop_at=stop_at, progress=progress,
-                     callbacks=callbacks)  # fmt: skip
+                     callbacks=callbacks, folder=folder)  # fmt: skip
     return _train_fleet(run, resume=resume, stop_at=stop_at, model=model, callbacks=callbacks,
-                        device_type=device_type, rate=rate, timeout_s=timeout_s, close=close)
+                        device_type=device_type, rate=rate, timeout_s=timeout_s, close=close,
+                        folder=folder)  # fmt: skip
 
 
 def _train_fleet(run: RunConfig, *, resume, stop_at, model, callbacks, device_type, rate,
-                 timeout_s, close) -> dict:  # fmt: skip
+                 timeout_s, close, folder) -> dict:  # fmt: skip
     import torch.distributed as dist
 
     from . import fleet
@@ -296,7 +298,7 @@ def _train_fleet(run: RunConfig, *, resume, stop_at, model, callbacks, device_ty
         try:
             report = train(model, net, _optimizer(net, run, device), ctx, run,
                            autocast=autocast, resume=resume, stop_at=stop_at,
-                           callbacks=callbacks)  # fmt: skip
+                           callbacks=callbacks, folder=folder)  # fmt: skip
         except Exception as e:
             if not fleet_failure(e):
                 raise
