@@ -435,6 +435,20 @@ def apply_sets(run: RunConfig, sets: list[str] | tuple[str, ...]) -> RunConfig:
     )
 
 
+def asked_differences(saved: RunConfig, asked: RunConfig) -> list[str]:
+    """`field old -> new` for each field where `asked` (a run as the user gave it, `auto`s
+    unresolved) differs from `saved` (a run as it trained, its `auto`s resolved on the machine
+    that trained it). A field the user left on auto matches any resolution of it."""
+    out = []
+    for part in ("model", "train"):
+        a, b = dataclasses.asdict(getattr(saved, part)), dataclasses.asdict(getattr(asked, part))
+        for k in a:
+            auto = b[k] == "auto" or (k == "dropout" and b[k] == DROPOUT_AUTO)
+            if a[k] != b[k] and not auto:
+                out.append(f"{k} {a[k]!r} -> {b[k]!r}")
+    return out
+
+
 # ---- validation ----------------------------------------------------------------
 
 #: Every field with a fixed set of values: its Literal annotation, stated once.

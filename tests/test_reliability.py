@@ -661,3 +661,15 @@ def test_reliability_table_names_real_tests():
         if name not in defs:
             missing.append(f"{file}::{name}")
     assert not missing, f"docs/reliability.md names tests that do not exist: {missing}"
+
+
+def test_a_folder_trained_with_auto_settings_is_the_same_run_again(tmp_path, capsys):
+    """dropout=auto and compile=auto are resolved before the run trains (the checkpoint holds
+    the resolution); the same command again is the same run, not 'a different config'."""
+    out = tmp_path / "run"
+    sets = ("--set", "dropout=auto", "--set", "compile=auto", "--set", "compile_mode=auto")
+    assert _train(capsys, tmp_path, out, *sets)[0] == 0
+    rc, said, _ = _train(capsys, tmp_path, out, *sets)
+    assert rc == 0 and "already complete at step 2" in said
+    rc, _, err = _train(capsys, tmp_path, out, "--set", "dropout=0.3")  # pinned: differs
+    _refused(rc, err, "already holds a run", "dropout")

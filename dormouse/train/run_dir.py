@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from ..config import ConfigError, RunConfig, check_file_name
+from ..config import ConfigError, RunConfig, asked_differences, check_file_name
 from ..errors import UserError
 from . import checkpoint as ckpt
 
@@ -321,10 +321,12 @@ class RunDir:
             return "fresh"
         ck = ckpt.read_checkpoint(path, mmap=True)
         step = int(ck["step"])
-        same = ck["run"] == run
+        # a field left on auto matches what it resolved to when the run trained
+        changed = asked_differences(ck["run"], run)
+        same = ck["run"].source == run.source and not changed
         if mode == "never" and not (same and step == t.steps):
             why = ("this run's config" if same else "a different config ("
-                   + "; ".join(ckpt.resume_changes(ck["run"], run) or ["the model differs"])
+                   + "; ".join(changed or [f"source {ck['run'].source} -> {run.source}"])
                    + ")")  # fmt: skip
             raise RunDirError(
                 f"{out} already holds a run: {path.name} at step {step} of "
