@@ -106,10 +106,10 @@ def _elastic_restart(env) -> int:
 
 def _dry_run(run, device, autocast, plan: str, folder) -> int:
     """Everything a run checks before its first step, without training or writing a file."""
-    from .train import checkpoint as ckpt
+    from .train.store import checkpoint as ckpt
     from .train.context import DPContext
     from .train.data import open_data
-    from .train.optim import MixOptimizer
+    from .train.optim.mix import MixOptimizer
     from .train.run import build_model, dtype_name
 
     model = build_model(run, meta=True)
@@ -138,11 +138,11 @@ _PLAN_WORDS = {"fresh": "start afresh", "resume": "resume", "complete": "do noth
 
 def cmd_train(args) -> int:
     from .train.run import prepare, train_run
-    from .train.run_dir import RunDir
+    from .train.store.folder import RunDir
 
     run = _run_from_args(args)
     if run.train.dist or os.environ.get("WORLD_SIZE", "").strip() not in ("", "1"):
-        from .train.fleet import check_launch
+        from .train.fleet.launch import check_launch
 
         check_launch(run.train.dist, os.environ)
     if args.dry_run and not run.train.dist:
@@ -212,7 +212,7 @@ def _arms_for_this_machine(run, source: str):
 
 def cmd_eval(args) -> int:
     from .model import make_model
-    from .train.checkpoint import load_model, read_checkpoint
+    from .train.store.checkpoint import load_model, read_checkpoint
     from .train.data import open_data
     from .train.loop import evaluate
     from .train.run import resolve_autocast, resolve_device
@@ -251,7 +251,7 @@ def cmd_sample(args) -> int:
 
     from .model import make_model
     from .model.sample import check_sample_args, generate
-    from .train.checkpoint import load_model, read_checkpoint
+    from .train.store.checkpoint import load_model, read_checkpoint
     from .train.run import resolve_device
 
     check_sample_args(args.bytes, args.temperature, args.top_k)
@@ -274,8 +274,8 @@ def cmd_sample(args) -> int:
 
 
 def cmd_export(args) -> int:
-    from .train.checkpoint import read_checkpoint
-    from .train.run_dir import export
+    from .train.store.checkpoint import read_checkpoint
+    from .train.store.folder import export
 
     out = export(args.run, args.to, overwrite=args.overwrite)
     ck = read_checkpoint(out, mmap=True)
@@ -291,7 +291,7 @@ def cmd_plan(args) -> int:
         import torch
 
         from .model import DormouseModel
-        from .train.routing import format_routes, route_params
+        from .train.optim.routing import format_routes, route_params
 
         with torch.device("meta"):
             model = DormouseModel(run.model)
@@ -300,14 +300,14 @@ def cmd_plan(args) -> int:
         raise UserError("plan: --world/--shard plan a fleet's memory and need --fit GB (the "
                         "card size, or one per rank: --fit 16,8); add --fit")
     if args.shard is not None:
-        from .train.fit import SHARDS
+        from .train.plan.fit import SHARDS
 
         if args.shard not in SHARDS:
             raise UserError(f"--shard {args.shard!r} is not one of {', '.join(SHARDS)} (none = "
                             f"DDP, every rank the whole model; fsdp = FSDP2, each rank 1/N)")
         run = apply_sets(run, [f"dist_shard={args.shard}"])
     if args.fit is not None:
-        from .train.fit import main_plan
+        from .train.plan.fit import main_plan
 
         main_plan(run, args.fit, batch=args.batch, seq=args.seq, world=args.world)
     if not args.routes and args.fit is None:
@@ -318,13 +318,13 @@ def cmd_plan(args) -> int:
 
 
 def cmd_probe(args) -> int:
-    from .train.device import main_probe
+    from .train.plan.device import main_probe
 
     return main_probe([]) or 0
 
 
 def cmd_link(args) -> int:
-    from .train.link import main_link
+    from .train.fleet.link import main_link
 
     return main_link(args.rest) or 0
 

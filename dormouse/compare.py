@@ -25,7 +25,7 @@ class CompareError(UserError, ValueError):
 
 def read_evals(run: str | Path) -> tuple[str, list[dict]]:
     """(label, eval rows in step order) of one run folder."""
-    from .train.run_dir import CONFIG, METRICS, read_rows
+    from .train.store.folder import CONFIG, METRICS, read_rows
 
     folder = Path(run)
     metrics = folder / METRICS
@@ -115,7 +115,7 @@ def plot(runs: list[tuple[str, list[dict]]], png: Path, target: float) -> None:
         lo = min(finite)
         a.set_ylim(lo - 0.05, min(max(finite), lo + 2.5) + 0.05)
     fig.tight_layout()
-    from .train.checkpoint import write_atomic
+    from .train.store.checkpoint import write_atomic
 
     fmt = png.suffix[1:].lower() or "png"  # for a name without one matplotlib wrote NAME.png
     try:

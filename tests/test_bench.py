@@ -17,7 +17,7 @@ from dormouse.bench.memory import HEADER as MEMORY_HEADER
 from dormouse.bench.step import HEADER, active_params_per_token, peak_tflops
 from dormouse.config import preset
 from dormouse.model import DormouseModel
-from dormouse.train.fit import GiB, plan_fit
+from dormouse.train.plan.fit import GiB, plan_fit
 
 
 @pytest.fixture(autouse=True)
@@ -132,7 +132,7 @@ def test_optim_times_the_real_models_parameter_set(capsys):
                                         "full step (batched Muon + AdamW)"]  # fmt: skip
     assert rows[3][3] == "1.00x"  # the per-matrix arm is the baseline
     # the real model's Muon matrices (a 3-D expert stack counts once per expert), no copy
-    from dormouse.train.optim import MixOptimizer
+    from dormouse.train.optim.mix import MixOptimizer
 
     opt = MixOptimizer(DormouseModel(preset("tiny").model), lr=1e-3)
     mats = sum(p.numel() // (g["matrix"][0] * g["matrix"][1])
@@ -442,7 +442,7 @@ def test_polar_flops_match_a_hand_count_and_the_counted_step():
     from torch.utils.flop_counter import FlopCounterMode
 
     from dormouse.bench.flops import polar_flops, step_flops
-    from dormouse.train.optim import MixOptimizer
+    from dormouse.train.optim.mix import MixOptimizer
 
     model, loss = _tiny_after_a_forward()
     opt = MixOptimizer(model, lr=1e-3)

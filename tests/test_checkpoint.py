@@ -16,9 +16,9 @@ import torch
 
 from dormouse.config import apply_sets, preset
 from dormouse.model import DormouseModel
-from dormouse.train import checkpoint as ckpt
-from dormouse.train.optim import MixOptimizer
-from dormouse.train.run_dir import RunDir
+from dormouse.train.store import checkpoint as ckpt
+from dormouse.train.optim.mix import MixOptimizer
+from dormouse.train.store.folder import RunDir
 
 
 def _save(tmp_path, run=None, **kw):

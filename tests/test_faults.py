@@ -28,7 +28,7 @@ import pytest
 import torch
 
 from dormouse.config import preset
-from dormouse.train import checkpoint as ckpt
+from dormouse.train.store import checkpoint as ckpt
 
 ROOT = Path(__file__).resolve().parents[1]
 HOST = socket.gethostname()
@@ -156,7 +156,7 @@ def _sharded_run(folder: Path) -> Path:
     """A run folder holding a sharded checkpoint (format 3: a manifest and its shards
     directory), written by the same writer as an FSDP2 fleet's, in this one process."""
     from dormouse.model import DormouseModel
-    from dormouse.train.optim import MixOptimizer
+    from dormouse.train.optim.mix import MixOptimizer
 
     folder.mkdir()
     run = preset("tiny")
@@ -437,7 +437,7 @@ def test_a_full_disk_at_a_metrics_append_warns_and_the_run_goes_on(tmp_path, tra
 def test_held_metrics_rows_are_written_once_the_file_takes_them(tmp_path):
     """The rows a failed append kept go out with the next append that succeeds, in order
     (the failure here: a link put in the file's place, refused by O_NOFOLLOW, then undone)."""
-    from dormouse.train.run_dir import Metrics
+    from dormouse.train.store.folder import Metrics
 
     path = tmp_path / "metrics.jsonl"
     m = Metrics(path)
@@ -719,7 +719,7 @@ def test_the_watchdog_names_the_peers_real_last_step(tmp_path):
 
 def test_a_heartbeat_says_a_new_step_at_once():
     """The pulse writes this rank's record when its step moves, not an interval later."""
-    from dormouse.train.watchdog import Heartbeat
+    from dormouse.train.fleet.watchdog import Heartbeat
 
     store = torch.distributed.HashStore()
     hb = Heartbeat(0, 2, 100.0, lambda: store, "t")  # a pulse every 2 s

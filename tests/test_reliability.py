@@ -24,7 +24,7 @@ from dormouse.config import ConfigError, apply_sets, preset
 from dormouse.errors import UserError
 from dormouse.model import DormouseModel
 from dormouse.model.sample import SampleError
-from dormouse.train import checkpoint as ckpt
+from dormouse.train.store import checkpoint as ckpt
 from dormouse.train.data import DataError
 from dormouse.train.loop import TrainingError
 from trainlog import train
@@ -562,9 +562,9 @@ def test_checkpoints_honour_the_umask(tmp_path, umask, mode):
 
 
 def test_user_errors_share_one_base_class():
-    from dormouse.train.device import DeviceError, DtypeError
+    from dormouse.train.plan.device import DeviceError, DtypeError
     from dormouse.train.context import DistError, LaunchError, RefusedError
-    from dormouse.train.fit import FitError
+    from dormouse.train.plan.fit import FitError
 
     for cls in (ConfigError, DataError, ckpt.CheckpointError, TrainingError, SampleError,
                 DtypeError, DeviceError, FitError, DistError, LaunchError, RefusedError):  # fmt: skip

@@ -78,9 +78,9 @@ def harness(run: RunConfig, device: torch.device) -> Harness:
     train without flags runs. `--set compile=false` times the eager step."""
     from ..train.context import DPContext
     from ..train.loop import device_verdict
-    from ..train.optim import MixOptimizer
+    from ..train.optim.mix import MixOptimizer
     from ..train.run import build_model, compiled, resolve_autocast, resolve_compile
-    from ..train.scaler import LossScaler, loss_scaled
+    from ..train.optim.scaler import LossScaler, loss_scaled
 
     run = validate(resolve_compile(run, device))
     t = run.train
@@ -156,7 +156,7 @@ def timed(fn, steps: int, warmup: int, device: torch.device, setup=None,
 
 def machine_lines(device: torch.device, command: str) -> list[str]:
     """Who measured: the device, torch, the CPU and its threads, the date, the command."""
-    from ..train.device import probe_device
+    from ..train.plan.device import probe_device
 
     rec, cpu = probe_device(device), probe_device("cpu")
     usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()

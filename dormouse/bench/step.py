@@ -160,7 +160,7 @@ def bench_preset(run: RunConfig, device: torch.device, steps: int, warmup: int,
     autotune), and with `parts` the parts table's rows). `peak`: the matmul TFLOP/s MFU and
     HFU (measured peak) divide by (None: n/a)."""
     from ..model import count_params
-    from ..train.device import probe_device
+    from ..train.plan.device import probe_device
     from .flops import step_flops
 
     cuda = device.type == "cuda"
@@ -286,7 +286,7 @@ def run(args, command: str) -> str:
         except RuntimeError as e:
             raise BenchError(str(e)) from None
     if any(r.train.fit_gb for r in runs):  # --set fit_gb=GB plans as train --fit does
-        from ..train.fit import apply_fit
+        from ..train.plan.fit import apply_fit
 
         runs = [apply_fit(r) for r in runs]
     dts = [_dtype_name(r, device) for r in runs]  # a twin computes in its preset's dtype

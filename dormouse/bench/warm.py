@@ -59,7 +59,7 @@ def run(args, command: str) -> str:
     runs = [configure(n, args.set, args.batch, args.seq) for n in args.presets]
     device = resolve_device(args.device)
     if any(r.train.fit_gb for r in runs):  # the shapes a --fit run trains at
-        from ..train.fit import apply_fit
+        from ..train.plan.fit import apply_fit
 
         runs = [apply_fit(r) for r in runs]
     verdicts = [triton_arm(r, device) for r in runs]

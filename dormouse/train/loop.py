@@ -24,16 +24,16 @@ import torch
 
 from ..config import ConfigError, RunConfig, validate
 from ..errors import UserError
-from . import checkpoint as ckpt
+from .store import checkpoint as ckpt
 from ..model.layers import row_keys
 # best_path, ckpt_path: still importable from here, their home before run_dir
-from .run_dir import (  # noqa: F401
+from .store.folder import (  # noqa: F401
     METRICS, PLOT, RunDir, RunDirError, best_path, ckpt_path, read_rows,
 )  # fmt: skip
-from .balance import FleetStream
+from .fleet.balance import FleetStream
 from .context import DPContext
 from .data import DataError, fingerprint_mismatch, open_data
-from .scaler import LossScaler, loss_scaled
+from .optim.scaler import LossScaler, loss_scaled
 
 LN2 = math.log(2.0)
 log = logging.getLogger(__name__)

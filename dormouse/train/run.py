@@ -40,7 +40,7 @@ def resolve_device(name: str, local_rank: int | None = None) -> torch.device:
 
 def resolve_autocast(run: RunConfig, device: torch.device) -> torch.dtype | None:
     """The forward's compute dtype (None = plain fp32), by the device policy."""
-    from .device import probe_device, resolve_dtype
+    from .plan.device import probe_device, resolve_dtype
 
     dtype, _ = resolve_dtype(run.train.dtype, probe_device(device))
     return None if dtype in (None, torch.float32) else dtype
@@ -171,7 +171,7 @@ def prepare(run: RunConfig, device_type: str | None = None, local_rank: int | No
     every run checks first."""
     run = resolve_dropout(validate(run), world)
     if run.train.fit_gb:
-        from .fit import apply_fit
+        from .plan.fit import apply_fit
 
         if run.model.arch != "dormouse":
             raise TrainingError(
@@ -221,7 +221,7 @@ def resolve_arms(model: torch.nn.Module, autocast: torch.dtype | None) -> None:
 
 
 def _optimizer(net: torch.nn.Module, run: RunConfig, device: torch.device):
-    from .optim import MixOptimizer
+    from .optim.mix import MixOptimizer
 
     return MixOptimizer.from_config(net, run.train, device.type)
 
@@ -268,10 +268,10 @@ def _train_fleet(run: RunConfig, *, resume, stop_at, model, callbacks, device_ty
                  timeout_s, close, folder) -> dict:  # fmt: skip
     import torch.distributed as dist
 
-    from . import fleet
+    from .fleet import launch as fleet
     from .context import RefusedError
-    from .parallelize import parallelize
-    from .watchdog import fleet_failure, short
+    from .fleet.parallelize import parallelize
+    from .fleet.watchdog import fleet_failure, short
 
     world = fleet.world_from(os.environ) or 1
     fleet.refuse_incompatible(run, world)

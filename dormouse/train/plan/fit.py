@@ -19,11 +19,11 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from ..config import RunConfig, preset, preset_names, validate
-from ..errors import UserError
-from ..model.arms import Arm, card_of, choose_arm
-from .context import accumulate
-from .quant import BLOCK
+from ...config import RunConfig, preset, preset_names, validate
+from ...errors import UserError
+from ...model.arms import Arm, card_of, choose_arm
+from ..context import accumulate
+from ..optim.quant import BLOCK
 
 log = logging.getLogger(__name__)
 
@@ -159,8 +159,8 @@ def param_split(run: RunConfig) -> ParamSplit:
     Always built with the VRAM Engram store and no memory mechanism: parameters do not
     depend on them, and a host store would allocate its tables at construction.
     """
-    from ..model import DormouseModel
-    from .routing import route_params
+    from ...model import DormouseModel
+    from ..optim.routing import route_params
 
     m = replace(run.model, engram_ram=False, moe_offload=False, act_ckpt=False,
                 act_ckpt_quant=False)  # fmt: skip

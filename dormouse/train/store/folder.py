@@ -34,8 +34,8 @@ from pathlib import Path
 
 import torch
 
-from ..config import ConfigError, RunConfig, asked_differences, check_file_name
-from ..errors import UserError
+from ...config import ConfigError, RunConfig, asked_differences, check_file_name
+from ...errors import UserError
 from . import checkpoint as ckpt
 
 log = logging.getLogger(__name__)

@@ -19,9 +19,9 @@ from typing import Callable, Mapping
 
 import torch.distributed as dist
 
-from ..errors import UserError
-from .run_dir import pid_alive
-from .context import DistError
+from ...errors import UserError
+from ..store.folder import pid_alive
+from ..context import DistError
 
 
 #: Exit code of a rank its watchdog ends (a stalled or dead peer, a lost store or launcher).

@@ -59,11 +59,11 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )  # fmt: skip
 
-from ..config import ConfigError, ModelConfig, RunConfig, validate
-from ..errors import UserError
-from ..model.engram import HostTables
-from .context import local_shard
-from .routing import strip_name
+from ...config import ConfigError, ModelConfig, RunConfig, validate
+from ...errors import UserError
+from ...model.engram import HostTables
+from ..context import local_shard
+from ..optim.routing import strip_name
 
 log = logging.getLogger(__name__)
 
