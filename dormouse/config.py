@@ -160,6 +160,9 @@ class TrainConfig:
     val_frac: float = 0.01
     val_bytes: int = 0
     log_every: int = 10
+    # also write the metrics rows as TensorBoard scalars into RUN/tb/ (rank 0; needs the [tb]
+    # extra: pip install -e ".[tb]"); metrics.jsonl is written either way (train/metrics.py)
+    tensorboard: bool = False
     eval_every: int = 100
     eval_batches: int = 8
     # stop after this many evaluations in a row without a new best val loss (0 = never)

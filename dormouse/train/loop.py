@@ -34,6 +34,7 @@ from .fleet.balance import FleetStream
 from .context import DPContext
 from .data import DataError, fingerprint_mismatch, open_data
 from .optim.scaler import LossScaler, loss_scaled
+from .store.metrics import Sinks
 
 LN2 = math.log(2.0)
 log = logging.getLogger(__name__)
@@ -643,7 +644,20 @@ def train(
     `stop_at` ends the run after that many steps while keeping the schedule of the
     full run (an interrupted run, for resume tests); the final checkpoint is written.
     `folder`: the run folder as the CLI holds it (run_dir.RunDir.hold); else resolved here.
+    The metrics sinks (store/metrics.py) are closed however the run ends.
     """
+    sinks = Sinks()
+    try:
+        return _train(model, net, opt, ctx, run, sinks, autocast=autocast, resume=resume,
+                      stop_at=stop_at, progress=progress, callbacks=callbacks,
+                      folder=folder)  # fmt: skip
+    finally:
+        sinks.close()
+
+
+def _train(model, net, opt, ctx: DPContext, run: RunConfig, sinks: Sinks, *, autocast,
+           resume: bool, stop_at: int | None, progress: bool,
+           callbacks: Callbacks | None, folder: RunDir | None) -> dict:  # fmt: skip
     run = validate(run)
     cfg = run.train
     cb = callbacks or Callbacks()
@@ -708,7 +722,6 @@ def train(
         if dropped:
             log.info(f"metrics.jsonl: dropped {dropped} row(s) logged after step {start} (the "
                      f"run went on past its last checkpoint); they are logged again from here")
-    metrics = folder.metrics()
     if main:
         folder.make()
         if not resume:
@@ -716,6 +729,7 @@ def train(
             # a best.pt from the run this one replaces (--overwrite) is not this run's best
             ckpt.remove_checkpoint(best_file)
         folder.write_config(run)
+        sinks.open(folder, cfg.tensorboard, start if resume else None)
     log.info(f"run {run.source}: {ctx.describe()} steps={cfg.steps} lr={cfg.lr} "
              f"dtype={'fp32' if autocast is None else str(autocast).replace('torch.', '')}"
              + ("" if scaler is None else
@@ -754,9 +768,8 @@ def train(
             )
         beat.at(step, "train", saved=step)
 
-    def write_metrics(row: dict) -> None:
-        if main:
-            metrics.write(row)
+    def write_metrics(kind: str, step: int, values: dict) -> None:
+        sinks.write(kind, step, values)  # no sink on ranks other than 0
 
     def do_eval(step: int, train_loss: float) -> tuple[dict, bool]:
         """Evaluate (the fleet splits the batches), log, keep best.pt; (result, stop?)."""
@@ -765,9 +778,9 @@ def train(
         tag = f" dist={ctx.rank}/{ctx.world} (split over the ranks)" if ctx.world > 1 else ""
         log.info(f"eval step={step} loss={res['loss']:.4f} bpb={res['bpb']:.4f} on "
                  f"{res['tokens']} val bytes{tag}")  # fmt: skip
-        write_metrics({"kind": "eval", "step": step, "loss": res["loss"], "bpb": res["bpb"],
-                       "val_bytes": res["tokens"], "bytes": step * ctx.stride,
-                       "train_s": round(best.train_s, 3)})  # fmt: skip
+        write_metrics("eval", step, {"loss": res["loss"], "bpb": res["bpb"],
+                                     "val_bytes": res["tokens"], "bytes": step * ctx.stride,
+                                     "train_s": round(best.train_s, 3)})  # fmt: skip
         stop = False
         improved, overfit = best.see(step, res["loss"], train_loss)
         if overfit:
@@ -845,10 +858,12 @@ def train(
             said = "" if scaler is None else f" scale={scaler.scale:g}"
             log.info(f"step={done} loss={fleet:.4f} bpb={fleet / LN2:.4f} lr={lr_now:.3e} "
                 f"gnorm={gnorm:.3f}{said} tok/s={tps:.0f} ms={ms:.1f}")  # fmt: skip
-            write_metrics({"kind": "train", "step": done, "loss": fleet, "bpb": fleet / LN2,
-                           "lr": lr_now, "gnorm": gnorm, "tok_s": tps, "ms": ms,
-                           "load": p.load(),
-                           **({} if scaler is None else {"scale": scaler.scale})})  # fmt: skip
+            write_metrics("train", done, {
+                "loss": fleet, "bpb": fleet / LN2, "lr": lr_now, "gnorm": gnorm, "tok_s": tps,
+                "ms": ms, "load": p.load(),
+                **({} if scaler is None else {"scale": scaler.scale}),
+                # a fleet's windows per rank this step (re-balancing moves them)
+                **({} if ctx.world == 1 else {"split": [s.windows for s in ctx.shapes]})})
         bar.update(done, last_loss)
         return True
 
@@ -957,7 +972,6 @@ def train(
     if best.step is not None:
         log.info(f"best val {best.loss:.4f} at step {best.step}: {best_file}")
     if main:
-        metrics.close()
         if folder.file(METRICS).exists():
             _plot(folder)
     return {

@@ -37,6 +37,7 @@ import torch
 from ...config import ConfigError, RunConfig, asked_differences, check_file_name
 from ...errors import UserError
 from . import checkpoint as ckpt
+from .metrics import TB_DIR
 
 log = logging.getLogger(__name__)
 
@@ -152,7 +153,7 @@ class RunDir:
     def refuse_links(self, run: RunConfig) -> None:
         """A symbolic link where one of our files belongs: a write through it would land
         outside the folder (or replace the user's link), so it is refused."""
-        for name in (LOCK, CONFIG, METRICS, PLOT, self.checkpoint(run).name,
+        for name in (LOCK, CONFIG, METRICS, PLOT, TB_DIR, self.checkpoint(run).name,
                      self.best(run).name):  # fmt: skip
             p = self.file(name)
             if p.is_symlink():
@@ -545,8 +546,10 @@ class Metrics:
         self.failing = False
         self.lost = 0
 
-    def write(self, row: dict) -> None:
-        self.pending.append(json.dumps(row) + "\n")
+    def write(self, kind: str, step: int, values: dict) -> None:
+        """One row, {"kind", "step", **values} (what `dormouse compare`, the plot and
+        trim_metrics read); a store/metrics.MetricsSink."""
+        self.pending.append(json.dumps({"kind": kind, "step": step, **values}) + "\n")
         if len(self.pending) > self.HELD:
             self.pending.pop(0)
             self.lost += 1
