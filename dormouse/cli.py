@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
-import math
 import os
 import sys
 from dataclasses import replace
@@ -93,7 +92,7 @@ def _run_from_args(args):
         run = _with_data(run, args.data)
     if not args.out and run.train.out_dir == "runs/default":
         run = apply_sets(run, [f"out_dir=runs/{args.preset}"])
-    return validate(run)
+    return run
 
 
 def _elastic_restart(env) -> int:
@@ -104,62 +103,39 @@ def _elastic_restart(env) -> int:
         return 0
 
 
-def _dry_run(run, device, autocast, plan: str, folder) -> int:
-    """Everything a run checks before its first step, without training or writing a file."""
-    from .train.store import checkpoint as ckpt
-    from .train.context import DPContext
-    from .train.data import open_data
-    from .train.optim.mix import MixOptimizer
-    from .train.run import build_model, dtype_name
-
-    model = build_model(run, meta=True)
-    n = sum(p.numel() for p in model.parameters())
-    MixOptimizer.from_config(model, run.train, device.type)
-    t = run.train
-    data = open_data(t)
-    data.train_stream(DPContext.single(device, t.batch, t.seq_len, t.global_batch).shape.windows,
-                      t.seq_len)  # the whole global batch's bytes, every step
-    if t.eval_every and data.has_val:
-        data.val_batches(1, t.batch, t.seq_len)
-    if plan == "resume":
-        path = folder.checkpoint(run)
-        ck = ckpt.read_checkpoint(path, mmap=True)
-        diff = ckpt.shape_mismatch(ck["run"].model, run.model)
-        if diff:
-            raise ckpt.CheckpointError(f"{path} has another model shape: " + "; ".join(diff))
-    log.info(f"dry run: ok ({run.source}, {n / 1e6:.2f}M parameters, device={device}, "
-             f"dtype={dtype_name(autocast)}, steps={t.steps}; would {_PLAN_WORDS[plan]} in "
-             f"{t.out_dir}); nothing trained or written")  # fmt: skip
-    return 0
-
-
 _PLAN_WORDS = {"fresh": "start afresh", "resume": "resume", "complete": "do nothing (complete)"}
 
 
 def cmd_train(args) -> int:
-    from .train.run import prepare, train_run
+    from .train.run import dry_run, prepare_for_launch, train_run
     from .train.store.folder import RunDir
 
-    run = _run_from_args(args)
-    if run.train.dist or os.environ.get("WORLD_SIZE", "").strip() not in ("", "1"):
+    asked = _run_from_args(args)
+    if asked.train.dist or os.environ.get("WORLD_SIZE", "").strip() not in ("", "1"):
         from .train.fleet.launch import check_launch
 
-        check_launch(run.train.dist, os.environ)
-    if args.dry_run and not run.train.dist:
-        run, device, autocast = prepare(run)
+        check_launch(asked.train.dist, os.environ)
+    fleet_dry = args.dry_run and asked.train.dist  # the fleet's checks run when its ranks meet
+    # validated and resolved once (device, --fit, dropout=auto, compile=auto); the folder is
+    # planned with the run as asked, whose auto fields match any resolution of them
+    prepared = None if fleet_dry else prepare_for_launch(asked)
+    run = asked if fleet_dry else prepared[0]
     folder = RunDir(run.train.out_dir)
     # one writer a folder: this process, or rank 0 of a fleet (the others write nothing)
     writer = os.environ.get("RANK", "0") in ("", "0")
     with folder.hold(run, overwrite=args.overwrite, writer=writer, dry=args.dry_run):
-        plan = folder.plan(run, args.resume or "never", args.overwrite,
+        plan = folder.plan(asked, args.resume or "never", args.overwrite,
                            _elastic_restart(os.environ))  # fmt: skip
-        if args.dry_run and run.train.dist:  # the fleet's own checks run when its ranks meet
+        if fleet_dry:
             log.info(f"dry run: fleet launch accepted; would {_PLAN_WORDS[plan]} in "
                      f"{run.train.out_dir} (the fleet's own checks run when its ranks meet); "
                      f"nothing trained or written")  # fmt: skip
             return 0
         if args.dry_run:
-            return _dry_run(run, device, autocast, plan, folder)
+            said = dry_run(*prepared, plan, folder)
+            log.info(f"dry run: ok ({said}; would {_PLAN_WORDS[plan]} in {run.train.out_dir}); "
+                     f"nothing trained or written")  # fmt: skip
+            return 0
         if plan == "complete":
             return 0
         if writer:
@@ -169,24 +145,14 @@ def cmd_train(args) -> int:
                 log.info(f"{run.train.out_dir}: the rows of the earlier run there (it wrote no "
                          f"checkpoint) are kept in {aside}; this run starts a new metrics.jsonl")
         report = train_run(run, resume=plan == "resume", progress=not run.train.dist,
-                           folder=folder)  # fmt: skip
-    final = (report.get("val") or {}).get("bpb", 0.0)
-    if not math.isfinite(final):
-        from .train.loop import TrainingError
-
-        raise TrainingError(
-            f"the run ended at step {report['steps']} with validation bpb={final} "
-            f"({report.get('skips', 0)} step(s) skipped as non-finite): the model diverged, so "
-            f"{report['checkpoint']} holds no usable model; lower --set lr (now {run.train.lr}) "
-            f"and train again with --overwrite"
-        )
+                           folder=folder, prepared=prepared)  # fmt: skip
     if report.get("rank", 0) == 0:
         val = report.get("val") or {}
         start = report.get("val_start") or {}
         if val:
             before = f"{start['bpb']:.4f} -> " if start else ""
             log.info(f"done: steps={report['steps']} val_bpb={before}{val['bpb']:.4f} "
-                 f"checkpoint={report['checkpoint']}")  # fmt: skip
+                     f"checkpoint={report['checkpoint']}")  # fmt: skip
     return 0
 
 
@@ -214,7 +180,7 @@ def cmd_eval(args) -> int:
     from .model import make_model
     from .train.store.checkpoint import load_model, read_checkpoint
     from .train.data import open_data
-    from .train.loop import evaluate
+    from .train.step import evaluate
     from .train.run import resolve_autocast, resolve_device
 
     if args.batches is not None and args.batches < 1:

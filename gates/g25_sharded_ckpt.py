@@ -172,7 +172,7 @@ def _exported_eval(run_dir: Path) -> tuple[float, float, str]:
     from dormouse.model import DormouseModel
     from dormouse.train.store.checkpoint import load_model, read_checkpoint
     from dormouse.train.data import open_data
-    from dormouse.train.loop import evaluate
+    from dormouse.train.step import evaluate
 
     dest = run_dir.parent / "model.pt"
     p = subprocess.run([sys.executable, "-m", "dormouse", "export", str(run_dir), "--to",

@@ -358,7 +358,7 @@ def plain_tensors(named) -> dict[str, torch.Tensor]:
 
 
 class Recorder:
-    """Records a run through the loop's callbacks (`dormouse.train.loop.Callbacks`); changes
+    """Records a run through the loop's callbacks (`dormouse.train.step.Callbacks`); changes
     nothing.
 
     after_backward runs once per step after backward, the reductions, the clip and the
@@ -384,7 +384,7 @@ class Recorder:
                     "scales": []}  # fmt: skip
 
     def callbacks(self):
-        from dormouse.train.loop import Callbacks
+        from dormouse.train.step import Callbacks
 
         return Callbacks(after_backward=self.after_backward, after_step=self.after_step,
                          on_log=self.on_log)  # fmt: skip

@@ -101,6 +101,17 @@ def apply_from_env() -> None:
 # ---- the bugs ------------------------------------------------------------------------------
 
 
+def _never_last_micro_batch(orig):
+    """parallelize whose no_sync hook treats every micro-batch as a non-final one."""
+    import dataclasses
+
+    def parallelize(model, ctx):
+        w = orig(model, ctx)
+        return dataclasses.replace(w, no_sync=lambda last: w.no_sync(False))
+
+    return parallelize
+
+
 def _prop(fn: Callable[[Any, Any], Any]) -> Callable[[Any], property]:
     """make() for a property: fn(self, original_value) -> mutated value."""
     return lambda orig: property(lambda self: fn(self, orig.fget(self)))
@@ -538,7 +549,7 @@ MUTATIONS: list[Mutation] = [
     Mutation("accum_last_microbatch_unsynced",
              "the last micro-batch's backward also runs under no_sync: no gradient is ever "
              "reduced, each rank steps on its own windows",
-             (("dormouse.train.loop:_no_sync", lambda orig: lambda net, last: orig(net, False)),),
+             (("dormouse.train.fleet.parallelize:parallelize", _never_last_micro_batch),),
              ("g26_accumulation",)),
     Mutation("muon_polar_of_own_rows",
              "FSDP2 Muon: each rank runs the polar on the rows it holds (its shard) instead of "
@@ -597,7 +608,7 @@ MUTATIONS: list[Mutation] = [
     Mutation("dropout_keys_by_local_row",
              "dropout masks keyed by a rank's own row number (rows 0.. on every rank) instead of "
              "the row's place in the global batch",
-             (("dormouse.train.loop:dropout_keys", _keys_by_local_row),),
+             (("dormouse.train.step:dropout_keys", _keys_by_local_row),),
              ("g29_dropout",)),
     Mutation("phase_per_rank",
              "each rank draws its own pass phase (shifted by its offset): the ranks' slices no "

@@ -21,8 +21,8 @@ import torch
 
 from dormouse.config import RunConfig
 from dormouse.model import DormouseModel
-from dormouse.train import loop
-from dormouse.train.loop import Callbacks
+from dormouse.train import step as loop
+from dormouse.train.step import Callbacks
 from dormouse.train.run import train_run
 
 

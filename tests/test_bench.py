@@ -569,6 +569,6 @@ def test_parts_step_the_optimizer_on_gradients_and_mark_graph_steps(monkeypatch)
                                                    "backward": 1}  # fmt: skip
     # compile_mode=reduce-overhead: every forward (alone or before its backward) is a new
     # CUDA-graph step, as in train_step (the eager net stands in for the compiled one here)
-    h.train = replace(h.train, compile=True, compile_mode="reduce-overhead")
+    h.s.wrapped = replace(h.s.wrapped, graphs=True)
     time_parts(h, windows(run, 1)[0], 2, 1, torch.device("cpu"))
     assert len(marks) == 3 + 3

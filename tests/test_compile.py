@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from dormouse.config import ConfigError, RunConfig, apply_sets, preset, validate
-from dormouse.train.loop import Callbacks
+from dormouse.train.step import Callbacks
 from dormouse.train.run import train_run
 
 
@@ -38,13 +38,15 @@ def test_compiled_chooses_the_kernel_arms_before_the_first_trace():
     `_impl is None`, and step 2 recompiled."""
     from dormouse.model.kda import KDAMixer
     from dormouse.train.run import build_model, compiled
+    from dormouse.train.step import Wrapped
 
     run = apply_sets(preset("tiny"), ["compile=true", "compile_backend=aot_eager"])
     model = build_model(run)
     mixers = [m for m in model.modules() if isinstance(m, KDAMixer)]
     assert mixers and all(m.impl is None for m in mixers)
-    compiled(model, run, torch.device("cpu"), None)
+    w = compiled(Wrapped(model), run, torch.device("cpu"), None)
     assert all(m.impl == "torch" for m in mixers)
+    assert w.net is not model and not w.graphs  # compiled; no CUDA graphs on the CPU
 
 
 # slow: inductor compiles tiny's regions on the 2-core CPU in ~25 s

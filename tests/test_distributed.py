@@ -352,7 +352,7 @@ def test_reduce_dtype_reaches_the_gradients(one_rank_group, reduce):
     ctx = DPContext(torch.device("cpu"), (RankShape(2, 16), RankShape(2, 16)), world=2,
                     backend="gloo", reduce=reduce)  # fmt: skip
     # a world of 2 wraps; the one-rank process group runs its collectives (rank 0 of 1)
-    net = parallelize(model, ctx)
+    net = parallelize(model, ctx).net
     x = torch.randint(0, 256, (2, 17), generator=torch.Generator().manual_seed(1))
     _, loss, _ = net(x[:, :-1], x[:, 1:])
     loss.backward()

@@ -183,7 +183,7 @@ def test_the_wrap_keeps_the_table_and_leaves_no_gradient(one_rank_group):
     _open_the_conv(model)
     table = model.engram.store.table.clone()
     ctx = DPContext(torch.device("cpu"), (RankShape(2, 16),) * 2, world=2, backend="gloo")
-    net = parallelize(model, ctx)  # broadcasts the host tables from rank 0: the identity here
+    net = parallelize(model, ctx).net  # broadcasts the host tables from rank 0: the identity here
     assert torch.equal(model.engram.store.table, table)
     assert model.engram.store.pending()[0].numel() == 0  # the wrap's probe left no gradient
     _backward(net)

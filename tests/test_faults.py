@@ -441,16 +441,16 @@ def test_held_metrics_rows_are_written_once_the_file_takes_them(tmp_path):
 
     path = tmp_path / "metrics.jsonl"
     m = Metrics(path)
-    m.write({"kind": "train", "step": 1, "loss": 1.0})
+    m.write("train", 1, {"loss": 1.0})
     path.rename(tmp_path / "real.jsonl")
     path.symlink_to(tmp_path / "real.jsonl")
     for step in (2, 3):
-        m.write({"kind": "train", "step": step, "loss": 1.0})
+        m.write("train", step, {"loss": 1.0})
     held = (tmp_path / "real.jsonl").read_text().splitlines()
     assert [json.loads(x)["step"] for x in held] == [1]
     path.unlink()
     (tmp_path / "real.jsonl").rename(path)
-    m.write({"kind": "train", "step": 4, "loss": 1.0})
+    m.write("train", 4, {"loss": 1.0})
     assert [json.loads(x)["step"] for x in path.read_text().splitlines()] == [1, 2, 3, 4]
     assert m.pending == []
 

@@ -62,7 +62,7 @@ def test_references_shared_only_where_a_process_cannot_tell(tmp_path):
         out = tmp_path / str(len(list(tmp_path.iterdir())))
         run = global_run(fixture_run(spec, out, dist=False), [2, 2])
         losses = []
-        from dormouse.train.loop import Callbacks
+        from dormouse.train.step import Callbacks
 
         model, _ = run_single(run, callbacks=Callbacks(on_log=lambda i: losses.append(i["loss"])))
         return losses, fingerprint(model)

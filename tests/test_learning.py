@@ -17,7 +17,8 @@ from dormouse.config import DROPOUT_AUTO, ConfigError, ModelConfig, apply_sets, 
 from dormouse.model import make_model
 from dormouse.model.layers import KeyedDropout, row_keys
 from dormouse.train.data import ByteCorpus, DataSource, Source
-from dormouse.train.loop import _Best, best_path
+from dormouse.train.loop import _Best
+from dormouse.train.store.folder import best_path
 from dormouse.train.run import AUTO_DROPOUT, resolve_dropout, train_run
 
 # ---- keyed dropout ----------------------------------------------------------------------------
@@ -74,7 +75,7 @@ def test_accumulated_micro_batches_draw_the_masks_of_one_forward(tmp_path):
                                f"data={data}", "val_frac=0", f"out_dir={tmp_path / str(batch)}",
                                "eval_every=0", "log_every=1"])  # fmt: skip
         seen = []
-        from dormouse.train.loop import Callbacks
+        from dormouse.train.step import Callbacks
 
         train_run(run, callbacks=Callbacks(after_step=lambda i: seen.append(i["gnorm"])))
         norms.append(seen)
@@ -131,7 +132,7 @@ def test_best_checkpoint_and_early_stop(tmp_path):
     assert report["steps"] < 200  # stopped early
     rows = [json.loads(x) for x in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
     ev = [r for r in rows if r["kind"] == "eval"]
-    best = min(ev, key=lambda r: r["loss"])
+    best = min((r for r in ev if r["step"] > 0), key=lambda r: r["loss"])  # trained ones
     assert report["best"]["step"] == best["step"]
     from dormouse.train.store.checkpoint import read_checkpoint
 
@@ -140,6 +141,21 @@ def test_best_checkpoint_and_early_stop(tmp_path):
     last = ev[-1]
     assert last["step"] == report["steps"] and last["step"] - best["step"] == 2 * 5
     assert all("val_bytes" in r and "train_s" in r and "bytes" in r for r in ev)
+
+
+def test_no_best_checkpoint_of_an_untrained_model(tmp_path):
+    """The evaluation before the first step is logged, never kept as a best: best.pt holds a
+    trained model (train small --steps 1 wrote the untrained one as best.pt)."""
+    from dormouse.train.step import Callbacks
+
+    data = tmp_path / "c.txt"
+    data.write_bytes(bytes(np.random.default_rng(1).integers(0, 256, 30000, dtype=np.uint8)))
+    run = apply_sets(preset("tiny"), [f"data={data}", "steps=1", "eval_every=1",
+                                      f"out_dir={tmp_path / 'r'}"])  # fmt: skip
+    seen = []
+    cb = Callbacks(on_eval=lambda d: seen.append((d["step"], best_path(run).exists())))
+    report = train_run(run, callbacks=cb)
+    assert seen == [(0, False), (1, True)] and report["best"]["step"] == 1
 
 
 # ---- the whole-split eval ----------------------------------------------------------------------

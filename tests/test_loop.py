@@ -14,7 +14,8 @@ from dormouse.cli import main as cli_main
 from dormouse.config import apply_sets, preset
 from dormouse.model import DormouseModel
 from dormouse.train.store import checkpoint as ckpt
-from dormouse.train.loop import TrainingError, lr_factor
+from dormouse.train.loop import TrainingError
+from dormouse.train.step import lr_factor
 from trainlog import train
 from references.fingerprint import fingerprint
 
@@ -169,7 +170,7 @@ def test_nonfinite_steps_are_skipped_then_the_run_stops(tmp_path, monkeypatch):
 def test_a_skipped_step_keeps_the_eval_and_checkpoint_cadence(tmp_path, monkeypatch):
     """A non-finite step at eval_every - 1 still evaluates and checkpoints after it (the
     loop's bookkeeping used to stop at the skip: no evaluation, no checkpoint that step)."""
-    from dormouse.train.loop import Callbacks
+    from dormouse.train.step import Callbacks
 
     run = _run(tmp_path, tmp_path / "skip", 6, "eval_every=4", "ckpt_every=4", "val_frac=0.05")
     model = _model(run)
@@ -243,3 +244,29 @@ def test_cli_reports_user_errors_cleanly(tmp_path, capsys):
     assert "missing.bin" in err and "Traceback" not in err
     assert cli_main(["train", "tiny", "--set", "d_modle=3"]) == 2
     assert "did you mean 'd_model'" in capsys.readouterr().err
+
+
+def test_a_train_validates_its_config_once(tmp_path, monkeypatch):
+    """One pass from the command line to the first step: the config is validated once, at
+    entry (train.run.prepare), not again by each layer it passes through."""
+    import sys
+
+    import dormouse.train.run  # noqa: F401  (every module on the path, imported before the count)
+    import dormouse.train.store.folder  # noqa: F401
+    from dormouse import config
+    from dormouse.cli import main
+
+    real, calls = config.validate, []
+
+    def counting(run):
+        calls.append(1)
+        return real(run)
+
+    for mod in [m for name, m in sys.modules.items() if name.startswith("dormouse")]:
+        if getattr(mod, "validate", None) is real:
+            monkeypatch.setattr(mod, "validate", counting)
+    data = tmp_path / "c.txt"
+    data.write_bytes(b"the quick brown fox jumps over the lazy dog\n" * 200)
+    assert main(["train", "tiny", "--data", str(data), "--steps", "2", "--out",
+                 str(tmp_path / "r"), "--device", "cpu"]) == 0  # fmt: skip
+    assert len(calls) == 1

@@ -11,7 +11,7 @@ pytest.importorskip("tensorboard")
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: E402
 
 from dormouse.cli import main as cli_main  # noqa: E402
-from dormouse.train.loop import Callbacks  # noqa: E402
+from dormouse.train.step import Callbacks  # noqa: E402
 from dormouse.train.store.metrics import TensorBoardSink  # noqa: E402
 from test_loop import _corpus, _model, _run  # noqa: E402
 from trainlog import train  # noqa: E402

@@ -188,7 +188,7 @@ def test_every_optimizer_hyperparameter_given_on_resume_is_applied(tmp_path):
     """A resume with other optimizer settings steps with this run's groups, entry for entry
     (a fresh optimizer's for the new config), not the checkpoint's: adam_eps used to be
     logged as changed and then stepped with the file's value."""
-    from dormouse.train.loop import Callbacks
+    from dormouse.train.step import Callbacks
     from dormouse.train.run import _optimizer
 
     run = _run(tmp_path, tmp_path / "r", "steps=4")

@@ -187,7 +187,7 @@ def test_verdict_device_is_refused_where_it_cannot_hold(tmp_path):
     with pytest.raises(ConfigError, match="verdict=device: host-RAM Engram tables"):
         train(DormouseModel(ram.model), ram)
     from dormouse.train.context import DPContext
-    from dormouse.train.loop import device_verdict
+    from dormouse.train.step import device_verdict
     from dormouse.train.optim.scaler import LossScaler
 
     one = _run(tmp_path, "fp16", "verdict=device").train

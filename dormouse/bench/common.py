@@ -44,31 +44,28 @@ def configure(name: str, sets, batch: int | None = None, seq: int | None = None)
 
 @dataclass
 class Harness:
-    """A preset's model, optimizer and step as `dormouse train` builds them: `step(i, window)`
-    is the loop's own `train_step` on a [batch, seq+1] window (False: skipped as non-finite);
-    `net` is what the step calls forward on (the model, or torch.compile of it: the optimizer
-    holds the model's own parameters, which the compiled module shares); `dtype` is the
-    forward's compute dtype (None = fp32). bench step --parts times the step's pieces from
+    """A preset's model, optimizer and step as `dormouse train` builds them (`s`, the loop's
+    own train.step.Step): `step(i, window)` is the loop's `train_step` on a [batch, seq+1]
+    window (False: skipped as non-finite). bench step --parts times the step's pieces from
     these same objects (parts.py)."""
 
-    model: torch.nn.Module
-    net: torch.nn.Module
-    opt: object  # MixOptimizer
-    ctx: object  # DPContext.single
-    train: object  # TrainConfig
-    dtype: torch.dtype | None
-    scaler: object | None  # LossScaler under an fp16 forward
-    #: the verdict kept on the device (loop.device_verdict, as train decides it): step()
+    s: object  # train.step.Step
+
+    model = property(lambda self: self.s.model)
+    net = property(lambda self: self.s.net)
+    opt = property(lambda self: self.s.opt)
+    ctx = property(lambda self: self.s.ctx)
+    train = property(lambda self: self.s.cfg)
+    dtype = property(lambda self: self.s.autocast)
+    scaler = property(lambda self: self.s.scaler)
+    #: the verdict kept on the device (step.device_verdict, as train decides it): step()
     #: returns it as a bool tensor, and a row's steps are timed back to back (timed's chain)
-    defer: bool = False
+    defer = property(lambda self: self.s.defer)
 
     def step(self, i: int, w: torch.Tensor):
-        from ..train.loop import lr_factor, train_step
+        from ..train.step import lr_factor, train_step
 
-        t = self.train
-        return train_step(self.model, self.net, self.opt, self.ctx, w[:, :-1], w[:, 1:], t,
-                          lr_factor(i, t), self.dtype, scaler=self.scaler,
-                          defer=self.defer)[2]  # fmt: skip
+        return train_step(self.s, w[:, :-1], w[:, 1:], lr_factor(i, self.s.cfg))[2]
 
 
 def harness(run: RunConfig, device: torch.device) -> Harness:
@@ -77,10 +74,10 @@ def harness(run: RunConfig, device: torch.device) -> Harness:
     reduce-overhead where the shapes are static), so a bench without flags times what a
     train without flags runs. `--set compile=false` times the eager step."""
     from ..train.context import DPContext
-    from ..train.loop import device_verdict
     from ..train.optim.mix import MixOptimizer
-    from ..train.run import build_model, compiled, resolve_autocast, resolve_compile
     from ..train.optim.scaler import LossScaler, loss_scaled
+    from ..train.run import build_model, compiled, resolve_autocast, resolve_compile
+    from ..train.step import Step, Wrapped, device_verdict
 
     run = validate(resolve_compile(run, device))
     t = run.train
@@ -89,10 +86,12 @@ def harness(run: RunConfig, device: torch.device) -> Harness:
     dtype = resolve_autocast(run, device)
     # a step of global_batch windows runs as the loop runs it: micro-batches of <= batch
     ctx = DPContext.single(device, t.batch, t.seq_len, t.global_batch)
-    net = compiled(model, run, device, dtype)
+    wrapped = compiled(Wrapped(model), run, device, dtype)
     # an fp16 forward times the loop's loss scaling too (the scale and unscale passes)
     scaler = LossScaler(t.loss_scale_every) if loss_scaled(dtype, ctx) else None
-    return Harness(model, net, opt, ctx, t, dtype, scaler, device_verdict(t, ctx, opt, scaler))
+    s = Step(model, wrapped, opt, ctx, t, dtype, scaler)
+    s.defer = device_verdict(t, ctx, opt, scaler)
+    return Harness(s)
 
 
 def build(run: RunConfig, device: torch.device):

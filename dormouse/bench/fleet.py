@@ -140,7 +140,7 @@ def _rank(rank: int, world: int, port: int, sets: list[str], preset: str, out: s
     import torch.distributed as dist
 
     from ..config import apply_sets, preset as load
-    from ..train.loop import Callbacks
+    from ..train.step import Callbacks
     from ..train.run import train_run
 
     os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),

@@ -1,11 +1,11 @@
 """The training step's parts timed alone (bench step --parts), on the step's own objects.
 
-`loop.train_step` runs, on one process: forward, backward, the clip phase (the host-row
+`step.train_step` runs, on one process: forward, backward, the clip phase (the host-row
 reduction, fp16's unscale, the optimizer's clip and the one verdict read to the host), the
 optimizer phase (opt.step(), the captured CUDA graph when the optimizer graph is on, then
 zero_grad) and the LFB update. `time_parts` runs each of those pieces alone, repeated, on the
 same model, optimizer and window: the forward and the clip phase through train_step's own
-`loop.graph_forward` and `loop.clip_and_verdict`, the rest as train_step calls it. The sum of
+`step.graph_forward` and `step.clip_and_verdict`, the rest as train_step calls it. The sum of
 the parts beside the step says what running them in one step costs or saves: launch gaps,
 host waits, overlap.
 
@@ -21,7 +21,7 @@ import statistics
 
 import torch
 
-from ..train.loop import _autocast, clip_and_verdict, graph_forward
+from ..train.step import _autocast, clip_and_verdict, graph_forward
 from .common import BenchError, Harness, timed
 
 #: the parts in train_step's order; "forward + backward" is timed, "backward" is its difference
@@ -35,18 +35,16 @@ def time_parts(h: Harness, window: torch.Tensor, reps: int, warmup: int,
     backward less the median of the forward (one list of that one number), since a backward
     needs the forward that built its graph, and retaining that graph would change what the
     compiled step saves."""
-    t, ctx, model, net, opt, scaler = h.train, h.ctx, h.model, h.net, h.opt, h.scaler
+    t, ctx, model, opt, scaler = h.train, h.ctx, h.model, h.opt, h.scaler
     if ctx.shape.accum != 1:
         raise BenchError(f"--parts times one micro-batch a step; this run accumulates "
                          f"{ctx.shape.accum}: drop global_batch")  # fmt: skip
-    # compile_mode=reduce-overhead: each forward is a new CUDA-graph step, as in train_step
-    graphs = t.compile and t.compile_mode == "reduce-overhead"
     x, y = window[:, :-1].to(device), window[:, 1:].to(device)
     last: dict = {}
 
     def forward() -> torch.Tensor:
         with _autocast(device, h.dtype):  # with the copies out of a graph's buffers
-            loss, _ = graph_forward(net, x, y, graphs)
+            loss, _ = graph_forward(h.s.wrapped, x, y)
         last["loss"] = loss.detach()
         return loss
 
@@ -66,7 +64,8 @@ def time_parts(h: Harness, window: torch.Tensor, reps: int, warmup: int,
         opt.zero_grad(set_to_none=True)
 
     def lfb(_i) -> None:
-        model.lfb_update(reduce=ctx.lfb_reduce)
+        if hasattr(model, "lfb_update"):
+            model.lfb_update(reduce=ctx.lfb_reduce)
 
     out = {"forward": timed(lambda i: forward(), reps, warmup, device)}
     out["forward + backward"] = timed(forward_backward, reps, warmup, device, setup=fresh_grads)

@@ -82,7 +82,7 @@ def _phases(events, steps: int) -> list[tuple[str, float, float, float]]:
     """(phase, wall ms, GPU ms, kernels) per step: each kernel counts for the phase whose
     range (on the launching thread's clock) holds the start of the CPU op that launched it;
     the backward's ops run on autograd's threads inside the main thread's backward range."""
-    from ..train.loop import PHASES
+    from ..train.step import PHASES
 
     from torch.autograd import DeviceType
 

@@ -61,8 +61,8 @@ def measure_rank(run, rank: int, world: int, shard: str) -> dict:
     ctx = DPContext(torch.device("cpu"), (RankShape(t.batch, t.seq_len),) * world, rank=rank,
                     world=world, backend="gloo", reduce="fp32", shard=shard)  # fmt: skip
     model = build_model(run)
-    net = parallelize(model, ctx)
-    opt = MixOptimizer.from_config(net, t, "cpu")
+    net = parallelize(model, ctx).net
+    opt = MixOptimizer.from_config(model, t, "cpu")
     gen = torch.Generator().manual_seed(rank)
     x = torch.randint(0, 256, (t.batch, t.seq_len + 1), generator=gen)
     _, loss, _ = net(x[:, :-1], x[:, 1:])

@@ -54,7 +54,7 @@ def triton_arm(run, device: torch.device) -> tuple[bool, str]:
 def run(args, command: str) -> str:
     from ..cache import kernel_cache_line, say_kernel_cache
     from ..train.context import accumulate
-    from ..train.loop import evaluate
+    from ..train.step import evaluate
 
     runs = [configure(n, args.set, args.batch, args.seq) for n in args.presets]
     device = resolve_device(args.device)

@@ -64,7 +64,8 @@ class GPTBlock(nn.Module):
 
 
 class GPT(nn.Module):
-    """forward/step/lfb_* as DormouseModel has them, so the trainer takes either."""
+    """forward and step as DormouseModel has them, so the trainer takes either (it has no
+    router, so no lfb_update: the step balances only a model that has one)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -101,12 +102,6 @@ class GPT(nn.Module):
         if y is not None:
             loss = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), y.reshape(-1))
         return logits, loss, {"load": None, "dropped": 0}
-
-    def lfb_update(self, reduce=None, ok=None) -> None:
-        """No router, no load-balancing bias."""
-
-    def lfb_discard(self) -> None:
-        """No router counts to forget."""
 
     # ---- decoding with a key/value cache ------------------------------------------------
     def init_cache(self, row_len: int | None = None) -> dict:

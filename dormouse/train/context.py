@@ -362,3 +362,30 @@ def merge_row_grads(
         start += grad.shape[0]
         out.index_copy_(0, pos, out.index_select(0, pos).add_(grad.to(out.dtype)))
     return union, out.div_(world_size)
+
+
+class OneStream:
+    """One process's data stream: the data's own, read at the context it was built for. A
+    fleet's (fleet/balance.py FleetStream) re-splits the batch and replaces its context; one
+    process never does, and never imports the balancer."""
+
+    def __init__(self, data, ctx: DPContext, run=None, model=None):  # FleetStream's signature
+        s = ctx.shape
+        self.inner = data.train_stream(s.windows, s.seq_len, offset=ctx.offset, stride=ctx.stride)
+        self.ctx = ctx
+
+    @property
+    def position(self) -> int:
+        return self.inner.position
+
+    def check_source(self) -> None:
+        self.inner.check_source()
+
+    def next(self):
+        return self.inner.next()
+
+    def state_dict(self) -> dict:  # the keys a fleet's stream saves too: either resumes it
+        return {**self.inner.state_dict(), "split": [self.ctx.shape.windows], "world": 1}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.inner.load_state_dict(sd)

@@ -1,42 +1,36 @@
 """The training loop, the same code in one process and on every rank of a fleet.
 
-`train(model, net, opt, ctx, run)` owns the step: data, forward, the scaled backward, the
-non-finite decision, clipping, the optimizer and LFB update, the LR schedule, logging,
-evaluation, checkpoints and resume. What differs on a fleet is asked of the data-parallel
+`train(model, wrapped, opt, ctx, run)` runs the steps (`step.train_step`) and owns what lies
+between them: the LR schedule's position, logging, evaluation, the best checkpoint,
+checkpoints, resume, a graceful stop. What differs on a fleet is asked of the data-parallel
 context (`context.DPContext`: the identity in one process); the model arrives built and
-wrapped (`run.py`). `Callbacks` are observation points: the gates record runs through them.
+wrapped (`run.py`), the run folder held (`store/folder.py`). `Callbacks` are observation
+points: the gates record runs through them.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import signal
 import sys
 import threading
 import time
-from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 
-from ..config import ConfigError, RunConfig, validate
 from ..errors import UserError
-from .store import checkpoint as ckpt
-from ..model.layers import row_keys
-# best_path, ckpt_path: still importable from here, their home before run_dir
-from .store.folder import (  # noqa: F401
-    METRICS, PLOT, RunDir, RunDirError, best_path, ckpt_path, read_rows,
-)  # fmt: skip
-from .fleet.balance import FleetStream
-from .context import DPContext
+from . import step as steps
+from .context import DPContext, OneStream
 from .data import DataError, fingerprint_mismatch, open_data
 from .optim.scaler import LossScaler, loss_scaled
+from .step import LN2, Callbacks, Step, Wrapped, _call, _Deferred, _Settled, device_verdict
+from .step import evaluate_fleet, lr_factor
+from .store import checkpoint as ckpt
+from .store.folder import METRICS, PLOT, RunDir, RunDirError, read_rows
 from .store.metrics import Sinks
 
-LN2 = math.log(2.0)
 log = logging.getLogger(__name__)
 
 
@@ -64,6 +58,7 @@ class _GracefulStop:
 
     def __init__(self):
         self.caught: str | None = None
+        self.stopped = False  # the loop stopped on the signal, with a checkpoint
         self._handler = self._on_signal  # one bound method, so `is` finds it again
         self._previous: dict = {}
         self._told = False
@@ -102,29 +97,6 @@ class _GracefulStop:
             signal.signal(sig, old if old is not None else signal.SIG_DFL)
 
 
-# ---- schedule -----------------------------------------------------------------------
-
-
-def lr_factor(step: int, cfg) -> float:
-    """Multiplier on every group's base lr at `step` (0-based): warmup, then decay."""
-    if cfg.warmup and step < cfg.warmup:
-        return (step + 1) / cfg.warmup
-    if cfg.schedule == "constant" or cfg.steps <= cfg.warmup:
-        return 1.0
-    lo = cfg.min_lr_frac
-    if cfg.schedule == "cosine":
-        progress = (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
-        return lo + (1 - lo) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
-    # wsd: warmup, stable at 1, then a linear decay over the last wsd_decay_frac of the run
-    decay_start = cfg.steps - int(cfg.steps * cfg.wsd_decay_frac)
-    if step < decay_start:
-        return 1.0
-    progress = (step - decay_start) / max(1, cfg.steps - decay_start)
-    return 1.0 - (1.0 - lo) * min(1.0, progress)
-
-
-# ---- progress output --------------------------------------------------------------------
-
 
 class _Progress:
     """A one-line progress bar on a terminal; nothing otherwise (plain log lines suffice)."""
@@ -145,64 +117,6 @@ class _Progress:
             sys.stderr.write("\r" + " " * 70 + "\r")
             sys.stderr.flush()
 
-
-# ---- evaluation -------------------------------------------------------------------------
-
-
-def _sums(model, batches, device, autocast_dtype, pad: list | None = None) -> tuple[float, int]:
-    """(sum of nats, tokens) over `batches`, then forwards of the `pad` batches that count for
-    nothing (FSDP2: every rank must run as many forwards as the others)."""
-    was = model.training
-    model.eval()
-    total, count = 0.0, 0
-    n_real = None
-    if pad:
-        batches = list(batches)
-        n_real = len(batches)
-        batches += pad
-    with torch.no_grad():
-        for i, (x, y) in enumerate(batches):
-            x, y = x.to(device), y.to(device)
-            with _autocast(device, autocast_dtype):
-                _, loss, _ = model(x, y)
-            if n_real is None or i < n_real:
-                total += float(loss) * y.numel()
-                count += y.numel()
-    model.train(was)
-    return total, count
-
-
-def _result(total: float, count: int) -> dict[str, float]:
-    nats = total / max(1, count)
-    return {"loss": nats, "bpb": nats / LN2, "tokens": int(count)}
-
-
-def evaluate(model, batches, device, autocast_dtype) -> dict[str, float]:
-    """Token-weighted mean loss over `batches` (any iterable) in one process: {loss, bpb,
-    tokens}."""
-    return _result(*_sums(model, batches, device, autocast_dtype))
-
-
-def evaluate_fleet(model, batches, ctx: DPContext, autocast_dtype) -> dict[str, float]:
-    """The fleet's evaluation of one fixed list of batches: rank r takes batches r::world, the
-    sums meet in one collective, every rank gets the same result (one process: `evaluate`).
-    So no rank waits in a barrier while rank 0 evaluates alone. DDP ranks run their local
-    replica; FSDP2 ranks run the sharded model (fully_shard is in place: `model` is the
-    sharded module), padded to the same number of forwards. Never the compiled `net`: an
-    evaluation forward (eval mode, no grad) would trace and compile graphs of its own."""
-    mine = batches[ctx.rank::ctx.world]
-    pad = []
-    if ctx.eval_on_all_ranks:  # a rank with fewer (or no) batches of its own repeats the first
-        pad = list(batches[:1]) * (-(-len(batches) // ctx.world) - len(mine))
-    total, count = _sums(model, mine, ctx.device, autocast_dtype, pad)
-    total, count = ctx.sum_all([total, count])
-    return _result(total, int(count))
-
-
-def _autocast(device: torch.device, dtype):
-    if dtype is None:
-        return nullcontext()
-    return torch.autocast(device_type=device.type, dtype=dtype)
 
 
 def _plot(folder: RunDir) -> None:
@@ -240,326 +154,6 @@ def _plot(folder: RunDir) -> None:
     finally:
         plt.close(fig)
 
-
-# ---- the loop -------------------------------------------------------------------------------
-
-
-@dataclass
-class Callbacks:
-    """Observation points of the loop (the gates record runs here); none may change what the
-    loop does. Each gets one dict: {"model", "net", "opt", "ctx", ...} plus what is named."""
-
-    #: after backward, the host-row reduction, the clip and the agreed finiteness verdict,
-    #: before the optimizer: + "local" (this rank's verdict), "agreed" (the fleet's)
-    after_backward: Callable[[dict], None] | None = None
-    #: at the end of every step, taken or skipped: + "stepped", "gnorm" (pre-clip, nan if
-    #: not finite), "scale" (the loss scale after this step's verdict; None without fp16)
-    after_step: Callable[[dict], None] | None = None
-    #: at each log step: + "loss" (the fleet's token-weighted loss), "local_loss"
-    on_log: Callable[[dict], None] | None = None
-    #: after each evaluation: + "step", "val" (rank 0's {loss, bpb}; {} elsewhere)
-    on_eval: Callable[[dict], None] | None = None
-
-
-def _call(hook, **info) -> None:
-    if hook is not None:
-        hook(info)
-
-
-def dropout_keys(model, ctx: DPContext, seed: int, step: int | None, rows: int):
-    """The keys of this rank's windows at `step` (layers.row_keys of their global rows), or
-    None when the model drops nothing (or no step is given: a benchmark's random masks)."""
-    if step is None or getattr(getattr(model, "cfg", None), "dropout", 0.0) <= 0:
-        return None
-    first = ctx.offset // (ctx.shape.seq_len + 1)  # this rank's first row in the global batch
-    return row_keys(seed, step, torch.arange(first, first + rows))
-
-
-def _say_first_step(t_step: float, device: torch.device) -> None:
-    """The cold start in the log: the first step (compile, CUDA-graph capture, kernel
-    autotune) and the time since the process imported dormouse."""
-    from .. import STARTED
-
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    now = time.perf_counter()
-    log.info(f"first step took {now - t_step:.1f} s (tracing, compiling, autotuning where "
-             f"they run; cached for the next run); step 1 reached {now - STARTED:.1f} s after "
-             f"start")  # fmt: skip
-
-
-def train_step(model, net, opt, ctx: DPContext, x, y, cfg, factor: float, autocast,
-               cb: Callbacks | None = None, step: int | None = None,
-               scaler: LossScaler | None = None, defer: bool = False):
-    """One optimizer step on this rank's (x, y): returns (loss, aux, stepped).
-
-    The whole step lives here so the loop and `dormouse bench` time the same code:
-    schedule, forward, the scaled backward, the fleet's post-backward reductions, the
-    non-finite decision (ONE collective: every rank skips together), clip, step, LFB.
-    `step` keys the dropout masks by (seed, step, global row) when the model drops.
-    `scaler` (an fp16 forward on this rank or any rank of the fleet): the loss is multiplied
-    by its scale before backward, every gradient divided by it before the clip, and the
-    agreed verdict moves it (aux["scale_line"] says when it changed).
-    `defer` (verdict=device, `device_verdict`): nothing here waits for the device; `stepped`
-    is the verdict as a bool tensor on the device, which the optimizer step and the LFB
-    update apply themselves, and aux["gnorm"] a tensor (nan when the loss is not finite).
-    """
-    cb = cb or Callbacks()
-    device = ctx.device
-    opt.set_lr_factor(factor)
-    if defer and device.type == "cuda" and not x.is_pinned():
-        x, y = x.pin_memory(), y.pin_memory()  # so the copies below queue, never wait
-    x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-    k = ctx.shape.accum
-    keys = dropout_keys(model, ctx, cfg.seed, step, x.shape[0])
-    kw = [{} for _ in range(k)] if keys is None else [{"keys": kj} for kj in keys.chunk(k)]
-    losses = []
-    # compile_mode=reduce-overhead replays the compiled regions as CUDA graphs, whose outputs
-    # the next replay overwrites: each forward is a new graph step, what outlives it a copy
-    graphs = getattr(cfg, "compile", False) and cfg.compile_mode == "reduce-overhead"
-    for j, (xj, yj) in enumerate(zip(x.chunk(k), y.chunk(k))):
-        # the reducer runs once, on the last micro-batch's backward
-        with _no_sync(net, last=j == k - 1), _autocast(device, autocast):
-            loss_j, aux = graph_forward(net, xj, yj, graphs, **kw[j])
-            weighted = loss_j * ctx.loss_scale
-            # x a power of two after the fleet's weight: exact, so an unscaled gradient is the
-            # same fp32 numbers as one never scaled
-            with _phase("backward"):
-                (weighted if scaler is None else weighted * scaler.scale).backward()
-        losses.append(loss_j.detach())
-    # equal micro-batches: their mean is the token-weighted mean of this rank's windows
-    loss = losses[0] if k == 1 else torch.stack(losses).mean()
-    if defer:
-        return _deferred_step(model, net, opt, ctx, loss, aux, cfg, cb)
-    loss_ok, gnorm, finite, agreed = clip_and_verdict(model, opt, ctx, loss, cfg, scaler)
-    aux["gnorm"] = gnorm if loss_ok else float("nan")
-    if scaler is not None:
-        # the agreed verdict, never this rank's: every rank's scale moves identically
-        aux["scale_line"] = scaler.update(agreed)
-    seen = dict(model=model, net=net, opt=opt, ctx=ctx)
-    scale = None if scaler is None else scaler.scale
-    _call(cb.after_backward, local=finite, agreed=agreed, **seen)
-    if not agreed:
-        # A skipped step leaves no trace: no gradient carried into the next step, and the
-        # routers' counts of the dropped batch do not steer the load balancer.
-        opt.zero_grad(set_to_none=True)
-        model.lfb_discard()
-        _call(cb.after_step, stepped=False, gnorm=gnorm, scale=scale, **seen)
-        return loss, aux, False
-    with _phase("optimizer"):
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    with _phase("lfb"):
-        model.lfb_update(reduce=ctx.lfb_reduce)
-    _call(cb.after_step, stepped=True, gnorm=gnorm, scale=scale, **seen)
-    return loss, aux, True
-
-
-def _deferred_step(model, net, opt, ctx: DPContext, loss, aux, cfg, cb: Callbacks):
-    """train_step after the backward under verdict=device: the clip and the verdict as device
-    tensors, the optimizer step and the LFB update taking the verdict on the device
-    (MixOptimizer.step(commit=...), lfb_update(ok=...)), nothing read back. Callbacks that
-    observe the verdict get it read on the host (the gates' recorders: slower, the same
-    arithmetic)."""
-    with _phase("clip"):
-        clip = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
-        norm = opt.clip_grad_norm_(clip).detach()
-        loss_ok = torch.isfinite(loss)
-        local = loss_ok & torch.isfinite(norm)
-        # a DDP fleet: the norm is of the reduced gradients, the loss this rank's; one
-        # all-reduce on the device makes the verdict every rank's
-        ok = ctx.all_finite_on_device(local)
-        aux["gnorm"] = torch.where(loss_ok, norm, torch.full_like(norm, float("nan")))
-    seen = {"model": model, "net": net, "opt": opt, "ctx": ctx}
-    if cb.after_backward is not None:
-        _call(cb.after_backward, local=bool(local), agreed=bool(ok), **seen)
-    with _phase("optimizer"):
-        opt.step(commit=ok)
-        opt.zero_grad(set_to_none=True)
-    with _phase("lfb"):
-        model.lfb_update(reduce=ctx.lfb_reduce, ok=ok)
-    if cb.after_step is not None:
-        _call(cb.after_step, stepped=bool(ok), gnorm=float(aux["gnorm"]), scale=None, **seen)
-    return loss, aux, ok
-
-
-def graph_forward(net, x, y, graphs: bool, **kw):
-    """(loss, aux) of one training forward of `net`, as train_step runs it. `graphs`
-    (compile_mode=reduce-overhead): the compiled regions replay as CUDA graphs, whose outputs
-    the next replay overwrites, so each forward is a new graph step and what outlives it a
-    copy."""
-    if graphs:
-        torch.compiler.cudagraph_mark_step_begin()
-    with _phase("forward"):
-        _, loss, aux = net(x, y, **kw)
-    if graphs:
-        loss = loss.clone()
-        aux = {n: v.clone() if torch.is_tensor(v) else v for n, v in aux.items()}
-    return loss, aux
-
-
-def clip_and_verdict(model, opt, ctx: DPContext, loss, cfg, scaler: LossScaler | None):
-    """train_step's clip phase after the backward: the host-row reduction, fp16's unscale, the
-    clip and the agreed finiteness verdict. Returns (loss_ok, gnorm: the pre-clip global norm,
-    finite: this rank's verdict, agreed: the fleet's)."""
-    with _phase("clip"):
-        # host-RAM Engram rows are no parameters: the fleet reduces them here, before the clip
-        ctx.reduce_host_grads(model)
-        if scaler is not None:
-            # before the clip and the optimizer, host rows too; an overflow stays inf/nan and
-            # reaches the one verdict below through the clip's norm
-            opt.unscale_(scaler.inverse)
-        # the optimizer's clip: it also sees host-RAM Engram rows (not parameters); the norm
-        # it returns is the pre-clip global norm (the fleet's, once the reducer has run). It
-        # runs whatever the loss: a skipped step's gradients are dropped by the caller, and
-        # under FSDP2 the norm is a collective every rank must enter.
-        clip = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
-        norm = opt.clip_grad_norm_(clip)
-        if hasattr(norm, "full_tensor"):  # a DTensor (torch's own clip over FSDP2 shards)
-            norm = norm.full_tensor()
-        # the loss's and the norm's verdicts reach the host together: one synchronisation
-        loss_ok, gnorm = torch.stack([torch.isfinite(loss).to(norm), norm.detach()]).tolist()
-        finite = bool(loss_ok) and math.isfinite(gnorm)
-        return bool(loss_ok), gnorm, finite, ctx.all_finite(finite)
-
-
-#: verdict=auto keeps the verdict on the device only when the optimizer's copy aside (every
-#: tensor its step writes, MixOptimizer.written_bytes) takes at most this share of the card:
-#: small's is ~0.15 GB; b1's (~13 GB of parameters and fp32 state) would crowd its
-#: activations, and its step is bound by the device, not by the host's wait (98% busy).
-DEVICE_VERDICT_SHARE = 1 / 16
-
-
-def device_verdict(cfg, ctx: DPContext, opt, scaler: LossScaler | None) -> bool:
-    """Whether the loop keeps the step's verdict on the device (TrainConfig.verdict; see
-    train_step's `defer`), arranging the optimizer for it; logs what it read and chose.
-    verdict=device where it cannot be: ConfigError naming why."""
-    want, device = cfg.verdict, ctx.device
-    if want == "host":
-        return False
-    why = ""
-    if ctx.world > 1 and want == "auto":
-        why = ("a fleet reads its agreed verdict on the host unless verdict=device is asked "
-               "(not measured on a GPU fleet yet)")  # fmt: skip
-    elif scaler is not None:
-        why = "the fp16 loss scale moves with every verdict, on the host"
-    elif not hasattr(opt, "commit_on_device"):
-        why = f"{type(opt).__name__} takes no verdict on the device"
-    elif want == "auto" and getattr(opt, "_graph", None) is None:
-        why = ("the optimizer steps on the host (its device-side step, a CUDA graph, comes "
-               "with compile=true compile_mode=reduce-overhead on CUDA)")  # fmt: skip
-    elif want == "auto":
-        need = opt.written_bytes()
-        total = torch.cuda.get_device_properties(device).total_memory
-        if need > DEVICE_VERDICT_SHARE * total:
-            why = (f"its copy aside of what the optimizer writes ({need / 2**30:.2f} GiB) is "
-                   f"over {DEVICE_VERDICT_SHARE:.3g} of the card ({total / 2**30:.1f} GiB)")
-    if not why and getattr(opt, "_graph", None) is None:  # verdict=device, eager optimizer
-        why = opt.capture_step(capture=False)  # its device-side arithmetic, eagerly
-    why = why or opt.commit_on_device()
-    if why and want == "device":
-        raise ConfigError(f"verdict=device: {why}; use --set verdict=auto (or host)")
-    if why:
-        log.info(f"verdict=auto: on the host ({why})")
-        return False
-    log.info(f"verdict={want}: on the device; the optimizer copies what it writes aside "
-             f"({opt.written_bytes() / 2**20:.0f} MiB) and puts it back on a skip, and the loop "
-             f"reads each verdict a step late")  # fmt: skip
-    return True
-
-
-class _Settled:
-    """A step decided on the host (verdict=host): what the loop's bookkeeping reads of it."""
-
-    def __init__(self, step: int, loss, aux: dict, ok: bool):
-        self.step, self.loss, self.aux, self.ok = step, loss, aux, ok
-
-    def read(self) -> tuple[bool, float]:
-        """(stepped, pre-clip norm: nan when not finite)."""
-        return self.ok, self.aux.get("gnorm", math.nan)  # (a reference's dropped step has none)
-
-    def losses(self, ctx: DPContext) -> tuple[float, float]:
-        """(the fleet's loss: a collective on a fleet, this rank's)."""
-        return ctx.fleet_loss(self.loss.detach()), float(self.loss.detach())
-
-    def load(self) -> list | None:
-        load = self.aux.get("load")
-        return load.tolist() if load is not None else None
-
-    def wait(self) -> None:
-        if self.loss.is_cuda:
-            torch.cuda.synchronize(self.loss.device)
-
-
-class _Deferred(_Settled):
-    """A step whose verdict is still on the device (verdict=device): its verdict, loss, norm
-    (and at log steps the experts' load) copied to pinned host memory behind its kernels, and
-    an event at their end, so reading it waits for this step only, not the one queued after."""
-
-    def __init__(self, step: int, loss, aux: dict, ok, want_load: bool):
-        super().__init__(step, loss, aux, ok)
-        vals = [ok.to(torch.float32).reshape(1), loss.detach().float().reshape(1),
-                aux["gnorm"].float().reshape(1)]  # fmt: skip
-        load = aux.get("load") if want_load else None
-        if load is not None:
-            vals.append(load.detach().float().reshape(-1))
-        vals = torch.cat(vals)
-        cuda = vals.is_cuda
-        self.host = torch.empty(vals.shape, dtype=torch.float32, pin_memory=cuda)
-        self.host.copy_(vals, non_blocking=cuda)
-        self.has_load = load is not None
-        self.event = torch.cuda.Event() if cuda else None
-        if self.event is not None:
-            self.event.record()
-        self._vals: list[float] | None = None
-
-    def _read(self) -> list[float]:
-        if self._vals is None:
-            self.wait()
-            self._vals = self.host.tolist()
-        return self._vals
-
-    def read(self) -> tuple[bool, float]:
-        v = self._read()
-        return v[0] == 1.0, v[2]
-
-    def losses(self, ctx: DPContext) -> tuple[float, float]:
-        v = self._read()  # one process: its loss is the fleet's; a fleet sums (a collective)
-        return (v[1] if ctx.world == 1 else ctx.fleet_loss(self.loss.detach())), v[1]
-
-    def load(self) -> list | None:
-        return self._read()[3:] if self.has_load else None
-
-    def wait(self) -> None:
-        if self.event is not None:
-            self.event.synchronize()
-
-
-#: The step's phases as `dormouse bench profile` attributes GPU time to them (each a
-#: record_function range named "dormouse.<phase>", opened only while a profiler records).
-PHASES = ("forward", "backward", "clip", "optimizer", "lfb")
-
-
-def _phase(name: str):
-    if torch.autograd._profiler_enabled():
-        return torch.profiler.record_function(f"dormouse.{name}")
-    return nullcontext()
-
-
-@contextlib.contextmanager
-def _no_sync(net, last: bool):
-    """Gradients of a non-final micro-batch stay local (DDP's no_sync, FSDP2's
-    set_requires_gradient_sync); the last micro-batch's backward reduces their sum. A
-    compiled net (compile=true) is asked through the module it wraps."""
-    net = getattr(net, "_orig_mod", net)
-    if hasattr(net, "set_requires_gradient_sync"):  # an FSDP2 module
-        net.set_requires_gradient_sync(last)
-        yield
-    elif not last and isinstance(net, torch.nn.parallel.DistributedDataParallel):
-        with net.no_sync():
-            yield
-    else:
-        yield
 
 
 class _NoHeartbeat:
@@ -625,62 +219,56 @@ class _Best:
         return improved, None
 
 
-def train(
-    model: torch.nn.Module,
-    net: torch.nn.Module,
-    opt,
-    ctx: DPContext,
-    run: RunConfig,
-    *,
-    autocast: torch.dtype | None = None,
-    resume: bool = False,
-    stop_at: int | None = None,
-    progress: bool = False,
-    callbacks: Callbacks | None = None,
-    folder: RunDir | None = None,
-) -> dict:
-    """Train `model` (wrapped as `net`, on ctx.device) as `run` says; returns a report.
 
-    `stop_at` ends the run after that many steps while keeping the schedule of the
-    full run (an interrupted run, for resume tests); the final checkpoint is written.
-    `folder`: the run folder as the CLI holds it (run_dir.RunDir.hold); else resolved here.
-    The metrics sinks (store/metrics.py) are closed however the run ends.
-    """
-    sinks = Sinks()
-    try:
-        return _train(model, net, opt, ctx, run, sinks, autocast=autocast, resume=resume,
-                      stop_at=stop_at, progress=progress, callbacks=callbacks,
-                      folder=folder)  # fmt: skip
-    finally:
-        sinks.close()
+def _say_first_step(t_step: float, device: torch.device) -> None:
+    """The cold start in the log: the first step (compile, CUDA-graph capture, kernel
+    autotune) and the time since the process imported dormouse."""
+    from .. import STARTED
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    now = time.perf_counter()
+    log.info(f"first step took {now - t_step:.1f} s (tracing, compiling, autotuning where "
+             f"they run; cached for the next run); step 1 reached {now - STARTED:.1f} s after "
+             f"start")  # fmt: skip
 
 
-def _train(model, net, opt, ctx: DPContext, run: RunConfig, sinks: Sinks, *, autocast,
-           resume: bool, stop_at: int | None, progress: bool,
-           callbacks: Callbacks | None, folder: RunDir | None) -> dict:  # fmt: skip
-    run = validate(run)
-    cfg = run.train
-    cb = callbacks or Callbacks()
-    main = ctx.is_main
-    device = ctx.device
 
-    data = open_data(cfg)
-    # on a fleet the split may change while training (balance.py): the stream re-splits on the
-    # fleet's agreed steps and the loop takes its context after every read
-    stream = FleetStream(data, ctx, run, model)
-    data_print = data.fingerprint()
-    # a fleet's watchdog (watchdog.Heartbeat) hears where this rank is; one process: nothing
-    beat = ctx.heartbeat or _NoHeartbeat()
-    # every rank holds the list and evaluates its share of it (evaluate_fleet)
-    val = data.val_batches(cfg.eval_batches, cfg.batch, cfg.seq_len) if data.has_val else []
 
-    folder = folder or RunDir(cfg.out_dir)
-    path, best_file = folder.checkpoint(run), folder.best(run)
-    best = _Best()
-    # fp16 anywhere in the fleet: one loss scale, the same on every rank (scaler.py)
-    scaler = LossScaler(cfg.loss_scale_every) if loss_scaled(autocast, ctx) else None
-    start = 0
-    if resume:
+# ---- the loop -------------------------------------------------------------------------------
+
+
+class _Run:
+    """One run's state between its steps, and the moves the loop makes with it: resume,
+    save, evaluate, settle a step's verdict (log, metrics, skips), stop."""
+
+    def __init__(self, s: Step, run, folder: RunDir | None, sinks: Sinks, progress: bool,
+                 stop_at: int | None, stream_of=OneStream):  # fmt: skip
+        cfg = self.cfg = run.train
+        self.s, self.run, self.sinks, self.main = s, run, sinks, s.ctx.is_main
+        self.data = open_data(cfg)
+        self.stream = stream_of(self.data, s.ctx, run, s.model)
+        self.data_print = self.data.fingerprint()
+        # a fleet's watchdog (watchdog.Heartbeat) hears where this rank is; one process: nothing
+        self.beat = s.ctx.heartbeat or _NoHeartbeat()
+        # every rank holds the list and evaluates its share of it (evaluate_fleet)
+        self.val = (self.data.val_batches(cfg.eval_batches, cfg.batch, cfg.seq_len)
+                    if self.data.has_val else [])  # fmt: skip
+        self.folder = folder or RunDir(cfg.out_dir)
+        self.path, self.best_file = self.folder.checkpoint(run), self.folder.best(run)
+        self.best = _Best()
+        self.start = 0
+        self.end = cfg.steps if stop_at is None else min(cfg.steps, stop_at)
+        self.bar = _Progress(cfg.steps, progress and self.main)
+        self.skips = self.consecutive = self.tokens = self.since_log = 0
+        self.last_loss, self.t_log = math.nan, time.perf_counter()
+        self.last_saved: int | None = None
+        self.pending: _Settled | None = None  # verdict=device: settled behind the next step
+
+    # -- before the first step ---------------------------------------------------------------
+
+    def resume(self) -> None:
+        s, cfg, path = self.s, self.cfg, self.path
         if not path.exists():
             raise TrainingError(f"--resume: no checkpoint at {path}; start without --resume")
         ck = ckpt.read_checkpoint(path)
@@ -690,13 +278,14 @@ def _train(model, net, opt, ctx: DPContext, run: RunConfig, sinks: Sinks, *, aut
         # The saved optimizer state carries its groups' lr, wd, eps, momentum...: put this
         # run's back, so a hyperparameter given on resume is applied, not only recorded.
         mine = [{k: v for k, v in g.items() if k not in ckpt.RESUME_FROM_CHECKPOINT}
-                for g in opt.param_groups]  # fmt: skip
+                for g in s.opt.param_groups]  # fmt: skip
         # either format, at any world size (a sharded one is resharded to this fleet's)
-        ckpt.load_train_state(net, opt, ck, path, run.model)
-        for g, hyper in zip(opt.param_groups, mine, strict=True):
+        ckpt.load_train_state(s.net, s.opt, ck, path, self.run.model)
+        for g, hyper in zip(s.opt.param_groups, mine, strict=True):
             g.update(hyper)
-        stream.load_state_dict(ck["data"])
-        changed = fingerprint_mismatch(ck.get("data_fingerprint") or data_print, data_print)
+        self.stream.load_state_dict(ck["data"])
+        changed = fingerprint_mismatch(ck.get("data_fingerprint") or self.data_print,
+                                       self.data_print)  # fmt: skip
         if changed:
             raise DataError(
                 f"--resume: {path} was trained on other bytes: {'; '.join(changed)}. Resuming "
@@ -704,286 +293,314 @@ def _train(model, net, opt, ctx: DPContext, run: RunConfig, sinks: Sinks, *, aut
                 f"the file the run was trained on, or train a new run on this one (--overwrite, "
                 f"or another --out)"
             )
-        ckpt.set_rng_state(ckpt.rank_rng(ck, ctx.rank))
-        best = _Best.load(ck.get("extra"))
+        ckpt.set_rng_state(ckpt.rank_rng(ck, s.ctx.rank))
+        self.best = _Best.load(ck.get("extra"))
         saved_scale = (ck.get("extra") or {}).get("loss_scale")
-        if scaler is not None and saved_scale is not None:
-            scaler.load_state_dict(saved_scale)
-            log.info(f"loss scale {scaler.scale:g} restored ({scaler.clean} clean steps since "
-                     f"it last moved)")  # fmt: skip
-        elif scaler is not None:
+        if s.scaler is not None and saved_scale is not None:
+            s.scaler.load_state_dict(saved_scale)
+            log.info(f"loss scale {s.scaler.scale:g} restored ({s.scaler.clean} clean steps "
+                     f"since it last moved)")  # fmt: skip
+        elif s.scaler is not None:
             log.info(f"loss scale: {path} holds none (it was not trained in fp16): starting at "
-                     f"{scaler.scale:g}")  # fmt: skip
-        start = int(ck["step"])
-        log.info(f"resumed from {path} at step {start}")
-        for change in ckpt.resume_changes(ck["run"], run):
+                     f"{s.scaler.scale:g}")  # fmt: skip
+        self.start = self.last_saved = int(ck["step"])
+        log.info(f"resumed from {path} at step {self.start}")
+        for change in ckpt.resume_changes(ck["run"], self.run):
             log.info(f"changed on resume: {change}")
-        dropped = folder.trim_metrics(start) if main else 0
+        dropped = self.folder.trim_metrics(self.start) if self.main else 0
         if dropped:
-            log.info(f"metrics.jsonl: dropped {dropped} row(s) logged after step {start} (the "
-                     f"run went on past its last checkpoint); they are logged again from here")
-    if main:
-        folder.make()
-        if not resume:
-            folder.start_metrics()
+            log.info(f"metrics.jsonl: dropped {dropped} row(s) logged after step {self.start} "
+                     f"(the run went on past its last checkpoint); they are logged again from "
+                     f"here")  # fmt: skip
+
+    def open_folder(self, resumed: bool) -> None:
+        """Rank 0 readies the run folder: config.json, a fresh metrics.jsonl, the sinks."""
+        if not self.main:
+            return
+        self.folder.make()
+        if not resumed:
+            self.folder.start_metrics()
             # a best.pt from the run this one replaces (--overwrite) is not this run's best
-            ckpt.remove_checkpoint(best_file)
-        folder.write_config(run)
-        sinks.open(folder, cfg.tensorboard, start if resume else None)
-    log.info(f"run {run.source}: {ctx.describe()} steps={cfg.steps} lr={cfg.lr} "
-             f"dtype={'fp32' if autocast is None else str(autocast).replace('torch.', '')}"
-             + ("" if scaler is None else
-                f" loss_scale={scaler.scale:g} (x2 every {scaler.every} clean steps, /2 and a "
-                f"skip on overflow{'; the fleet shares it' if ctx.world > 1 else ''})"))  # fmt: skip
+            ckpt.remove_checkpoint(self.best_file)
+        self.folder.write_config(self.run)
+        self.sinks.open(self.folder, self.cfg.tensorboard, self.start if resumed else None)
 
-    def extra_state() -> dict:
-        extra = best.state()
-        if scaler is not None:
-            extra["loss_scale"] = scaler.state_dict()
-        return extra
+    # -- between steps -----------------------------------------------------------------------
 
-    def save(step: int, where=path) -> None:
-        # Every rank takes part: under FSDP2 each writes its shards and rank 0 commits them;
-        # else the state is gathered (a collective) and rank 0 writes the one file.
-        beat.at(step, "save")
+    def save(self, step: int, where=None) -> None:
+        """Every rank takes part: under FSDP2 each writes its shards and rank 0 commits them;
+        else the state is gathered (a collective) and rank 0 writes the one file."""
+        s, where = self.s, where or self.path
+        self.beat.at(step, "save")
+        extra = self.best.state()
+        if s.scaler is not None:
+            extra["loss_scale"] = s.scaler.state_dict()
         refused = None
         try:
-            ckpt.save_state(where, net, opt, run=run, step=step, data_state=stream.state_dict(),
-                            data_fingerprint=data_print, main=main,
-                            extra=extra_state())  # fmt: skip
+            ckpt.save_state(where, s.net, s.opt, run=self.run, step=step,
+                            data_state=self.stream.state_dict(),
+                            data_fingerprint=self.data_print, main=self.main,
+                            extra=extra)  # fmt: skip
         except ckpt.CheckpointError as e:  # NaN parameters, a full disk...
             refused = e
         else:
-            if main:
-                beat.at(step, "save", saved=step)
-        ctx.barrier()
+            if self.main:
+                self.beat.at(step, "save", saved=step)
+        s.ctx.barrier()
         # one rank's refusal is every rank's: the others would otherwise train on into a
         # collective that rank never joins
-        if ctx.any_rank(refused is not None):
+        if s.ctx.any_rank(refused is not None):
             if refused is not None:
                 raise refused
             raise ckpt.CheckpointError(
-                f"{'a rank' if ckpt.sharded(net) else 'rank 0'} could not write the checkpoint "
-                f"at step {step} (its message names the cause); rank {ctx.rank} stops with it"
+                f"{'a rank' if ckpt.sharded(s.net) else 'rank 0'} could not write the "
+                f"checkpoint at step {step} (its message names the cause); rank {s.ctx.rank} "
+                f"stops with it"
             )
-        beat.at(step, "train", saved=step)
+        if where == self.path:
+            self.last_saved = step
+        self.beat.at(step, "train", saved=step)
 
-    def write_metrics(kind: str, step: int, values: dict) -> None:
-        sinks.write(kind, step, values)  # no sink on ranks other than 0
-
-    def do_eval(step: int, train_loss: float) -> tuple[dict, bool]:
-        """Evaluate (the fleet splits the batches), log, keep best.pt; (result, stop?)."""
-        beat.at(step, "eval")
-        res = evaluate_fleet(model, val, ctx, autocast)
-        tag = f" dist={ctx.rank}/{ctx.world} (split over the ranks)" if ctx.world > 1 else ""
+    def evaluate(self, step: int, train_loss: float) -> tuple[dict, bool]:
+        """Evaluate (the fleet splits the batches), log, keep best.pt; (result, stop?). The
+        evaluation before any step is logged, never a best: an untrained model is no
+        checkpoint worth keeping."""
+        s, cfg, best = self.s, self.cfg, self.best
+        self.beat.at(step, "eval")
+        res = evaluate_fleet(s.model, self.val, s.ctx, s.autocast)
+        tag = (f" dist={s.ctx.rank}/{s.ctx.world} (split over the ranks)" if s.ctx.world > 1
+               else "")  # fmt: skip
         log.info(f"eval step={step} loss={res['loss']:.4f} bpb={res['bpb']:.4f} on "
                  f"{res['tokens']} val bytes{tag}")  # fmt: skip
-        write_metrics("eval", step, {"loss": res["loss"], "bpb": res["bpb"],
-                                     "val_bytes": res["tokens"], "bytes": step * ctx.stride,
-                                     "train_s": round(best.train_s, 3)})  # fmt: skip
+        self.sinks.write("eval", step, {"loss": res["loss"], "bpb": res["bpb"],
+                                        "val_bytes": res["tokens"], "bytes": step * s.ctx.stride,
+                                        "train_s": round(best.train_s, 3)})  # fmt: skip
         stop = False
-        improved, overfit = best.see(step, res["loss"], train_loss)
-        if overfit:
-            log.warning(overfit)
-        if improved:  # at step 0 too: on data with nothing to learn, the start is the best
-            save(step, best_file)
-            log.info(f"best val so far ({res['loss']:.4f}) at step {step}: {best_file}")
-        if cfg.early_stop and best.since >= cfg.early_stop:
-            log.warning(f"early stop at step {step}: {best.since} evaluations without a new "
-                        f"best (early_stop={cfg.early_stop}); best was step {best.step} "
-                        f"(val {best.loss:.4f}, in {best_file})")  # fmt: skip
-            stop = True
-        _call(cb.on_eval, step=step, val=res if main else {}, model=model, net=net, opt=opt,
-              ctx=ctx)  # fmt: skip
+        if step > 0:
+            improved, overfit = best.see(step, res["loss"], train_loss)
+            if overfit:
+                log.warning(overfit)
+            if improved:
+                self.save(step, self.best_file)
+                log.info(f"best val so far ({res['loss']:.4f}) at step {step}: "
+                         f"{self.best_file}")  # fmt: skip
+            if cfg.early_stop and best.since >= cfg.early_stop:
+                log.warning(f"early stop at step {step}: {best.since} evaluations without a new "
+                            f"best (early_stop={cfg.early_stop}); best was step {best.step} "
+                            f"(val {best.loss:.4f}, in {self.best_file})")  # fmt: skip
+                stop = True
+        _call(s.callbacks.on_eval, step=step, val=res if self.main else {}, **s.seen())
         return res, stop
 
-    end = cfg.steps if stop_at is None else min(cfg.steps, stop_at)
-    bar = _Progress(cfg.steps, progress and main)
-    # `data.has_val`, not `val`: val is empty on ranks that do not evaluate, yet every rank
-    # must enter do_eval for its barrier (else the fleet's collectives fall out of step).
-    first_eval = {}
-    if cfg.eval_every and start == 0 and data.has_val:
-        first_eval, _ = do_eval(start, math.nan)
-    skips = consecutive = 0
-    last_loss = float("nan")
-    tokens_seen = 0
-    # verdict=device: the loop reads a step's verdict while the next one runs (`pending`),
-    # except before an evaluation, a checkpoint, a stop and the end, which see a settled state
-    defer = device_verdict(cfg, ctx, opt, scaler)
-    pending: _Settled | None = None
+    def logs(self, done: int) -> bool:
+        return bool(self.cfg.log_every and (done % self.cfg.log_every == 0 or done == self.end))
 
-    def logs(done: int) -> bool:
-        return bool(cfg.log_every and (done % cfg.log_every == 0 or done == end))
-
-    def settle(p: _Settled) -> bool:
-        """The loop's bookkeeping of step p.step once its verdict is read: the skip count
-        (and the divergence stop), the log line and metrics row, the bar. False: skipped."""
-        nonlocal skips, consecutive, tokens_seen, steps_since_log, t_log, last_loss
+    def settle(self, p: _Settled) -> bool:
+        """The bookkeeping of step p.step once its verdict is read: the skip count (and the
+        divergence stop), the log line and metrics row, the bar. False: skipped."""
+        s, cfg, scaler = self.s, self.cfg, self.s.scaler
         stepped, gnorm = p.read()
         moved = p.aux.get("scale_line")
         if not stepped:
-            skips += 1
-            consecutive += 1
-            log.info(f"step={p.step} skipped: non-finite loss or gradient (skips={skips})"
+            self.skips += 1
+            self.consecutive += 1
+            log.info(f"step={p.step} skipped: non-finite loss or gradient (skips={self.skips})"
                      + (f"; {moved}" if moved else ""))  # fmt: skip
-            if consecutive >= cfg.max_skips:
+            if self.consecutive >= cfg.max_skips:
                 fp16 = ("" if scaler is None else
                         f"; the fp16 loss scale fell to {scaler.scale:g}, so the forward "
                         f"itself is non-finite (an fp16 overflow past 65504 if fp32 trains): "
                         f"--set dtype=bf16 on sm_80+ or dtype=fp32")  # fmt: skip
                 raise TrainingError(
-                    f"{consecutive} consecutive non-finite steps (max_skips={cfg.max_skips}) "
-                    f"at step {p.step}: the run diverged; lower --set lr (now {cfg.lr}) or "
-                    f"check the data{fp16}"
+                    f"{self.consecutive} consecutive non-finite steps (max_skips="
+                    f"{cfg.max_skips}) at step {p.step}: the run diverged; lower --set lr (now "
+                    f"{cfg.lr}) or check the data{fp16}"
                 )
             return False
         if moved:
             log.info(f"step={p.step} {moved}")
-        consecutive = 0
-        tokens_seen += ctx.global_tokens
-        steps_since_log += 1
+        self.consecutive = 0
+        self.tokens += s.ctx.global_tokens
+        self.since_log += 1
         done = p.step + 1
-        if logs(done):
-            fleet, local = p.losses(ctx)
-            _call(cb.on_log, loss=fleet, local_loss=local, model=model, net=net, opt=opt,
-                  ctx=ctx)  # fmt: skip
-            p.wait()
-            now = time.perf_counter()
-            ms = 1000 * (now - t_log) / max(1, steps_since_log)
-            tps = ctx.global_tokens * steps_since_log / max(1e-9, now - t_log)
-            t_log, steps_since_log = now, 0
-            last_loss = fleet
-            lr_now = cfg.lr * lr_factor(p.step, cfg)
-            bar.clear()
-            said = "" if scaler is None else f" scale={scaler.scale:g}"
-            log.info(f"step={done} loss={fleet:.4f} bpb={fleet / LN2:.4f} lr={lr_now:.3e} "
-                f"gnorm={gnorm:.3f}{said} tok/s={tps:.0f} ms={ms:.1f}")  # fmt: skip
-            write_metrics("train", done, {
-                "loss": fleet, "bpb": fleet / LN2, "lr": lr_now, "gnorm": gnorm, "tok_s": tps,
-                "ms": ms, "load": p.load(),
-                **({} if scaler is None else {"scale": scaler.scale}),
-                # a fleet's windows per rank this step (re-balancing moves them)
-                **({} if ctx.world == 1 else {"split": [s.windows for s in ctx.shapes]})})
-        bar.update(done, last_loss)
+        if self.logs(done):
+            self._log_row(p, done, gnorm)
+        self.bar.update(done, self.last_loss)
         return True
 
-    t_log = time.perf_counter()
-    steps_since_log = 0
-    step = start
-    # a fleet must stop on the same step on every rank: the ranks agree every 10 steps
-    stop_every = 1 if ctx.world == 1 else 10
-    stopper = _GracefulStop()
-    stopped = False
-    last_saved = start if resume else None
-    stopper.install()
-    early, last_val = False, {}
+    def _log_row(self, p: _Settled, done: int, gnorm: float) -> None:
+        s, cfg, scaler, ctx = self.s, self.cfg, self.s.scaler, self.s.ctx
+        fleet, local = p.losses(ctx)
+        _call(s.callbacks.on_log, loss=fleet, local_loss=local, **s.seen())
+        p.wait()
+        now = time.perf_counter()
+        ms = 1000 * (now - self.t_log) / max(1, self.since_log)
+        tps = ctx.global_tokens * self.since_log / max(1e-9, now - self.t_log)
+        self.t_log, self.since_log, self.last_loss = now, 0, fleet
+        lr_now = cfg.lr * lr_factor(p.step, cfg)
+        self.bar.clear()
+        said = "" if scaler is None else f" scale={scaler.scale:g}"
+        log.info(f"step={done} loss={fleet:.4f} bpb={fleet / LN2:.4f} lr={lr_now:.3e} "
+                 f"gnorm={gnorm:.3f}{said} tok/s={tps:.0f} ms={ms:.1f}")  # fmt: skip
+        self.sinks.write("train", done, {
+            "loss": fleet, "bpb": fleet / LN2, "lr": lr_now, "gnorm": gnorm, "tok_s": tps,
+            "ms": ms, "load": p.load(),
+            **({} if scaler is None else {"scale": scaler.scale}),
+            # a fleet's windows per rank this step (re-balancing moves them)
+            **({} if ctx.world == 1 else {"split": [r.windows for r in ctx.shapes]})})
+
+    def flush(self) -> None:
+        """Settle the step whose verdict is still on the device, if any."""
+        if self.pending is not None:
+            p, self.pending = self.pending, None
+            self.settle(p)
+
+    def stop_checks(self, step: int, stopper: _GracefulStop, every: int) -> None:
+        """Before step `step` (`step` steps complete: the one place a stop leaves a resumable
+        state): a signal, here or on another rank, or a data file shrunk under the run ends
+        the run with a checkpoint. Every rank stops on the same step."""
+        ctx = self.s.ctx
+        if (step - self.start) % every == 0 and ctx.any_rank(stopper.caught is not None):
+            self.flush()  # the checkpoint holds this step's settled state
+            why = stopper.caught or "a signal on another rank"
+            self.bar.clear()
+            log.info(f"stop requested ({why}) at step {step}: writing a checkpoint so --resume "
+                     f"continues from here")  # fmt: skip
+            self.save(step)
+            stopper.stopped = True
+            raise KeyboardInterrupt
+        try:
+            self.stream.check_source()
+            shrunk = None
+        except DataError as e:  # the file shrank under the run: the model is still at `step`
+            shrunk = e
+        # ranks may see the shrink a step apart: every rank stops on this step together
+        if ctx.any_rank(shrunk is not None):
+            self.flush()
+            self.save(step)
+            log.info(f"checkpoint written at step {step}; restore the data file, then "
+                     f"--resume auto continues from there")  # fmt: skip
+            raise shrunk or DataError(
+                f"another rank found a data file shrunk under the run before step {step} (its "
+                f"message names the file); rank {ctx.rank} stops with it"
+            )
+
+
+def train(model: torch.nn.Module, wrapped: Wrapped, opt, ctx: DPContext, run, *,
+          autocast: torch.dtype | None = None, resume: bool = False, stop_at: int | None = None,
+          progress: bool = False, callbacks: Callbacks | None = None,
+          folder: RunDir | None = None, stream_of=OneStream) -> dict:  # fmt: skip
+    """Train `model` (the forward runs on `wrapped.net`, on ctx.device) as `run` says (a
+    validated, resolved run: train_run's); returns a report. `stop_at` ends the run after
+    that many steps while keeping the schedule of the full run (an interrupted run, for resume
+    tests); the final checkpoint is written. `folder`: the run folder as the CLI holds it.
+    `stream_of(data, ctx, run, model)`: this rank's stream of training windows (a fleet's
+    re-splits on its agreed steps: fleet/balance.py FleetStream)."""
+    cfg = run.train
+    # fp16 anywhere in the fleet: one loss scale, the same on every rank (scaler.py)
+    scaler = LossScaler(cfg.loss_scale_every) if loss_scaled(autocast, ctx) else None
+    s = Step(model, wrapped, opt, ctx, cfg, autocast, scaler, callbacks or Callbacks())
+    sinks = Sinks()
     try:
-        for step in range(start, end):
-            # here `step` steps are complete: the one place a stop leaves a resumable state
-            beat.at(step, "train")
+        r = _Run(s, run, folder, sinks, progress, stop_at, stream_of)
+        if resume:
+            r.resume()
+        r.open_folder(resume)
+        log.info(f"run {run.source}: {ctx.describe()} steps={cfg.steps} lr={cfg.lr} "
+                 f"dtype={'fp32' if autocast is None else str(autocast).replace('torch.', '')}"
+                 + ("" if scaler is None else
+                    f" loss_scale={scaler.scale:g} (x2 every {scaler.every} clean steps, /2 and "
+                    f"a skip on overflow{'; the fleet shares it' if ctx.world > 1 else ''})"))
+        # every rank enters an evaluation (its barrier), also one holding no val batches
+        first_eval = (r.evaluate(r.start, math.nan)[0]
+                      if cfg.eval_every and r.start == 0 and r.data.has_val else {})  # fmt: skip
+        # verdict=device: a step's verdict is read while the next one runs, except before an
+        # evaluation, a checkpoint, a stop and the end, which see a settled state
+        s.defer = device_verdict(cfg, ctx, opt, scaler)
+        early, last_val = _steps(r)
+        r.bar.clear()
+        final = last_val if early else {}
+        if r.data.has_val and not early:
+            final, _ = r.evaluate(r.end, r.last_loss)
+        if not early:
+            r.save(r.end)
+        if r.best.step is not None:
+            log.info(f"best val {r.best.loss:.4f} at step {r.best.step}: {r.best_file}")
+        if r.main and r.folder.file(METRICS).exists():
+            _plot(r.folder)
+    finally:
+        sinks.close()
+    bpb = (final or {}).get("bpb", 0.0)
+    if not math.isfinite(bpb):
+        raise TrainingError(
+            f"the run ended at step {r.end} with validation bpb={bpb} ({r.skips} step(s) "
+            f"skipped as non-finite): the model diverged, so {r.path} holds no usable model; "
+            f"lower --set lr (now {cfg.lr}) and train again with --overwrite"
+        )
+    return {
+        "steps": r.end, "loss": r.last_loss, "val": final, "val_start": first_eval,
+        "skips": r.skips, "tokens": r.tokens, "rank": s.ctx.rank, "world_size": s.ctx.world,
+        "checkpoint": str(r.path),
+        "best": ({"step": r.best.step, "loss": r.best.loss, "path": str(r.best_file)}
+                 if r.best.step is not None else None),
+    }  # fmt: skip
+
+
+def _steps(r: _Run) -> tuple[bool, dict]:
+    """The steps from r.start to r.end: (stopped early?, the last evaluation)."""
+    s, cfg = r.s, r.cfg
+    # a fleet must stop on the same step on every rank: the ranks agree every 10 steps
+    every = 1 if s.ctx.world == 1 else 10
+    stopper = _GracefulStop()
+    stopper.install()
+    last_val, step = {}, r.start
+    try:
+        for step in range(r.start, r.end):
+            r.beat.at(step, "train")
             stopper.keep_installed()
-            if (step - start) % stop_every == 0 and ctx.any_rank(stopper.caught is not None):
-                if pending is not None:  # the checkpoint holds this step's settled state
-                    settle(pending)
-                    pending = None
-                why = stopper.caught or "a signal on another rank"
-                bar.clear()
-                log.info(f"stop requested ({why}) at step {step}: writing a checkpoint so --resume "
-                    f"continues from here")  # fmt: skip
-                save(step)
-                stopped = True
-                raise KeyboardInterrupt
-            factor = lr_factor(step, cfg)
-            try:
-                stream.check_source()
-                shrunk = None
-            except DataError as e:  # the file shrank under the run: the model is still at `step`
-                shrunk = e
-            # ranks may see the shrink a step apart: every rank stops on this step together
-            if ctx.any_rank(shrunk is not None):
-                if pending is not None:
-                    settle(pending)
-                    pending = None
-                save(step)
-                log.info(f"checkpoint written at step {step}; restore the data file, then "
-                    f"--resume auto continues from there")  # fmt: skip
-                raise shrunk or DataError(
-                    f"another rank found a data file shrunk under the run before step {step} "
-                    f"(its message names the file); rank {ctx.rank} stops with it"
-                )
+            r.stop_checks(step, stopper, every)
             t_step = time.perf_counter()
-            x, y = stream.next()
-            ctx = stream.ctx
-            loss, aux, ok = train_step(model, net, opt, ctx, x, y, cfg, factor, autocast, cb,
-                                       step=step, scaler=scaler, defer=defer)  # fmt: skip
-            if step == start:  # the first step may be long on one rank (kernel autotune)
-                beat.settled()
-                _say_first_step(t_step, device)
+            x, y = r.stream.next()
+            s.ctx = r.stream.ctx  # a fleet's re-split replaces its context
+            loss, aux, ok = steps.train_step(s, x, y, lr_factor(step, cfg), step)
+            if step == r.start:  # the first step may be long on one rank (kernel autotune)
+                r.beat.settled()
+                _say_first_step(t_step, s.ctx.device)
             done = step + 1
-            evals = bool(cfg.eval_every and done % cfg.eval_every == 0 and done != end
-                         and data.has_val)  # fmt: skip
-            saves = bool(cfg.ckpt_every and done % cfg.ckpt_every == 0 and done != end)
-            if defer:
-                # (a step decided on the host anyway, e.g. a reference's dropped batch: settled)
-                this = (_Deferred(step, loss, aux, ok, want_load=logs(done)) if torch.is_tensor(ok)
-                        else _Settled(step, loss, aux, ok))  # fmt: skip
-                if pending is not None:  # the step before, read while this one runs
-                    settle(pending)
-                    pending = None
-                if not (evals or saves or done == end):
-                    pending = this  # settled behind the next step
-                    if step > start:  # (a skipped step's time counts too: it cannot be told yet)
-                        best.train_s += time.perf_counter() - t_step
-                    continue
+            evals = bool(cfg.eval_every and done % cfg.eval_every == 0 and done != r.end
+                         and r.data.has_val)  # fmt: skip
+            saves = bool(cfg.ckpt_every and done % cfg.ckpt_every == 0 and done != r.end)
+            # (a step decided on the host anyway, e.g. a reference's dropped batch: settled)
+            this = (_Deferred(step, loss, aux, ok, want_load=r.logs(done))
+                    if s.defer and torch.is_tensor(ok) else _Settled(step, loss, aux, ok))
+            r.flush()  # the step before, read while this one runs
+            if s.defer and not (evals or saves or done == r.end):
+                r.pending = this
             else:
-                this = _Settled(step, loss, aux, ok)
-            # a skipped step is a step all the same: the evaluations and checkpoints keep their
-            # cadence (a skip at step 499 used to drop the checkpoint at 500)
-            settle(this)
-            if evals and device.type == "cuda":
-                torch.cuda.synchronize(device)  # this step's kernels count as training time
-            if step > start:  # the first step of a process holds kernel autotune / compile
-                best.train_s += time.perf_counter() - t_step
+                # a skipped step is a step all the same: evaluations and checkpoints keep
+                # their cadence (a skip at step 499 used to drop the checkpoint at 500)
+                r.settle(this)
+            if evals and s.ctx.device.type == "cuda":
+                torch.cuda.synchronize(s.ctx.device)  # this step's kernels count as training
+            if step > r.start:  # the first step of a process holds kernel autotune / compile
+                r.best.train_s += time.perf_counter() - t_step
             if evals:
-                last_val, early = do_eval(done, last_loss)
+                last_val, early = r.evaluate(done, r.last_loss)
                 if early:
-                    save(done)
-                    end = done
-                    break
+                    r.save(done)
+                    r.end = done
+                    return True, last_val
             if saves:
-                save(done)
-                last_saved = done
-        step = end
+                r.save(done)
+        r.flush()
+        return False, last_val
     except KeyboardInterrupt:
-        if not stopped:
-            bar.clear()
-            where = f"step {last_saved}" if last_saved is not None else "none yet"
-            log.info(f"interrupted during step {step + 1}: no checkpoint written, since the state is "
-                f"mid-step (last checkpoint: {where}; one Ctrl-C, or SIGTERM, stops cleanly)")  # fmt: skip
+        if not stopper.stopped:
+            r.bar.clear()
+            where = f"step {r.last_saved}" if r.last_saved is not None else "none yet"
+            log.info(f"interrupted during step {step + 1}: no checkpoint written, since the "
+                     f"state is mid-step (last checkpoint: {where}; one Ctrl-C, or SIGTERM, "
+                     f"stops cleanly)")  # fmt: skip
         raise
     finally:
         stopper.restore()
-    bar.clear()
-    final = last_val if early else {}
-    if data.has_val and not early:
-        final, _ = do_eval(end, last_loss)
-    if not early:
-        save(end)
-    if best.step is not None:
-        log.info(f"best val {best.loss:.4f} at step {best.step}: {best_file}")
-    if main:
-        if folder.file(METRICS).exists():
-            _plot(folder)
-    return {
-        "steps": end,
-        "loss": last_loss,
-        "val": final,
-        "val_start": first_eval,
-        "skips": skips,
-        "tokens": tokens_seen,
-        "rank": ctx.rank,
-        "world_size": ctx.world,
-        "checkpoint": str(path),
-        "best": {"step": best.step, "loss": best.loss, "path": str(best_file)}
-        if best.step is not None else None,
-    }

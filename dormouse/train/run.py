@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import logging
 import os
+from dataclasses import replace
 
 import torch
 
 from ..config import RunConfig, validate
 from .context import DPContext, unpacked_lines
-from .loop import Callbacks, TrainingError, train
+from .loop import TrainingError, train
+from .step import Callbacks, Wrapped
 
 log = logging.getLogger(__name__)
 
@@ -169,7 +171,7 @@ def prepare(run: RunConfig, device_type: str | None = None, local_rank: int | No
             world: int = 1) -> tuple[RunConfig, torch.device, torch.dtype | None]:  # fmt: skip
     """(run with --fit, dropout=auto and compile=auto applied, device, compute dtype): what
     every run checks first."""
-    run = resolve_dropout(validate(run), world)
+    run = resolve_dropout(validate(run), world)  # the one validation of a run
     if run.train.fit_gb:
         from .plan.fit import apply_fit
 
@@ -181,25 +183,24 @@ def prepare(run: RunConfig, device_type: str | None = None, local_rank: int | No
 
         run = apply_fit(run, world)
     device = resolve_device(device_type or run.train.device, local_rank)
-    run = validate(resolve_compile(run, device, world))
+    run = resolve_compile(run, device, world)
     autocast = resolve_autocast(run, device)
     check_arms(run, device, autocast)
     return run, device, autocast
 
 
-def compiled(model: torch.nn.Module, run: RunConfig, device: torch.device,
-             autocast: torch.dtype | None) -> torch.nn.Module:  # fmt: skip
-    """The loop's `net`: `model` itself, or with compile=true torch.compile(model) in
-    compile_mode (static shapes: a run's windows never change shape). The optimizer, the
-    checkpoints and evaluation hold `model`, whose parameters the compiled module shares.
-    fla's KDA kernels and the Engram hash constants are torch.compiler.disable'd, so they run
-    eager between the compiled regions. The kernel arms are chosen before the first trace
-    (`resolve_arm`, for the `autocast` dtype), so that no trace mutates the model."""
+def compiled(w: Wrapped, run: RunConfig, device: torch.device,
+             autocast: torch.dtype | None) -> Wrapped:  # fmt: skip
+    """What the step runs on: `w` itself, or with compile=true torch.compile(w.net) in
+    compile_mode (static shapes: a run's windows never change shape), with its CUDA-graph
+    step marks under reduce-overhead. The optimizer, the checkpoints and evaluation hold the
+    model, whose parameters the compiled module shares. The kernel arms are chosen before the
+    first trace (`resolve_arm`, for the `autocast` dtype), so that no trace mutates the model."""
     if "auto" in (run.train.compile, run.train.compile_mode):
         run = resolve_compile(run, device)
     t = run.train
     if not t.compile:
-        return model
+        return w
     if t.compile_mode == "reduce-overhead" and device.type != "cuda":
         log.info(f"compile_mode=reduce-overhead on {device.type}: CUDA graphs need a GPU; "
                  f"inductor compiles without them here")  # fmt: skip
@@ -209,21 +210,18 @@ def compiled(model: torch.nn.Module, run: RunConfig, device: torch.device,
     log.info(f"compile=true: torch.compile(model, {how}, dynamic=False) on "
              f"{device.type}; the first step traces and compiles (tens of seconds; inductor "
              f"caches its work for the next run), evaluation runs uncompiled")  # fmt: skip
-    resolve_arms(model, autocast)
-    return torch.compile(model, dynamic=False, **kw)
-
-
-def resolve_arms(model: torch.nn.Module, autocast: torch.dtype | None) -> None:
-    """Every module that chooses a kernel arm lazily chooses it now (before torch.compile)."""
-    for m in model.modules():
+    for m in w.net.modules():
         if hasattr(m, "resolve_arm"):
             m.resolve_arm(autocast or torch.float32)
+    graphs = t.compile_mode == "reduce-overhead" and device.type == "cuda"
+    return replace(w, net=torch.compile(w.net, dynamic=False, **kw), graphs=graphs)
 
 
-def _optimizer(net: torch.nn.Module, run: RunConfig, device: torch.device):
+def _optimizer(model: torch.nn.Module, run: RunConfig, device: torch.device):
+    """The optimizer, built once on the model itself (a wrapper shares its parameters)."""
     from .optim.mix import MixOptimizer
 
-    return MixOptimizer.from_config(net, run.train, device.type)
+    return MixOptimizer.from_config(model, run.train, device.type)
 
 
 def train_run(
@@ -239,44 +237,45 @@ def train_run(
     timeout_s: float | None = None,
     close: bool = True,
     folder=None,
+    prepared: tuple | None = None,
 ) -> dict:
     """Build and train `run`; returns the loop's report.
 
     `model` replaces the seeded build (the caller must build it identically on every rank);
     `callbacks` observe the loop; `folder` is the run folder the CLI holds. Fleet only: `rate` replaces this rank's measured matmul rate
     (`--capacity auto`), `timeout_s` replaces dist_timeout, `close=False` leaves the process
-    group up for a caller that gathers more afterwards.
+    group up for a caller that gathers more afterwards. `prepared`: what `prepare` returned
+    for this run (the CLI prepares before it plans the run folder); else prepared here.
     """
-    run = validate(run)
     if not run.train.dist:
-        run, device, autocast = prepare(run, device_type)
+        run, device, autocast = prepared or prepare(run, device_type)
         t = run.train
         ctx = DPContext.single(device, t.batch, t.seq_len, t.global_batch)
         for line in unpacked_lines(ctx.shapes, t.batch):
             log.warning(line)
         model = (model if model is not None else build_model(run)).to(device).train()
-        return train(model, compiled(model, run, device, autocast),
+        return train(model, compiled(Wrapped(model), run, device, autocast),
                      _optimizer(model, run, device), ctx, run, autocast=autocast,
                      resume=resume, stop_at=stop_at, progress=progress,
                      callbacks=callbacks, folder=folder)  # fmt: skip
     return _train_fleet(run, resume=resume, stop_at=stop_at, model=model, callbacks=callbacks,
                         device_type=device_type, rate=rate, timeout_s=timeout_s, close=close,
-                        folder=folder)  # fmt: skip
+                        folder=folder, prepared=prepared)  # fmt: skip
 
 
 def _train_fleet(run: RunConfig, *, resume, stop_at, model, callbacks, device_type, rate,
-                 timeout_s, close, folder) -> dict:  # fmt: skip
+                 timeout_s, close, folder, prepared) -> dict:  # fmt: skip
     import torch.distributed as dist
 
     from .fleet import launch as fleet
     from .context import RefusedError
+    from .fleet.balance import FleetStream
     from .fleet.parallelize import parallelize
     from .fleet.watchdog import fleet_failure, short
 
     world = fleet.world_from(os.environ) or 1
     fleet.refuse_incompatible(run, world)
-    local_rank = int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0")))
-    fitted, device, autocast = prepare(run, device_type, local_rank, world)
+    fitted, device, autocast = prepared or prepare(run, device_type, _local_rank(), world)
     try:
         fleet.refuse_incompatible(fitted, world)  # --fit may engage what a fleet refuses
     except RefusedError as e:
@@ -294,11 +293,12 @@ def _train_fleet(run: RunConfig, *, resume, stop_at, model, callbacks, device_ty
         for line in unpacked_lines(ctx.shapes, run.train.batch):
             log.warning(line)  # rank 0's: every rank holds the same shapes
         model = (model if model is not None else build_model(run)).to(device).train()
-        net = compiled(parallelize(model, ctx), run, device, autocast)
+        wrapped = compiled(parallelize(model, ctx), run, device, autocast)
         try:
-            report = train(model, net, _optimizer(net, run, device), ctx, run,
+            report = train(model, wrapped, _optimizer(model, run, device), ctx, run,
                            autocast=autocast, resume=resume, stop_at=stop_at,
-                           callbacks=callbacks, folder=folder)  # fmt: skip
+                           callbacks=callbacks, folder=folder,
+                           stream_of=FleetStream)  # fmt: skip
         except Exception as e:
             if not fleet_failure(e):
                 raise
@@ -318,3 +318,43 @@ def _train_fleet(run: RunConfig, *, resume, stop_at, model, callbacks, device_ty
         ctx.heartbeat.leave("done" if ok else "failed", "" if ok else short(failed))
         if close and dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _local_rank() -> int:
+    return int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0")))
+
+
+def prepare_for_launch(run: RunConfig) -> tuple[RunConfig, torch.device, torch.dtype | None]:
+    """`prepare` as this process will train: one process, or a torchrun rank of its fleet."""
+    if not run.train.dist:
+        return prepare(run)
+    from .fleet import launch as fleet
+
+    return prepare(run, None, _local_rank(), fleet.world_from(os.environ) or 1)
+
+
+def dry_run(run: RunConfig, device: torch.device, autocast, plan: str, folder) -> str:
+    """Everything a run checks before its first step (the model on the meta device, the
+    optimizer's routing, the data, a resumed checkpoint's shape), without training or writing
+    a file; returns the line that says so."""
+    from .data import open_data
+    from .store import checkpoint as ckpt
+
+    model = build_model(run, meta=True)
+    n = sum(p.numel() for p in model.parameters())
+    _optimizer(model, run, device)
+    t = run.train
+    data = open_data(t)
+    data.train_stream(DPContext.single(device, t.batch, t.seq_len, t.global_batch).shape.windows,
+                      t.seq_len)  # the whole global batch's bytes, every step
+    if t.eval_every and data.has_val:
+        data.val_batches(1, t.batch, t.seq_len)
+    if plan == "resume":
+        path = folder.checkpoint(run)
+        ck = ckpt.read_checkpoint(path, mmap=True)
+        diff = ckpt.shape_mismatch(ck["run"].model, run.model)
+        if diff:
+            raise ckpt.CheckpointError(f"{path} has another model shape: " + "; ".join(diff))
+    return (f"{run.source}, {n / 1e6:.2f}M parameters, device={device}, "
+            f"dtype={dtype_name(autocast)}, steps={t.steps}")
+

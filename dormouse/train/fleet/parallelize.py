@@ -8,26 +8,38 @@ is the inverse. The model package never knows which wrapper it is in.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 
 import torch
 
 from ..context import DPContext, host_stores
+from ..step import Wrapped
 
 log = logging.getLogger(__name__)
 
 REDUCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def parallelize(model: torch.nn.Module, ctx: DPContext) -> torch.nn.Module:
-    """The module the loop runs forward and backward on (the model, or its wrapper)."""
+def parallelize(model: torch.nn.Module, ctx: DPContext) -> Wrapped:
+    """What a step runs forward and backward on (the model, or its DDP wrapper; FSDP2 shards
+    the model in place), with the hook that keeps a non-final micro-batch's gradients local:
+    the last micro-batch's backward reduces their sum."""
     if ctx.world == 1:
-        return model
+        return Wrapped(model)
     _broadcast_host(model, ctx)
     if ctx.shard == "fsdp":
-        return _fsdp(model, ctx)
-    return _ddp(model, ctx)
+        sharded = _fsdp(model, ctx)
+
+        @contextlib.contextmanager
+        def gradient_sync(last: bool):
+            sharded.set_requires_gradient_sync(last)
+            yield
+
+        return Wrapped(sharded, gradient_sync)
+    ddp = _ddp(model, ctx)
+    return Wrapped(ddp, lambda last: contextlib.nullcontext() if last else ddp.no_sync())
 
 
 def unwrap(net: torch.nn.Module) -> torch.nn.Module:
