@@ -13,7 +13,7 @@ fleet gates cannot see it; this gate can.
 The fixtures are chosen to show such bugs: warm-up, a clip that fires on some steps and not
 others (and one run without a clip), LFB on, dropout on, non-default lr multipliers, Adam
 betas and epsilon, Muon momentum and Newton-Schulz settings, gradient accumulation, capacity
-MoE, a non-finite step (skipped), a corpus of a few blocks (the run crosses passes: phase
+MoE, non-finite steps (skipped, one of them on an evaluation step), a corpus of a few blocks (the run crosses passes: phase
 and order per pass), a validation split the model cannot learn (random bytes: the early stop
 fires, and it fires after the resume), and a model whose zero-initialised parameters (the
 low-rank deltas' B, the Engram conv) are woken, so every path learns from step 0.
@@ -61,8 +61,8 @@ CASES = (
     Case("adamw-ram", ("opt=adamw", "engram_ram=true", "batch=4", "steps=12", "warmup=3",
                        "schedule=wsd", "wsd_decay_frac=0.5", "lr=2e-3", "wd=0.2", "grad_clip=0",
                        "moe_capacity=1.0", "moe_lb_coef=0.01", "engram_lr_mult=7",
-                       "adam_betas=0.8,0.99", "eval_every=4"),
-         stop_at=8),
+                       "adam_betas=0.8,0.99", "eval_every=4", "ckpt_every=4"),
+         stop_at=8, poison=3),  # a skip on an evaluation (and checkpoint) step
     Case("mix-ram", ("opt=mix", "engram_ram=true", "batch=2", "global_batch=4", "steps=10",
                      "warmup=2", "schedule=constant", "lr=2e-3", "grad_clip=1.0",
                      "dropout=0.2", "muon_variant=plain", "muon_sf=rms", "engram_lr_mult=2",

@@ -300,11 +300,11 @@ class ReferenceRun:
             rec["gnorms"][step] = out["gnorm"]
             done = step + 1
             if not out["stepped"]:
-                rec["skipped"].append(step)
-                continue  # the loop's bookkeeping stops here: no eval, no save this step
-            rec["losses"][step] = out["loss"]
-            if t.log_every and (done % t.log_every == 0 or done == end):
-                last_loss = out["loss"]
+                rec["skipped"].append(step)  # a step all the same: the cadence below holds
+            else:
+                rec["losses"][step] = out["loss"]
+                if t.log_every and (done % t.log_every == 0 or done == end):
+                    last_loss = out["loss"]
             if t.eval_every and done % t.eval_every == 0 and done != end and has_val:
                 res = self.evaluate()
                 self._see(done, res["loss"], last_loss)

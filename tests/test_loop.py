@@ -166,6 +166,38 @@ def test_nonfinite_steps_are_skipped_then_the_run_stops(tmp_path, monkeypatch):
     del before
 
 
+def test_a_skipped_step_keeps_the_eval_and_checkpoint_cadence(tmp_path, monkeypatch):
+    """A non-finite step at eval_every - 1 still evaluates and checkpoints after it (the
+    loop's bookkeeping used to stop at the skip: no evaluation, no checkpoint that step)."""
+    from dormouse.train.loop import Callbacks
+
+    run = _run(tmp_path, tmp_path / "skip", 6, "eval_every=4", "ckpt_every=4", "val_frac=0.05")
+    model = _model(run)
+    real = model.forward
+
+    def poisoned(x, y=None, **kw):  # step 3's loss is non-finite, its gradient finite
+        logits, loss, aux = real(x, y, **kw)
+        if model.training:
+            poisoned.calls += 1
+            if poisoned.calls == 4:
+                loss = loss + float("nan")
+        return logits, loss, aux
+
+    poisoned.calls = 0
+    monkeypatch.setattr(model, "forward", poisoned)
+    saved = []
+    real_save = ckpt.save_state
+    monkeypatch.setattr(ckpt, "save_state", lambda *a, step, **kw: (saved.append(step),
+                                                                     real_save(*a, step=step,
+                                                                               **kw))[1])
+    evals, skipped = [], []
+    cb = Callbacks(on_eval=lambda i: evals.append(i["step"]),
+                   after_step=lambda i: skipped.append(not i["stepped"]))
+    train(model, run, callbacks=cb)
+    assert skipped == [False, False, False, True, False, False]
+    assert evals == [0, 4, 6] and 4 in saved
+
+
 def test_resume_without_checkpoint_is_refused(tmp_path):
     run = _run(tmp_path, tmp_path / "none", 2)
     with pytest.raises(TrainingError, match="no checkpoint"):

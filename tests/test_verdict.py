@@ -111,19 +111,21 @@ class _InfGrad(torch.autograd.Function):
         return g * float("inf")
 
 
-def _poisoned(model, nan_at=(3,), inf_grad_at=(7, 8)):
-    """The model's forward, non-finite at the given calls: a NaN loss, or a finite loss whose
-    gradient is infinite (the norm's half of the verdict)."""
+def _poisoned(model, nan_at=(3,), inf_grad_at=(5, 6)):
+    """The model's forward, non-finite at the given training forwards (1-based; evaluation
+    forwards are not counted): a NaN loss, or a finite loss whose gradient is infinite (the
+    norm's half of the verdict)."""
     real = model.forward
     calls = [0]
 
     def forward(x, y=None, **kw):
         logits, loss, aux = real(x, y, **kw)
-        calls[0] += 1
-        if y is not None and calls[0] in nan_at:
-            loss = loss * float("nan")
-        elif y is not None and calls[0] in inf_grad_at:
-            loss = _InfGrad.apply(loss)
+        if model.training:
+            calls[0] += 1
+            if calls[0] in nan_at:
+                loss = loss * float("nan")
+            elif calls[0] in inf_grad_at:
+                loss = _InfGrad.apply(loss)
         return logits, loss, aux
 
     model.forward = forward
@@ -144,9 +146,10 @@ def _device_side_optimizer(monkeypatch):
 
 
 def test_the_loop_reading_verdicts_a_step_late_trains_as_the_host_verdict(tmp_path, monkeypatch):
-    """14 steps, a NaN loss at step 2 and an infinite gradient at steps 6 and 7 (steps 5 and
-    6 are an evaluation and a checkpoint: a skip next to both), logs every 3: the same
-    parameters, LFB buffers, checkpoint, metrics rows and skip lines as the host's verdict."""
+    """14 steps, a NaN loss at step 2 and an infinite gradient at steps 4 and 5 (0-based,
+    whose ends are an evaluation, at 5, and a checkpoint, at 6: skipped steps that both keep),
+    logs every 3: the same parameters, LFB buffers, checkpoint, metrics rows and skip lines as
+    the host's verdict."""
     _device_side_optimizer(monkeypatch)
     out = {}
     for verdict in ("host", "device"):

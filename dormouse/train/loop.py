@@ -912,8 +912,9 @@ def train(
                     continue
             else:
                 this = _Settled(step, loss, aux, ok)
-            if not settle(this):
-                continue
+            # a skipped step is a step all the same: the evaluations and checkpoints keep their
+            # cadence (a skip at step 499 used to drop the checkpoint at 500)
+            settle(this)
             if evals and device.type == "cuda":
                 torch.cuda.synchronize(device)  # this step's kernels count as training time
             if step > start:  # the first step of a process holds kernel autotune / compile
