@@ -11,7 +11,7 @@ CLAIM = "2-rank DDP reproduces the single-process trajectory at the global batch
 INSTRUMENT = ("tiny (dropless MoE, Muon), 2x2 windows vs 1x4, 20 steps, fp32 reduce, no clip: "
               "max |dloss| over 20 steps; the step-1 reduced gradient, parameters and update "
               "(relative errors); the pre-clip gradient norm of every step (max relative error); "
-              "how far the loss falls (the first step's against the mean of the last 5)")  # fmt: skip
+              "how far the loss falls (the first step's to the mean of the last 5)")  # fmt: skip
 
 #: Measured 1.2e-6 over 20 steps (torch 2.13, CPU/gloo, 2 ranks): about 2 ulp of a loss
 #: near 5.5 in fp32. The fleet and the reference sum the same per-token losses in another

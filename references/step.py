@@ -331,7 +331,10 @@ class ReferenceRun:
             model[f"blocks.{b}.moe.lfb_bias"] = bias.clone()
             model[f"blocks.{b}.moe.lfb_counts"] = torch.zeros_like(bias)
         opt = {n: {k: v.clone() for k, v in st.items()} for n, st in self.opt.state.items()}
-        return {"step": step, "model": model, "optimizer": opt, "data_step": step,
+        data = {"step": step, "n_bytes": int(self.blocks.train.shape[0]),
+                "stride": self.blocks.stride,
+                "shuffle_seed": self.t.seed if self.t.shuffle else None}
+        return {"step": step, "model": model, "optimizer": opt, "data": data,
                 "best_step": self.best_step,
                 "best_loss": self.best_loss if self.best_step is not None else None,
                 "since_best": self.since, "history": [list(h) for h in self.history]}
