@@ -473,6 +473,23 @@ def _clip_zero_clips_all(orig):
     return clip_grad_norm_
 
 
+def _clip_not_clamped(orig):
+    def clip_grad_norm_(self, max_norm):
+        import math
+
+        import torch
+
+        total = orig(self, math.inf)  # the norm; nothing scaled
+        if math.isfinite(max_norm):
+            grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
+            grads += [h.grad for h in (s.consolidate() for _, s in self._host) if h is not None]
+            # clip / norm without min(1, .): a step under the threshold is scaled UP to it
+            torch._foreach_mul_(grads, max_norm / (float(total) + 1e-6))
+        return total
+
+    return clip_grad_norm_
+
+
 def _from_config_dropping(field: str, default):
     def make(orig):
         fn = orig.__func__
@@ -850,6 +867,11 @@ MUTATIONS: list[Mutation] = [
              "every gradient; the run learns nothing",
              (("dormouse.train.optim:MixOptimizer.clip_grad_norm_", _clip_zero_clips_all),),
              ("g01_trajectory", "g33_reference_step"), scope="source"),
+    Mutation("clip_not_clamped",
+             "the clip coefficient grad_clip / norm is not capped at 1: every step's gradient "
+             "is scaled to the clip norm, small ones up",
+             (("dormouse.train.optim:MixOptimizer.clip_grad_norm_", _clip_not_clamped),),
+             ("g33_reference_step",), scope="source"),
     Mutation("engram_lr_mult_dropped",
              "MixOptimizer.from_config drops engram_lr_mult: --set engram_lr_mult is silently "
              "ignored (the default 5 runs)",
