@@ -94,7 +94,8 @@ TOL = {
 
 
 def write_corpus(where: Path) -> Path:
-    """The harness corpus's first TRAIN_BYTES, then 264 random bytes: the val split."""
+    """The harness corpus's first TRAIN_BYTES, then 264 random bytes >= 128, which the text
+    never holds: the val split, whose loss rises as the model learns the text."""
     text = corpus_path().read_bytes()[:TRAIN_BYTES]
     noise = np.random.default_rng(51).integers(128, 256, 264, dtype=np.uint8).tobytes()
     path = where / "corpus.bin"
