@@ -35,15 +35,16 @@ CLAIM = ("the model is its equations: logits, loss, gradients and LFB counts equ
 
 #: (name, ModelConfig changes, fp64?): the CPU cases. fp64 needs the batched MoE arm.
 CPU_CASES = (
-    ("batched dropless train", dict(moe_impl="batched", dropout=0.1, moe_lb_coef=0.01), True),
-    ("batched cap0.5 segments", dict(moe_impl="batched", moe_capacity=0.5, segment_len=8),
+    ("batched dropless train", {"moe_impl": "batched", "dropout": 0.1, "moe_lb_coef": 0.01},
+     True),
+    ("batched cap0.5 segments", {"moe_impl": "batched", "moe_capacity": 0.5, "segment_len": 8},
      True),
     ("batched cap1.0 rank0 2 layers train",
-     dict(moe_impl="batched", moe_capacity=1.0, rank=0, gate_rank=0, n_layers=2, dropout=0.2,
-          moe_lb_coef=0.01), True),
-    ("grouped dropless train fp32", dict(moe_impl="grouped", dropout=0.1, moe_lb_coef=0.01),
+     {"moe_impl": "batched", "moe_capacity": 1.0, "rank": 0, "gate_rank": 0, "n_layers": 2,
+      "dropout": 0.2, "moe_lb_coef": 0.01}, True),
+    ("grouped dropless train fp32", {"moe_impl": "grouped", "dropout": 0.1, "moe_lb_coef": 0.01},
      False),
-    ("grouped cap1.0 fp32", dict(moe_impl="grouped", moe_capacity=1.0), False),
+    ("grouped cap1.0 fp32", {"moe_impl": "grouped", "moe_capacity": 1.0}, False),
 )
 #: Windows x bytes of each case's input.
 B, T = 3, 32
@@ -201,13 +202,13 @@ def cuda_cases() -> list[tuple[str, dict]]:
     fla = not why_not("kda", "fla", "cuda", shape={"head_dim": 16})
     moe = [a for a in ("grouped", "batched")
            if not why_not("moe", a, "cuda", shape={"d_model": 64, "d_ffn": 128})]
-    train = dict(dropout=0.1, moe_lb_coef=0.01)
+    train = {"dropout": 0.1, "moe_lb_coef": 0.01}
     cases = [(f"cuda torch/{m} " + (f"cap{c}" if c else "dropless"),
-              dict(kda_impl="torch", moe_impl=m, moe_capacity=c, **train))
+              {"kda_impl": "torch", "moe_impl": m, "moe_capacity": c, **train})
              for m in moe for c in (0.0, 1.0)]
     if fla:
-        cases += [(f"cuda fla/{m} every expert", dict(kda_impl="fla", moe_impl=m, moe_topk=4,
-                                                        **train)) for m in moe]
+        cases += [(f"cuda fla/{m} every expert",
+                   {"kda_impl": "fla", "moe_impl": m, "moe_topk": 4, **train}) for m in moe]
     return cases
 
 

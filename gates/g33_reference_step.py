@@ -193,7 +193,7 @@ def checkpoint_errors(ck: dict, snap: dict, start: dict, run_json: str) -> tuple
         bad.append(f"model keys differ: {sorted(set(model) ^ set(ref))[:4]}")
     for n in sorted(set(model) & set(ref)):
         a, b = model[n].double(), ref[n]
-        if n.endswith("lfb_bias") or n.endswith("lfb_counts"):
+        if n.endswith(("lfb_bias", "lfb_counts")):
             fig["lfb"] = max(fig["lfb"], float((a - b).abs().max()))
             continue
         e = _rel(a - start[n].double(), b - start[n].double())

@@ -109,7 +109,7 @@ def dropout(t: torch.Tensor, keys: torch.Tensor, site: int, p: float) -> torch.T
     b, n = t.shape[0], t[0].numel()
     base = _mix32_t(keys.to(torch.int64) ^ ((site * 0x9E3779B + 1) & _M32))
     h = _mix32_t(base.view(b, 1) ^ torch.arange(n, dtype=torch.int64).view(1, n))
-    kept = ((h & 0xFFFFFF) >= int(round(p * 2**24))).view(t.shape)
+    kept = ((h & 0xFFFFFF) >= round(p * 2**24)).view(t.shape)
     return t * kept.to(t.dtype) / (1.0 - p)
 
 
@@ -205,7 +205,7 @@ class ReferenceModel:
 
     def moe(self, l: int, x):
         c, pre = self.cfg, f"blocks.{l}.moe"
-        B, T, D = x.shape
+        B, T, _ = x.shape
         router = self.p(f"{pre}.router.weight")
         bias = self.lfb_bias.get(l)
         _, picked, margin = pick_experts(x, router, c.moe_topk, bias)
