@@ -1,6 +1,10 @@
 """dormouse: a trainer for small byte-level language models on the GPUs people own."""
 
 import os as _os
+import time as _time
+
+#: when this process imported dormouse: a run's log says how long it took to reach step 1
+STARTED = _time.perf_counter()
 
 # OpenMP threads that spin while they wait turn a busy CPU into a crawl: on the 2-core
 # box a `small` step measured 2.8 s with passive waiting and ~20 s with the default

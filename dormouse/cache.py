@@ -1,5 +1,7 @@
 """Where dormouse keeps what it builds once per machine: the default corpus, Triton's compiled
-kernels and its autotune results (fla's KDA kernels tune through Triton's autotuner).
+kernels and its autotune results (fla's KDA kernels tune through Triton's autotuner), and
+inductor's caches (FX graphs, AOTAutograd's forward/backward, autotune choices): a second run
+of a compiled shape loads its kernels instead of generating them.
 
 One rule for the folder: $DORMOUSE_CACHE, else ~/.cache/dormouse. `place_kernel_caches` runs
 when the package is imported (dormouse/__init__.py), so every entry point gets it before
@@ -20,6 +22,9 @@ log = logging.getLogger(__name__)
 #: on-disk autotune cache (off by default in Triton; read when a kernel's @triton.autotune
 #: decorator runs, i.e. when fla is imported, so it must be set before that import).
 TRITON_DIR, TRITON_AUTOTUNE = "TRITON_CACHE_DIR", "TRITON_CACHE_AUTOTUNING"
+#: inductor's cache root (its FX-graph, AOTAutograd and autotune caches live under it; torch's
+#: default is /tmp/torchinductor_$USER, which a reboot or a tmp cleaner empties)
+INDUCTOR_DIR = "TORCHINDUCTOR_CACHE_DIR"
 
 #: What place_kernel_caches set in this process (name -> value); empty when the user's won.
 _PLACED: dict[str, str] = {}
@@ -34,11 +39,12 @@ def cache_dir(env: MutableMapping[str, str] | None = None) -> Path:
 
 
 def place_kernel_caches(env: MutableMapping[str, str] | None = None) -> dict[str, str]:
-    """Point Triton's cache at <cache>/triton and turn on its autotune-result cache, each only
-    where `env` (default os.environ) leaves it unset or empty; returns what it set. Triton
-    creates the folder when it first writes."""
+    """Point Triton's cache at <cache>/triton, turn on its autotune-result cache and point
+    inductor's at <cache>/inductor, each only where `env` (default os.environ) leaves it unset
+    or empty; returns what it set. Triton and inductor create the folders when they write."""
     env = os.environ if env is None else env
-    want = {TRITON_DIR: str(cache_dir(env) / "triton"), TRITON_AUTOTUNE: "1"}
+    want = {TRITON_DIR: str(cache_dir(env) / "triton"), TRITON_AUTOTUNE: "1",
+            INDUCTOR_DIR: str(cache_dir(env) / "inductor")}
     placed = {k: v for k, v in want.items() if not env.get(k)}
     env.update(placed)
     if env is os.environ:
@@ -56,7 +62,8 @@ def kernel_cache_line() -> str:
     tuned = ("autotune results cached on disk" if autotune_cached() else
              f"autotune results NOT cached on disk ({TRITON_AUTOTUNE}={tune!r} in the environment; "
              f"unset it or set 1 so a second run skips the tuning)")  # fmt: skip
-    return f"kernel cache: {where} ({whose}; {tuned})"
+    ind = os.environ.get(INDUCTOR_DIR) or "torch's default"
+    return f"kernel cache: {where} ({whose}; {tuned}); inductor's cache: {ind}"
 
 
 def say_kernel_cache() -> None:

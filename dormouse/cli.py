@@ -104,13 +104,12 @@ def _elastic_restart(env) -> int:
         return 0
 
 
-def _dry_run(run, device, autocast, plan: str) -> int:
+def _dry_run(run, device, autocast, plan: str, folder) -> int:
     """Everything a run checks before its first step, without training or writing a file."""
-    from .train import checkpoint as ckpt
+    from .train.store import checkpoint as ckpt
     from .train.context import DPContext
     from .train.data import open_data
-    from .train.loop import ckpt_path
-    from .train.optim import MixOptimizer
+    from .train.optim.mix import MixOptimizer
     from .train.run import build_model, dtype_name
 
     model = build_model(run, meta=True)
@@ -123,11 +122,11 @@ def _dry_run(run, device, autocast, plan: str) -> int:
     if t.eval_every and data.has_val:
         data.val_batches(1, t.batch, t.seq_len)
     if plan == "resume":
-        ck = ckpt.read_checkpoint(ckpt_path(run), mmap=True)
+        path = folder.checkpoint(run)
+        ck = ckpt.read_checkpoint(path, mmap=True)
         diff = ckpt.shape_mismatch(ck["run"].model, run.model)
         if diff:
-            raise ckpt.CheckpointError(f"{ckpt_path(run)} has another model shape: "
-                                       + "; ".join(diff))  # fmt: skip
+            raise ckpt.CheckpointError(f"{path} has another model shape: " + "; ".join(diff))
     log.info(f"dry run: ok ({run.source}, {n / 1e6:.2f}M parameters, device={device}, "
              f"dtype={dtype_name(autocast)}, steps={t.steps}; would {_PLAN_WORDS[plan]} in "
              f"{t.out_dir}); nothing trained or written")  # fmt: skip
@@ -138,30 +137,39 @@ _PLAN_WORDS = {"fresh": "start afresh", "resume": "resume", "complete": "do noth
 
 
 def cmd_train(args) -> int:
-    from .train import checkpoint as ckpt
     from .train.run import prepare, train_run
+    from .train.store.folder import RunDir
 
     run = _run_from_args(args)
     if run.train.dist or os.environ.get("WORLD_SIZE", "").strip() not in ("", "1"):
-        from .train.fleet import check_launch
+        from .train.fleet.launch import check_launch
 
         check_launch(run.train.dist, os.environ)
     if args.dry_run and not run.train.dist:
         run, device, autocast = prepare(run)
-    plan = ckpt.plan_run_folder(run, args.resume or "never", args.overwrite,
-                                _elastic_restart(os.environ))  # fmt: skip
-    if args.dry_run and run.train.dist:  # the fleet's own checks run when its ranks meet
-        log.info(f"dry run: fleet launch accepted; would {_PLAN_WORDS[plan]} in "
-                 f"{run.train.out_dir} (the fleet's own checks run when its ranks meet); "
-                 f"nothing trained or written")  # fmt: skip
-        return 0
-    if args.dry_run:
-        return _dry_run(run, device, autocast, plan)
-    if plan == "complete":
-        return 0
-    if os.environ.get("RANK", "0") in ("", "0"):
-        _say_cleaned(ckpt.clean_stale_temps(run.train.out_dir), run.train.out_dir)
-    report = train_run(run, resume=plan == "resume", progress=not run.train.dist)
+    folder = RunDir(run.train.out_dir)
+    # one writer a folder: this process, or rank 0 of a fleet (the others write nothing)
+    writer = os.environ.get("RANK", "0") in ("", "0")
+    with folder.hold(run, overwrite=args.overwrite, writer=writer, dry=args.dry_run):
+        plan = folder.plan(run, args.resume or "never", args.overwrite,
+                           _elastic_restart(os.environ))  # fmt: skip
+        if args.dry_run and run.train.dist:  # the fleet's own checks run when its ranks meet
+            log.info(f"dry run: fleet launch accepted; would {_PLAN_WORDS[plan]} in "
+                     f"{run.train.out_dir} (the fleet's own checks run when its ranks meet); "
+                     f"nothing trained or written")  # fmt: skip
+            return 0
+        if args.dry_run:
+            return _dry_run(run, device, autocast, plan, folder)
+        if plan == "complete":
+            return 0
+        if writer:
+            _say_cleaned(folder.clean_stale_temps(), run.train.out_dir)
+            aside = folder.set_metrics_aside() if plan == "fresh" and not args.overwrite else None
+            if aside:
+                log.info(f"{run.train.out_dir}: the rows of the earlier run there (it wrote no "
+                         f"checkpoint) are kept in {aside}; this run starts a new metrics.jsonl")
+        report = train_run(run, resume=plan == "resume", progress=not run.train.dist,
+                           folder=folder)  # fmt: skip
     final = (report.get("val") or {}).get("bpb", 0.0)
     if not math.isfinite(final):
         from .train.loop import TrainingError
@@ -204,7 +212,7 @@ def _arms_for_this_machine(run, source: str):
 
 def cmd_eval(args) -> int:
     from .model import make_model
-    from .train.checkpoint import load_model, read_checkpoint
+    from .train.store.checkpoint import load_model, read_checkpoint
     from .train.data import open_data
     from .train.loop import evaluate
     from .train.run import resolve_autocast, resolve_device
@@ -225,8 +233,8 @@ def cmd_eval(args) -> int:
     data = open_data(run.train)
     t = run.train
     if args.batches:
-        what = f"{args.batches} batches of {t.batch}x{t.seq_len} spread over the val split"
-        batches = data.val_batches(args.batches, t.batch, t.seq_len)
+        batches = data.val_batches(args.batches, t.batch, t.seq_len)  # at most the distinct ones
+        what = f"{len(batches)} batches of {t.batch}x{t.seq_len} spread over the val split"
     else:
         # the default: every val byte scored once, deterministic
         what = f"the whole val split ({data.val_bytes_total()} bytes scored once)"
@@ -243,7 +251,7 @@ def cmd_sample(args) -> int:
 
     from .model import make_model
     from .model.sample import check_sample_args, generate
-    from .train.checkpoint import load_model, read_checkpoint
+    from .train.store.checkpoint import load_model, read_checkpoint
     from .train.run import resolve_device
 
     check_sample_args(args.bytes, args.temperature, args.top_k)
@@ -266,9 +274,10 @@ def cmd_sample(args) -> int:
 
 
 def cmd_export(args) -> int:
-    from .train.checkpoint import export_checkpoint, read_checkpoint
+    from .train.store.checkpoint import read_checkpoint
+    from .train.store.folder import export
 
-    out = export_checkpoint(args.run, args.to)
+    out = export(args.run, args.to, overwrite=args.overwrite)
     ck = read_checkpoint(out, mmap=True)
     log.info(f"export {args.run} -> {out}: one file (format {ck['format']}, step {ck['step']}, "
              f"{out.stat().st_size / 2**20:.1f} MiB) that eval and sample load anywhere")
@@ -282,7 +291,7 @@ def cmd_plan(args) -> int:
         import torch
 
         from .model import DormouseModel
-        from .train.routing import format_routes, route_params
+        from .train.optim.routing import format_routes, route_params
 
         with torch.device("meta"):
             model = DormouseModel(run.model)
@@ -291,14 +300,14 @@ def cmd_plan(args) -> int:
         raise UserError("plan: --world/--shard plan a fleet's memory and need --fit GB (the "
                         "card size, or one per rank: --fit 16,8); add --fit")
     if args.shard is not None:
-        from .train.fit import SHARDS
+        from .train.plan.fit import SHARDS
 
         if args.shard not in SHARDS:
             raise UserError(f"--shard {args.shard!r} is not one of {', '.join(SHARDS)} (none = "
                             f"DDP, every rank the whole model; fsdp = FSDP2, each rank 1/N)")
         run = apply_sets(run, [f"dist_shard={args.shard}"])
     if args.fit is not None:
-        from .train.fit import main_plan
+        from .train.plan.fit import main_plan
 
         main_plan(run, args.fit, batch=args.batch, seq=args.seq, world=args.world)
     if not args.routes and args.fit is None:
@@ -309,13 +318,13 @@ def cmd_plan(args) -> int:
 
 
 def cmd_probe(args) -> int:
-    from .train.device import main_probe
+    from .train.plan.device import main_probe
 
     return main_probe([]) or 0
 
 
 def cmd_link(args) -> int:
-    from .train.link import main_link
+    from .train.fleet.link import main_link
 
     return main_link(args.rest) or 0
 
@@ -385,7 +394,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     x = sub.add_parser("export", help="one checkpoint file from a run (sharded or not)")
     x.add_argument("run", help="a run folder or its checkpoint file")
-    x.add_argument("--to", required=True, help="the file to write (e.g. model.pt)")
+    x.add_argument("--to", required=True, help="the file to write (e.g. model.pt), outside "
+                   "every run folder")
+    x.add_argument("--overwrite", action="store_true", help="replace --to if it exists")
     x.set_defaults(fn=cmd_export)
 
     pl = sub.add_parser("plan", help="parameter count, optimizer routes, --fit arithmetic")

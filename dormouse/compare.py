@@ -25,28 +25,21 @@ class CompareError(UserError, ValueError):
 
 def read_evals(run: str | Path) -> tuple[str, list[dict]]:
     """(label, eval rows in step order) of one run folder."""
+    from .train.store.folder import CONFIG, METRICS, read_rows
+
     folder = Path(run)
-    metrics = folder / "metrics.jsonl"
+    metrics = folder / METRICS
     if not metrics.is_file():
         raise CompareError(f"{folder}: no metrics.jsonl (is it a run folder? pass the --out of "
                            f"a `dormouse train`)")  # fmt: skip
     rows = []
-    for n, line in enumerate(metrics.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except ValueError:
-            raise CompareError(f"{metrics}: line {n} is not JSON; the file is damaged") from None
-        if not isinstance(row, dict):
-            raise CompareError(f"{metrics}: line {n} is JSON but not an object ({line[:40]!r}); "
-                               f"the file is damaged: delete that line or pass another run")
-        if row.get("kind") == "eval":
+    # every row checked (read_rows); a torn last line (a run writing now) is not counted
+    for n, row in read_rows(metrics)[0]:
+        if row["kind"] == "eval":
             # a damaged row was a KeyError or TypeError deep in the table
-            odd = [k for k in ("step", "loss", "train_s", "bytes")
-                   if (k in row or k in ("step", "loss")) and not _number(row.get(k))]
+            odd = [k for k in ("train_s", "bytes") if k in row and not _number(row[k])]
             if odd:
-                raise CompareError(f"{metrics}: line {n} is an eval row without a numeric "
+                raise CompareError(f"{metrics}: line {n} is an eval row with a non-numeric "
                                    f"{', '.join(odd)}; the file is damaged: delete that line or "
                                    f"pass another run")  # fmt: skip
             rows.append(row)
@@ -58,12 +51,15 @@ def read_evals(run: str | Path) -> tuple[str, list[dict]]:
         raise CompareError(f"{metrics}: eval rows without train_s/bytes (steps {missing[:3]}...): "
                            f"written by an older dormouse; train the run again to compare it")
     label = folder.name
-    cfg = folder / "config.json"
+    cfg = folder / CONFIG
     if cfg.is_file():
         try:
-            label = f"{folder.name} ({json.loads(cfg.read_text()).get('source', '?')})"
-        except ValueError:
-            pass
+            source = json.loads(cfg.read_bytes().decode("utf-8")).get("source")
+        except (ValueError, AttributeError):  # not JSON, not UTF-8, not an object
+            raise CompareError(f"{cfg} is not a dormouse run config (the run's label comes from "
+                               f"it); the file is damaged: restore it, or delete it to label "
+                               f"the run by its folder name") from None  # fmt: skip
+        label = f"{folder.name} ({source if isinstance(source, str) else '?'})"
     return label, sorted(rows, key=lambda r: r["step"])
 
 
@@ -119,9 +115,12 @@ def plot(runs: list[tuple[str, list[dict]]], png: Path, target: float) -> None:
         lo = min(finite)
         a.set_ylim(lo - 0.05, min(max(finite), lo + 2.5) + 0.05)
     fig.tight_layout()
+    from .train.store.checkpoint import write_atomic
+
+    fmt = png.suffix[1:].lower() or "png"  # for a name without one matplotlib wrote NAME.png
     try:
-        # the format named: for a name without a suffix matplotlib wrote NAME.png, not NAME
-        fig.savefig(png, dpi=110, format=png.suffix[1:].lower() or "png")
+        # replaced by rename, as a run's files are: a link at --out is replaced, not followed
+        write_atomic(png, lambda f: fig.savefig(f, dpi=110, format=fmt))
     except ValueError as e:  # "Format 'txt' is not supported (supported formats: ...)"
         raise CompareError(f"--out {png}: {e}; name the image .png (or .pdf, .svg)") from None
     finally:

@@ -98,11 +98,15 @@ class TrainConfig:
     seed: int = 0
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     dtype: Dtype = "auto"
-    # torch.compile the model's training forward (and so its backward): fla's kernels stay
-    # eager between compiled regions; compile_mode is torch.compile's mode (reduce-overhead
-    # replays the compiled regions as CUDA graphs). Evaluation runs uncompiled.
-    compile: bool = False
-    compile_mode: Literal["default", "reduce-overhead", "max-autotune-no-cudagraphs"] = "default"
+    # torch.compile the model's training forward (and so its backward); compile_mode is
+    # torch.compile's mode (reduce-overhead replays the compiled regions as CUDA graphs, and the
+    # optimizer step is captured as one too). "auto" (the default of both) is decided per run by
+    # train/run.py resolve_compile, which logs what it read: on CUDA compile, in
+    # reduce-overhead where the step's shapes are static and nothing accumulates or streams
+    # from the host, else default; on the CPU no compile. Evaluation runs uncompiled.
+    compile: Literal["auto", True, False] = "auto"
+    compile_mode: Literal["auto", "default", "reduce-overhead",
+                          "max-autotune-no-cudagraphs"] = "auto"
     # torch.compile's backend: inductor generates fused kernels; aot_eager runs the same
     # dynamo graphs and AOTAutograd's forward/backward split with eager kernels (no codegen:
     # seconds, not minutes, on a CPU) to check what compiling does to a run's arithmetic
@@ -156,6 +160,9 @@ class TrainConfig:
     val_frac: float = 0.01
     val_bytes: int = 0
     log_every: int = 10
+    # also write the metrics rows as TensorBoard scalars into RUN/tb/ (rank 0; needs the [tb]
+    # extra: pip install -e ".[tb]"); metrics.jsonl is written either way (train/metrics.py)
+    tensorboard: bool = False
     eval_every: int = 100
     eval_batches: int = 8
     # stop after this many evaluations in a row without a new best val loss (0 = never)
@@ -254,6 +261,8 @@ def _build(cls, d: dict[str, Any]):
 def _coerce_json(tp, v, key: str = "?"):
     """A JSON value as the field's declared type; ConfigError when it is another kind."""
     if typing.get_origin(tp) is Literal:  # validate() checks the value itself
+        if isinstance(v, bool) and v in typing.get_args(tp):
+            return v  # compile: true|false in a config.json (and "auto")
         tp = str
     if typing.get_origin(tp) is tuple:
         if not isinstance(v, (list, tuple)):
@@ -386,6 +395,9 @@ def parse_value(tp, text: str, key: str):
             if key.rsplit(".", 1)[-1] == "dropout" and text.strip().lower() == "auto":
                 return DROPOUT_AUTO
             return float(text)
+        if origin is Literal and bool in {type(a) for a in typing.get_args(tp)}:
+            low = text.strip().lower()  # compile=auto|true|false: a word or a bool
+            return True if low in _TRUE else False if low in _FALSE else text.strip()
         if tp is str or origin is Literal:  # validate() checks a Literal's value
             return text
         if origin is tuple:
@@ -424,6 +436,20 @@ def apply_sets(run: RunConfig, sets: list[str] | tuple[str, ...]) -> RunConfig:
         model=replace(run.model, **new["model"]),
         train=replace(run.train, **new["train"]),
     )
+
+
+def asked_differences(saved: RunConfig, asked: RunConfig) -> list[str]:
+    """`field old -> new` for each field where `asked` (a run as the user gave it, `auto`s
+    unresolved) differs from `saved` (a run as it trained, its `auto`s resolved on the machine
+    that trained it). A field the user left on auto matches any resolution of it."""
+    out = []
+    for part in ("model", "train"):
+        a, b = dataclasses.asdict(getattr(saved, part)), dataclasses.asdict(getattr(asked, part))
+        for k in a:
+            auto = b[k] == "auto" or (k == "dropout" and b[k] == DROPOUT_AUTO)
+            if a[k] != b[k] and not auto:
+                out.append(f"{k} {a[k]!r} -> {b[k]!r}")
+    return out
 
 
 # ---- validation ----------------------------------------------------------------
@@ -580,13 +606,13 @@ def validate(run: RunConfig) -> RunConfig:
     _check_path(t.out_dir, "out_dir")
     for d in t.data:
         _check_path(d, "data")
-    if t.compile_backend != "inductor" and t.compile_mode != "default":
+    if t.compile_backend != "inductor" and t.compile_mode not in ("default", "auto"):
         raise ConfigError(
             f"compile_mode={t.compile_mode} is inductor's (CUDA graphs, autotuning); "
             f"compile_backend={t.compile_backend} has no modes. Use --set compile_mode=default "
             f"or compile_backend=inductor"
         )
-    graphs = t.compile and t.compile_mode == "reduce-overhead"
+    graphs = t.compile is True and t.compile_mode == "reduce-overhead"
     if graphs and not t.dist and t.global_batch > t.batch:
         # a CUDA graph's outputs live in its pool until the next replay: a micro-batch's
         # gradients, accumulated into .grad, would be overwritten by the next micro-batch's

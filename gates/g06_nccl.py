@@ -16,7 +16,7 @@ INSTRUMENT = ("choose_backend('cuda', nccl_available=False) and fleet.join on a 
 
 
 def run(cuda: bool = False) -> Record:
-    from dormouse.train.fleet import DistError, choose_backend, join
+    from dormouse.train.fleet.launch import DistError, choose_backend, join
 
     notes, ok = [], True
     try:

@@ -24,7 +24,7 @@ def _cli(args: list[str], extra_env: dict) -> subprocess.Popen:
 
 
 def run(cuda: bool = False) -> Record:
-    from dormouse.train.fleet import LaunchError, check_launch
+    from dormouse.train.fleet.launch import LaunchError, check_launch
 
     # What torchrun --nproc_per_node=N sets, so each case differs from a real launch only in
     # the one fact under test.

@@ -143,7 +143,7 @@ def fuzz(examples: int = 300) -> dict:
     from hypothesis import HealthCheck, given, settings
     from hypothesis import strategies as st
 
-    from dormouse.train.fleet import parse_capacity
+    from dormouse.train.fleet.launch import parse_capacity
 
     stats = {"examples": 0, "shapes": 0, "refused": 0, "violations": []}
 
@@ -249,7 +249,7 @@ def fuzz(examples: int = 300) -> dict:
 def run(cuda: bool = False) -> Record:
     import torch
 
-    from dormouse.train.fleet import measure_rate, split_by_rates
+    from dormouse.train.fleet.launch import measure_rate, split_by_rates
 
     notes, ok = [], True
     ws = worlds(cuda, 2, 3)

@@ -31,7 +31,7 @@ TOL_OPT = 2e-9
 
 def run(cuda: bool = False) -> Record:
     from dormouse.model import DormouseModel
-    from dormouse.train.checkpoint import load_model, read_checkpoint
+    from dormouse.train.store.checkpoint import load_model, read_checkpoint
     from references.fingerprint import fingerprint
 
     spec = on(FSDP_RUN, cuda)

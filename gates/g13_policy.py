@@ -37,7 +37,7 @@ _DTYPE = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def _record(row: Row):
-    from dormouse.train.device import DeviceRecord
+    from dormouse.train.plan.device import DeviceRecord
 
     return DeviceRecord(index=0, name=row.example, kind="cuda", sm=row.sm, total_mem=16 * GiB,
                         free_mem=12 * GiB, pcie_gen_max=4, pcie_width_max=16,
@@ -46,7 +46,7 @@ def _record(row: Row):
 
 def _cells(record, row: Row) -> tuple[list[str], int]:
     """Compare every cell of `row` with what dormouse says for `record`: (mismatches, cells)."""
-    from dormouse.train.device import policy_for, resolve_dtype
+    from dormouse.train.plan.device import policy_for, resolve_dtype
 
     where = f"sm_{record.sm[0]}{record.sm[1]}" if record.sm else "cpu"
     bad: list[str] = []
@@ -71,7 +71,7 @@ def _cells(record, row: Row) -> tuple[list[str], int]:
         cell(f"grouped_mm (torch {era})", p.grouped_mm, row.grouped_mm[era])
         cell(f"grouped_mm_fused (torch {era})", p.grouped_mm_fused, row.grouped_mm_fused[era])
     lines: list[str] = []
-    with log_lines(lines.append, "dormouse.train.device"):
+    with log_lines(lines.append, "dormouse.train.plan.device"):
         dtype, line = resolve_dtype("auto", record)
     cell("auto resolves to", dtype, _DTYPE[row.auto])
     reading = f"bf16={int(row.bf16)} fp16={int(row.fp16)}"
@@ -143,7 +143,7 @@ def _model_arms() -> tuple[list[str], int]:
 
 def _real_probe() -> tuple[list[str], str, str]:
     from dormouse.model.arms import card_of
-    from dormouse.train.device import probe
+    from dormouse.train.plan.device import probe
 
     cuda = torch.cuda.is_available()
     before = torch.cuda.memory_allocated() if cuda else 0
@@ -174,7 +174,7 @@ def _real_probe() -> tuple[list[str], str, str]:
 
 
 def _refusals() -> tuple[list[str], int, bool]:
-    from dormouse.train.device import DtypeError, resolve_dtype
+    from dormouse.train.plan.device import DtypeError, resolve_dtype
 
     turing = _record(next(r for r in ROWS if r.sm == (7, 5)))
     maxwell = _record(next(r for r in ROWS if r.sm == (5, 2)))

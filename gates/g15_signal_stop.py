@@ -23,7 +23,7 @@ TOL_LOSS = 5e-6
 
 
 def _one(spec) -> tuple[bool, str]:
-    from dormouse.train.checkpoint import read_checkpoint
+    from dormouse.train.store.checkpoint import read_checkpoint
 
     ranks = fleet(spec)
     ref = single(spec)["rec"]

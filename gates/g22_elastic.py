@@ -53,14 +53,14 @@ def _train(out: Path, *, fleet: bool, fault: str = "", extra: tuple[str, ...] = 
 
 
 def _step_of(path: Path) -> int:
-    from dormouse.train.checkpoint import read_checkpoint
+    from dormouse.train.store.checkpoint import read_checkpoint
 
     return int(read_checkpoint(path)["step"]) if path.exists() else -1
 
 
 def _fingerprint(path: Path) -> str:
     from dormouse.model import DormouseModel
-    from dormouse.train.checkpoint import load_model, read_checkpoint
+    from dormouse.train.store.checkpoint import load_model, read_checkpoint
     from references.fingerprint import fingerprint
 
     ck = read_checkpoint(path)
@@ -84,7 +84,9 @@ def run(cuda: bool = False) -> Record:
     eight = work_dir("elastic-8")
     c = _train(eight, fleet=True, device=device, fault="kill:1:9", restarts=0)
     saved = _step_of(eight / "ckpt.pt")
-    shutil.copy(eight / "ckpt.pt", member / "ckpt.pt")
+    # the run folder moves as a unit (its config.json says it is a dormouse run)
+    for name in ("ckpt.pt", "config.json", "metrics.jsonl"):
+        shutil.copy(eight / name, member / name)
     d = _train(member, fleet=False, device=device, extra=("--set", "batch=8", "--resume", "must"))
     sets = (f"data={corpus_path()}", f"device={device}", "ns_dtype=fp32", "kda_impl=torch",
             f"ckpt_every={CKPT_EVERY}")

@@ -1,7 +1,7 @@
 """Gate 24: FSDP2 runs the project's own optimizer: Muon on sharded parameters, and the host-RAM
 Engram tables (engram_ram) beside them, reproduce one process at the global batch.
 
-Muon under FSDP2 (`dormouse.train.muon`) updates its momentum on each rank's shard, all-gathers
+Muon under FSDP2 (`dormouse.train.optim.muon`) updates its momentum on each rank's shard, all-gathers
 each shape group's whole matrices for the polar, and applies each rank's own rows. The
 fixture's `tiny` preset shards evenly at world 2 (every dim 0 is even) and unevenly at world 3:
 every dim 0 of 64 splits 22, 22, 20 and of 8 (f_down, the deltas' A) 3, 3, 2, and the router

@@ -81,7 +81,7 @@ def _kill_in_save(nth: int) -> None:
 def _rank(rank: int, job: dict, out: str, port: int) -> None:
     import torch.distributed as dist
 
-    from dormouse.train.fleet import NCCL_SAFE_ENV
+    from dormouse.train.fleet.launch import NCCL_SAFE_ENV
     from dormouse.train.run import train_run
     from references.single import build_model
 
@@ -154,7 +154,7 @@ def _copy(src: Path, name: str) -> Path:
 def _saved_fingerprint(run_dir: Path) -> tuple[int, str]:
     """(step, SHA-256 of the parameters) of the checkpoint in run_dir, read in this process."""
     from dormouse.model import DormouseModel
-    from dormouse.train.checkpoint import load_model, read_checkpoint
+    from dormouse.train.store.checkpoint import load_model, read_checkpoint
     from references.fingerprint import fingerprint
 
     ck = read_checkpoint(run_dir / "ckpt.pt")
@@ -170,7 +170,7 @@ def _exported_eval(run_dir: Path) -> tuple[float, float, str]:
     import json
 
     from dormouse.model import DormouseModel
-    from dormouse.train.checkpoint import load_model, read_checkpoint
+    from dormouse.train.store.checkpoint import load_model, read_checkpoint
     from dormouse.train.data import open_data
     from dormouse.train.loop import evaluate
 
@@ -193,7 +193,7 @@ def _exported_eval(run_dir: Path) -> tuple[float, float, str]:
 
 
 def run(cuda: bool = False) -> Record:
-    from dormouse.train.checkpoint import clean_stale_temps
+    from dormouse.train.store.folder import RunDir
 
     t0 = time.perf_counter()
     ref = _launch("full", 2, work_dir("sharded-full") / "run")
@@ -241,7 +241,7 @@ def run(cuda: bool = False) -> Record:
         step, fp = _saved_fingerprint(kill_dir)
     except Exception as e:  # noqa: BLE001 - an unloadable checkpoint is the failure measured
         step, fp = -1, f"unloadable: {type(e).__name__}: {e}"[:200]
-    removed = clean_stale_temps(kill_dir)
+    removed = RunDir(kill_dir).clean_stale_temps()
     # rank 0 removes the temp directory itself when it lives to see the failure; the next
     # start removes it when rank 0 died first
     left = sorted(p.name for p in kill_dir.iterdir() if p.name.endswith(".tmp"))

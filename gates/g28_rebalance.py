@@ -31,8 +31,8 @@ CASES = {2: (16, (1.0, 2.0)), 3: (24, (1.0, 2.0, 1.0))}
 def simulate(world: int, seed: int) -> tuple[list[tuple[int, ...]], tuple[int, ...]]:
     """The split in force at each period's end, and the rate-proportional target."""
     from dormouse.config import TrainConfig
-    from dormouse.train.balance import KEEP_PERIODS, Balancer, RateMeter
-    from dormouse.train.fleet import split_by_rates
+    from dormouse.train.fleet.balance import KEEP_PERIODS, Balancer, RateMeter
+    from dormouse.train.fleet.launch import split_by_rates
 
     total, slow = CASES[world]
     rng = random.Random(seed)

@@ -434,7 +434,7 @@ class Recorder:
         self.rec["local_losses"].append(info["local_loss"])
 
     def finish(self) -> dict:
-        from dormouse.train.checkpoint import optimizer_state
+        from dormouse.train.store.checkpoint import optimizer_state
         from references.fingerprint import fingerprint_params
 
         rec = self.rec
@@ -460,7 +460,7 @@ def no_plot(skip: bool = True):
 
     real = loop._plot
     if skip:
-        loop._plot = lambda metrics_path, png: None
+        loop._plot = lambda *a: None
     try:
         yield
     finally:
@@ -573,7 +573,7 @@ def _signal_during(model: torch.nn.Module, at: int) -> None:
 
 
 def _rank_main(rank: int, spec: FleetSpec, out: str, port: int) -> None:
-    from dormouse.train.fleet import NCCL_SAFE_ENV
+    from dormouse.train.fleet.launch import NCCL_SAFE_ENV
 
     os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
                        "WORLD_SIZE": str(spec.world), "LOCAL_RANK": str(rank),
@@ -640,7 +640,7 @@ def _rank_body(rank: int, spec: FleetSpec, out: Path) -> dict:
     if spec.resume_steps:
         ck = Path(report["checkpoint"])
         if rank == 0:  # the sharded checkpoint as one file (read alone, no collective)
-            from dormouse.train.checkpoint import export_checkpoint
+            from dormouse.train.store.checkpoint import export_checkpoint
 
             export_checkpoint(ck, out / "first.pt")
         dist.barrier()
@@ -700,9 +700,9 @@ def _context():
                                     "torch.distributed.checkpoint.state_dict",
                                     "dormouse.model.model",
                                     "dormouse.train.loop", "dormouse.train.run",
-                                    "dormouse.train.fleet", "dormouse.train.parallelize",
-                                    "dormouse.train.fit", "dormouse.train.optim",
-                                    "dormouse.train.muon", "dormouse.train.device",
+                                    "dormouse.train.fleet.launch", "dormouse.train.fleet.parallelize",
+                                    "dormouse.train.plan.fit", "dormouse.train.optim.mix",
+                                    "dormouse.train.optim.muon", "dormouse.train.plan.device",
                                     "gates.harness", "references.single",
                                     "references.fingerprint", "matplotlib.pyplot",
                                     "gates._frozen"])  # fmt: skip

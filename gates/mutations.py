@@ -317,7 +317,7 @@ def _polar_of_own_rows(_orig):
     def whole(params, U, sizes, R, C):
         import torch
 
-        from dormouse.train.muon import shard_rows
+        from dormouse.train.optim.muon import shard_rows
 
         out = []
         for p, u in zip(params, U.split(sizes)):
@@ -411,7 +411,7 @@ def _strip_module_first(orig):
     """The name rule that peels a leading 'module' before the wrapper tokens: under
     torch.compile(DDP(model)) '_orig_mod.module.head.weight' keeps 'module.' and the head
     falls to Muon."""
-    from dormouse.train.routing import _WRAPPER_TOKENS
+    from dormouse.train.optim.routing import _WRAPPER_TOKENS
 
     def strip_name(name):
         parts = name.split(".")
@@ -636,7 +636,7 @@ MUTATIONS: list[Mutation] = [
              ("g20_data",)),
     Mutation("bf16_reduce_without_division",
              "the bf16 comm hook all-reduces the SUM: the gradient is world_size times too large",
-             (("dormouse.train.parallelize:compress_hook", _hook_without_division),),
+             (("dormouse.train.fleet.parallelize:compress_hook", _hook_without_division),),
              ("g17_bf16_reduce",)),
     Mutation("own_verdict_off_rank0",
              "ranks other than 0 act on their local finiteness verdict instead of the agreed one",
@@ -654,7 +654,7 @@ MUTATIONS: list[Mutation] = [
     Mutation("device_skip_restores_nothing",
              "verdict=device: the optimizer's copy aside is never put back, so a refused step "
              "is taken",
-             (("dormouse.train.optim:_StepGraph._transacted", _transaction_without_restore),),
+             (("dormouse.train.optim.mix:_StepGraph._transacted", _transaction_without_restore),),
              ("g05_nonfinite",)),
     Mutation("device_lfb_ignores_verdict",
              "verdict=device: the LFB bias moves on a refused step (its mask dropped)",
@@ -663,8 +663,8 @@ MUTATIONS: list[Mutation] = [
              ("g05_nonfinite",)),
     Mutation("skip_keeps_gradient",
              "zero_grad only after a taken step: a skipped step's gradient leaks into the next",
-             (("dormouse.train.optim:MixOptimizer.step", _zg_step),
-              ("dormouse.train.optim:MixOptimizer.zero_grad", _zg_zero)),
+             (("dormouse.train.optim.mix:MixOptimizer.step", _zg_step),
+              ("dormouse.train.optim.mix:MixOptimizer.zero_grad", _zg_zero)),
              ("g05_nonfinite",)),
     Mutation("skip_keeps_lfb_counts",
              "a skipped step's router counts stay in lfb_counts and steer the next bias update",
@@ -683,16 +683,16 @@ MUTATIONS: list[Mutation] = [
              ("g14_engram_ram_fleet", "g24_fsdp_muon")),
     Mutation("capacity_ignores_window_length",
              "--capacity B x T: the per-rank window length T is dropped (every rank gets seq_len)",
-             (("dormouse.train.fleet:parse_capacity", _ignore_seq),),
+             (("dormouse.train.fleet.launch:parse_capacity", _ignore_seq),),
              ("g09_capacity",), scope="process"),
     Mutation("capacity_remainder_to_rank0",
              "capacity auto: floor shares, the whole remainder to rank 0",
-             (("dormouse.train.fleet:split_by_rates", _remainder_to_rank0),),
+             (("dormouse.train.fleet.launch:split_by_rates", _remainder_to_rank0),),
              ("g09_capacity",), scope="process"),
     Mutation("capacity_shares_not_packed",
              "capacity auto under global_batch: the rates' split as it is, a prime share run "
              "as micro-batches of one window",
-             (("dormouse.train.fleet:packed_split", lambda orig: lambda split, *a, **k: tuple(split)),),
+             (("dormouse.train.fleet.launch:packed_split", lambda orig: lambda split, *a, **k: tuple(split)),),
              ("g09_capacity",), scope="process"),
     Mutation("fleet_loss_unweighted",
              "the logged fleet loss is the plain mean of the ranks' losses (not token-weighted)",
@@ -706,15 +706,15 @@ MUTATIONS: list[Mutation] = [
     Mutation("fsdp_reduces_in_bf16",
              "dist_reduce=fp32 maps to a bf16 reduce dtype in FSDP2's mixed-precision policy: the "
              "'exact' reduce rounds every gradient to bf16",
-             (("dormouse.train.parallelize:REDUCE_DTYPES", _fp32_reduce_in_bf16),),
+             (("dormouse.train.fleet.parallelize:REDUCE_DTYPES", _fp32_reduce_in_bf16),),
              ("g04_fsdp", "g16_clip")),
     Mutation("nccl_falls_back_to_gloo",
              "a CUDA fleet without NCCL quietly runs on gloo",
-             (("dormouse.train.fleet:choose_backend", _gloo_when_nccl_missing),),
+             (("dormouse.train.fleet.launch:choose_backend", _gloo_when_nccl_missing),),
              ("g06_nccl",), scope="process"),
     Mutation("dist_without_fleet_accepted",
              "--dist with WORLD_SIZE unset or 1 is accepted (a one-rank 'fleet')",
-             (("dormouse.train.fleet:check_launch", _accept_dist_without_fleet),),
+             (("dormouse.train.fleet.launch:check_launch", _accept_dist_without_fleet),),
              ("g07_launch",), scope="process"),
     Mutation("every_rank_is_main",
              "every rank believes it is rank 0: all write checkpoints, metrics and log lines",
@@ -738,22 +738,22 @@ MUTATIONS: list[Mutation] = [
     Mutation("muon_polar_of_own_rows",
              "FSDP2 Muon: each rank runs the polar on the rows it holds (its shard) instead of "
              "the all-gathered whole matrix",
-             (("dormouse.train.muon:_whole_matrices", _polar_of_own_rows),),
+             (("dormouse.train.optim.muon:_whole_matrices", _polar_of_own_rows),),
              ("g24_fsdp_muon",)),
     Mutation("muon_rows_from_row_zero",
              "FSDP2 Muon: each rank applies the whole polar's first rows (its shard's offset "
              "forgotten), not its own",
-             (("dormouse.train.muon:shard_rows", _rows_from_zero),),
+             (("dormouse.train.optim.muon:shard_rows", _rows_from_zero),),
              ("g24_fsdp_muon",)),
     Mutation("sharded_save_in_place",
              "a sharded save writes its shards straight into the live checkpoint's directory "
              "(no temporary one): a save killed midway leaves the previous checkpoint torn",
-             (("dormouse.train.checkpoint:_staging_dir", _shards_in_place),),
+             (("dormouse.train.store.checkpoint:_staging_dir", _shards_in_place),),
              ("g25_sharded_ckpt",)),
     Mutation("sharded_save_own_dirs",
              "each rank makes its own temporary directory for the shards (rank 0's name is not "
              "shared): the committed directory lacks the other ranks' shards",
-             (("dormouse.train.checkpoint:_staging_dir", _own_staging_dir),),
+             (("dormouse.train.store.checkpoint:_staging_dir", _own_staging_dir),),
              ("g25_sharded_ckpt",)),
     Mutation("kda_fla_from_sm70",
              "the KDA arm's minimum sm set to (7, 0): fla's Triton kernel chosen on cards that "
@@ -762,12 +762,12 @@ MUTATIONS: list[Mutation] = [
              ("g13_policy",), scope="process"),
     Mutation("checkpoint_step_off_by_one",
              "the checkpoint records step + 1: a resume skips a step",
-             (("dormouse.train.checkpoint:save_checkpoint", _save_step_plus_one),),
+             (("dormouse.train.store.checkpoint:save_checkpoint", _save_step_plus_one),),
              ("g15_signal_stop", "g22_elastic")),
     Mutation("clip_misses_host_rows",
              "the clip's norm is taken over the parameters only (torch's clip over "
              "param_groups): host-RAM Engram rows are left out",
-             (("dormouse.train.optim:MixOptimizer.clip_grad_norm_", _clip_over_parameters),),
+             (("dormouse.train.optim.mix:MixOptimizer.clip_grad_norm_", _clip_over_parameters),),
              ("g16_clip",)),
     Mutation("capacity_cut_window_wide",
              "the capacity MoE's cap and arrival order span the whole window (all rows) again: "
@@ -802,26 +802,26 @@ MUTATIONS: list[Mutation] = [
     Mutation("resplit_keeps_old_stream",
              "a re-split replaces the context but keeps reading the old slice (the stream is not "
              "rebuilt at the new offset and size)",
-             (("dormouse.train.balance:FleetStream._switch", _switch_keeps_stream),),
+             (("dormouse.train.fleet.balance:FleetStream._switch", _switch_keeps_stream),),
              ("g27_resplit",)),
     Mutation("resplit_keeps_old_context",
              "a re-split rebuilds the stream but keeps the old DPContext: the loss scale and the "
              "fleet loss weigh the new windows by the old shares",
-             (("dormouse.train.balance:FleetStream._switch", _switch_keeps_context),),
+             (("dormouse.train.fleet.balance:FleetStream._switch", _switch_keeps_context),),
              ("g27_resplit",)),
     Mutation("resume_forgets_split",
              "a resume ignores the split stored in the checkpoint and continues in join's",
-             (("dormouse.train.balance:FleetStream.load_state_dict",
+             (("dormouse.train.fleet.balance:FleetStream.load_state_dict",
                lambda orig: lambda self, sd: orig(self, {k: v for k, v in sd.items()
                                                          if k != "split"})),),
              ("g27_resplit",)),
     Mutation("rebalance_without_hysteresis",
              "the re-balancer takes any split its noisy rates predict to be faster (threshold 0)",
-             (("dormouse.train.balance:Balancer.decide", _no_hysteresis),),
+             (("dormouse.train.fleet.balance:Balancer.decide", _no_hysteresis),),
              ("g28_rebalance",), scope="process"),
     Mutation("rebalance_by_time",
              "the split is proportional to each rank's step time instead of its rate",
-             (("dormouse.train.balance:split_capped",
+             (("dormouse.train.fleet.balance:split_capped",
                lambda orig: lambda rates, total, caps=None: orig([1 / r for r in rates], total,
                                                                  caps)),),
              ("g28_rebalance",), scope="process"),
@@ -833,24 +833,24 @@ MUTATIONS: list[Mutation] = [
     Mutation("fp16_rank_forgets_unscale",
              "the fp16 rank steps on the scaled gradient (no division by the scale before the "
              "clip and the optimizer)",
-             (("dormouse.train.optim:MixOptimizer.unscale_", _unscale_off_rank1),),
+             (("dormouse.train.optim.mix:MixOptimizer.unscale_", _unscale_off_rank1),),
              ("g30_mixed_dtype",)),
     Mutation("compiled_ddp_names_keep_module",
              "parameter names under torch.compile(DDP(model)) keep 'module.' (the rule peels it "
              "before dropping _orig_mod): the head is routed to Muon instead of AdamW",
-             (("dormouse.train.routing:strip_name", _strip_module_first),),
+             (("dormouse.train.optim.routing:strip_name", _strip_module_first),),
              ("g31_compile_fleet",)),
     Mutation("compiled_names_keep_orig_mod",
              "the name rule forgets torch.compile's _orig_mod. prefix (DDP and FSDP2 alike): "
              "'_orig_mod.head.weight' is no head, and the head falls to Muon",
-             (("dormouse.train.routing:strip_name", _keep_orig_mod),),
+             (("dormouse.train.optim.routing:strip_name", _keep_orig_mod),),
              ("g31_compile_fleet",)),
 
     # ---- source: planted in the code the single process shares with the fleet ----
     Mutation("muon_decay_base_lr",
              "Muon's decoupled weight decay uses the base lr, not the scheduled one (too strong "
              "in warm-up and at the cosine floor)",
-             (("dormouse.train.optim:muon_step_", _muon_decay_base_lr),),
+             (("dormouse.train.optim.mix:muon_step_", _muon_decay_base_lr),),
              ("g33_reference_step",), scope="source"),
     Mutation("cosine_from_step_zero",
              "the cosine's progress is counted from step 0, ignoring the warm-up (the lr drops "
@@ -865,23 +865,23 @@ MUTATIONS: list[Mutation] = [
     Mutation("clip_zero_clips_all",
              "`grad_clip >= 0` instead of `> 0`: grad_clip=0 (off) clips to norm 0, zeroing "
              "every gradient; the run learns nothing",
-             (("dormouse.train.optim:MixOptimizer.clip_grad_norm_", _clip_zero_clips_all),),
+             (("dormouse.train.optim.mix:MixOptimizer.clip_grad_norm_", _clip_zero_clips_all),),
              ("g01_trajectory", "g33_reference_step"), scope="source"),
     Mutation("clip_not_clamped",
              "the clip coefficient grad_clip / norm is not capped at 1: every step's gradient "
              "is scaled to the clip norm, small ones up",
-             (("dormouse.train.optim:MixOptimizer.clip_grad_norm_", _clip_not_clamped),),
+             (("dormouse.train.optim.mix:MixOptimizer.clip_grad_norm_", _clip_not_clamped),),
              ("g33_reference_step",), scope="source"),
     Mutation("engram_lr_mult_dropped",
              "MixOptimizer.from_config drops engram_lr_mult: --set engram_lr_mult is silently "
              "ignored (the default 5 runs)",
-             (("dormouse.train.optim:MixOptimizer.from_config",
+             (("dormouse.train.optim.mix:MixOptimizer.from_config",
                _from_config_dropping("engram_lr_mult", 5.0)),),
              ("g33_reference_step",), scope="source"),
     Mutation("adam_eps_dropped",
              "MixOptimizer.from_config drops adam_eps: --set adam_eps is silently ignored "
              "(torch's 1e-8 runs)",
-             (("dormouse.train.optim:MixOptimizer.from_config",
+             (("dormouse.train.optim.mix:MixOptimizer.from_config",
                _from_config_dropping("adam_eps", 1e-8)),),
              ("g33_reference_step",), scope="source"),
     Mutation("skip_zeroes_lfb_bias",
@@ -924,12 +924,12 @@ MUTATIONS: list[Mutation] = [
     Mutation("adamw_decays_1d",
              "AdamW decays every tensor it steps, norm gains, biases and the decay's dt_bias "
              "and A_log included",
-             (("dormouse.train.routing:_classify", _decay_every_adamw_tensor),),
+             (("dormouse.train.optim.routing:_classify", _decay_every_adamw_tensor),),
              ("g33_reference_step",), scope="source"),
     Mutation("row_adam_one_correction",
              "the Engram row Adam drops its second bias correction (sqrt(v) for sqrt(v / (1 - "
              "b2^t)))",
-             (("dormouse.train.rowadam:_adam_rows", _row_adam_one_correction),),
+             (("dormouse.train.optim.rowadam:_adam_rows", _row_adam_one_correction),),
              ("g33_reference_step",), scope="source"),
     Mutation("lfb_toward_the_busy",
              "the LFB update's sign is flipped: the bias steers more tokens to the busiest "

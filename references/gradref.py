@@ -21,7 +21,7 @@ import math
 import numpy as np
 import torch
 
-from dormouse.train.optim import MixOptimizer
+from dormouse.train.optim.mix import MixOptimizer
 
 
 def rank_windows(corpus: bytes, shapes: list[tuple[int, int]]):

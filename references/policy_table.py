@@ -1,6 +1,6 @@
 """The device policy written out by hand: what each card may run, the reference gate 13 reads.
 
-`dormouse.train.device.policy_for` and the model's own arm choice (`dormouse.model.arms`)
+`dormouse.train.plan.device.policy_for` and the model's own arm choice (`dormouse.model.arms`)
 derive these answers from thresholds; this file types them out, one literal row per card,
 from the rules below (nothing here imports dormouse). A row that disagrees with dormouse is a
 bug in one of the two, and the gate says which cell.
@@ -40,7 +40,7 @@ ERAS = {"<2.8": "2.7.1", "2.8": "2.8.0", ">=2.9": "2.9.0"}  # each era at its fi
 
 @dataclass(frozen=True)
 class Row:
-    """One card's expected policy. Field names follow `dormouse.train.device.Policy`."""
+    """One card's expected policy. Field names follow `dormouse.train.plan.device.Policy`."""
 
     example: str
     sm: tuple[int, int] | None  # None: the CPU

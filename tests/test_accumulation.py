@@ -10,7 +10,7 @@ import torch
 
 from dormouse.config import apply_sets, preset
 from dormouse.train.context import DPContext, RankShape, accumulate
-from dormouse.train.fleet import parse_capacity
+from dormouse.train.fleet.launch import parse_capacity
 from references.single import build_model
 from trainlog import train
 
@@ -45,7 +45,7 @@ def test_capacity_refusals_name_the_cause(spec, world, total, match):
 
 def test_fsdp_ranks_must_run_equal_micro_batch_counts():
     from dormouse.train.context import DistError
-    from dormouse.train.fleet import refuse_uneven_fsdp
+    from dormouse.train.fleet.launch import refuse_uneven_fsdp
 
     uneven = parse_capacity("3*2,2", 2, 4, 64, 64)
     refuse_uneven_fsdp(uneven, "none")  # DDP: one reduction per step whatever the counts
@@ -79,7 +79,7 @@ def test_accumulating_trains_the_global_batch_trajectory(tmp_path):
 
 
 def test_fit_accumulates_before_a_lossy_rung():
-    from dormouse.train import fit
+    from dormouse.train.plan import fit
 
     planned, _, engaged = fit.plan_fit(preset("medium"), 8, batch=32, seq=512)
     assert "accumulation" in engaged and not set(engaged) & set(fit.LOSSY)

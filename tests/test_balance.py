@@ -9,9 +9,9 @@ import random
 import pytest
 
 from dormouse.config import preset
-from dormouse.train.balance import Balancer, RateMeter, rank_window_cap, split_capped
+from dormouse.train.fleet.balance import Balancer, RateMeter, rank_window_cap, split_capped
 from dormouse.train.context import DistError
-from dormouse.train.fit import estimate
+from dormouse.train.plan.fit import estimate
 
 
 def test_split_capped_is_proportional_without_caps():
@@ -43,7 +43,7 @@ def test_a_capped_fast_rank_never_exceeds_its_cap_and_the_log_says_memory(caplog
                 for r, m in enumerate(meters):
                     m.add(split[r] * slow[r] * 1e-3 * (1 + rng.uniform(-0.2, 0.2)), split[r])
             d = bal.decide(period * 10, split, [m.value() for m in meters])
-            logging.getLogger("dormouse.train.balance").info(d.line())
+            logging.getLogger("dormouse.train.fleet.balance").info(d.line())
             lines.append(d.line())
             if d.switched:
                 split = d.new
@@ -124,7 +124,7 @@ def test_the_balancer_under_global_batch_hands_out_packed_shares():
 
 def test_capacity_auto_under_global_batch_gives_packed_shares():
     from dormouse.train.context import packed
-    from dormouse.train.fleet import parse_capacity
+    from dormouse.train.fleet.launch import parse_capacity
 
     shapes = parse_capacity("auto", 2, 16, 64, 512, rates=[2.3, 1.0], global_batch=96)
     assert sum(s.windows for s in shapes) == 96

@@ -17,7 +17,7 @@ from dormouse.bench.memory import HEADER as MEMORY_HEADER
 from dormouse.bench.step import HEADER, active_params_per_token, peak_tflops
 from dormouse.config import preset
 from dormouse.model import DormouseModel
-from dormouse.train.fit import GiB, plan_fit
+from dormouse.train.plan.fit import GiB, plan_fit
 
 
 @pytest.fixture(autouse=True)
@@ -132,7 +132,7 @@ def test_optim_times_the_real_models_parameter_set(capsys):
                                         "full step (batched Muon + AdamW)"]  # fmt: skip
     assert rows[3][3] == "1.00x"  # the per-matrix arm is the baseline
     # the real model's Muon matrices (a 3-D expert stack counts once per expert), no copy
-    from dormouse.train.optim import MixOptimizer
+    from dormouse.train.optim.mix import MixOptimizer
 
     opt = MixOptimizer(DormouseModel(preset("tiny").model), lr=1e-3)
     mats = sum(p.numel() // (g["matrix"][0] * g["matrix"][1])
@@ -235,11 +235,12 @@ def test_baseline_prints_both_rows_and_the_ratio(capsys):
     printed = capsys.readouterr().out
     rows = _table_rows(printed)
     header = rows[0]
-    assert header == [*HEADER, "compile", "dormouse / GPT tokens/s"]
+    assert header == [*HEADER, "dormouse / GPT tokens/s"]
     mine, gpt = (dict(zip(header, r)) for r in rows[2:])
     assert mine["preset"] == "tiny" and gpt["preset"] == "gpt 64 x 3 (twin of tiny)"
     assert mine["batch x seq"] == gpt["batch x seq"] == "4 x 64" and gpt["dtype"] == "fp32"
     assert gpt["KDA arm"] == "- (SDPA attention)" and gpt["compile"] == "off"  # CPU default
+    assert mine["compile"] == "off" and float(mine["first step s"]) >= 0  # the cold start
     tok = [float(r["tokens/s"].replace(",", "")) for r in (mine, gpt)]
     assert mine["dormouse / GPT tokens/s"] == f"{tok[0] / tok[1]:.2f}x"
     assert gpt["dormouse / GPT tokens/s"] == "-" and float(gpt["step ms (median)"]) > 0
@@ -259,8 +260,8 @@ def test_baseline_compile_is_timed_apart_and_a_failure_names_the_escape(monkeypa
     assert main_bench(argv) == 0
     rows = _table_rows(capsys.readouterr().out)
     gpt = dict(zip(rows[0], rows[3]))
-    assert calls == [{"dynamic": False}]  # the GPT row only
-    assert gpt["compile"].startswith("on (") and gpt["compile"].endswith(" s first step)")
+    assert calls == [{"dynamic": False, "mode": "default"}]  # the GPT row only
+    assert gpt["compile"] == "default" and float(gpt["first step s"]) >= 0
 
     class Broken(torch.nn.Module):
         def forward(self, *a, **kw):
@@ -270,7 +271,8 @@ def test_baseline_compile_is_timed_apart_and_a_failure_names_the_escape(monkeypa
     assert main_bench(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1] == ("bench: torch.compile of gpt 64 x 3 (twin of tiny) failed on cpu "
-                       "(RuntimeError: inductor: no C++ compiler); rerun with --compile off")
+                       "(RuntimeError: inductor: no C++ compiler); rerun with --set "
+                       "compile=false")
 
 
 def test_baseline_refusals(capsys):
@@ -440,7 +442,7 @@ def test_polar_flops_match_a_hand_count_and_the_counted_step():
     from torch.utils.flop_counter import FlopCounterMode
 
     from dormouse.bench.flops import polar_flops, step_flops
-    from dormouse.train.optim import MixOptimizer
+    from dormouse.train.optim.mix import MixOptimizer
 
     model, loss = _tiny_after_a_forward()
     opt = MixOptimizer(model, lr=1e-3)

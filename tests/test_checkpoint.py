@@ -16,8 +16,9 @@ import torch
 
 from dormouse.config import apply_sets, preset
 from dormouse.model import DormouseModel
-from dormouse.train import checkpoint as ckpt
-from dormouse.train.optim import MixOptimizer
+from dormouse.train.store import checkpoint as ckpt
+from dormouse.train.optim.mix import MixOptimizer
+from dormouse.train.store.folder import RunDir
 
 
 def _save(tmp_path, run=None, **kw):
@@ -400,7 +401,7 @@ def test_what_a_killed_sharded_save_leaves_is_cleaned_at_start(tmp_path):
     (dead / "sub").mkdir(parents=True)
     mine = tmp_path / f".ckpt.pt.{os.getppid()}.abc.tmp"  # a live writer's (our parent)
     mine.mkdir()
-    removed = ckpt.clean_stale_temps(tmp_path)
+    removed = RunDir(tmp_path).clean_stale_temps()
     assert sorted(removed) == [dead.name, orphan.name]
     assert (tmp_path / live).is_dir() and mine.is_dir()
     # a single file that replaced a sharded checkpoint drops its directory

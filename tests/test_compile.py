@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dormouse.config import apply_sets, preset
+from dormouse.config import ConfigError, RunConfig, apply_sets, preset, validate
 from dormouse.train.loop import Callbacks
 from dormouse.train.run import train_run
 
@@ -65,3 +65,44 @@ def test_compiled_training_follows_the_eager_trajectory(tmp_path, caplog):
     assert max(abs(a - b) for a, b in zip(eager, compiled)) <= 5e-6
     # the checkpoint holds the model's own names, not the compiled wrapper's (_orig_mod.)
     assert s0["model"].keys() == s1["model"].keys()
+
+
+def test_compile_auto_resolves_by_device_and_shape(monkeypatch, caplog):
+    """compile=auto (the default): compiled on CUDA sm_70+, in reduce-overhead only where the
+    step's shapes are static on one process; never on the CPU or an older card. Logged."""
+    from dormouse.train.run import resolve_compile
+
+    def resolved(sm, sets=(), world=1, device="cuda"):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: sm)
+        t = resolve_compile(apply_sets(preset("small"), list(sets)), torch.device(device),
+                            world).train  # fmt: skip
+        return t.compile, t.compile_mode
+
+    assert preset("small").train.compile == "auto"
+    with caplog.at_level("INFO"):
+        assert resolved((9, 0)) == (True, "reduce-overhead")
+    said = [r.getMessage() for r in caplog.records]
+    assert any("compile=auto: cuda sm_90 -> compile=true" in m for m in said)
+    assert any("compile_mode=auto: one process on CUDA" in m and "0.0229 TFLOP a step" in m
+               for m in said)  # fmt: skip
+    assert resolved((6, 1)) == (False, "default")  # a GTX 10x0: no inductor Triton
+    assert resolved(None, device="cpu") == (False, "default")
+    assert resolved((8, 6), ["global_batch=64"]) == (True, "default")  # accumulation
+    assert resolved((8, 6), ["engram_ram=true"]) == (True, "default")
+    assert resolved((8, 6), world=2) == (True, "default")  # a fleet: gate g31's mode
+    assert resolved((9, 0), ["batch=32", "seq_len=512"]) == (True, "reduce-overhead")
+    assert resolved((9, 0), ["batch=1024", "seq_len=512"]) == (True, "default")  # 15.7 TFLOP
+    # what the user pinned stays pinned
+    assert resolved((9, 0), ["compile=false"]) == (False, "default")
+    assert resolved(None, ["compile=true"], device="cpu") == (True, "default")
+    assert resolved((9, 0), ["compile_mode=max-autotune-no-cudagraphs"]) == (
+        True, "max-autotune-no-cudagraphs")
+
+
+def test_compile_reads_words_and_bools():
+    run = apply_sets(preset("tiny"), ["compile=false"])
+    assert run.train.compile is False
+    assert apply_sets(run, ["compile=auto"]).train.compile == "auto"
+    assert RunConfig.from_json(run.to_json()).train.compile is False
+    with pytest.raises(ConfigError, match="compile='maybe' is not one of"):
+        validate(apply_sets(run, ["compile=maybe"]))

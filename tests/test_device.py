@@ -10,8 +10,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from dormouse.train import device as dv
-from dormouse.train.device import (
+from dormouse.train.plan import device as dv
+from dormouse.train.plan.device import (
     BUDGET_RESERVE,
     DeviceRecord,
     DtypeError,

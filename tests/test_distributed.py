@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from dormouse.config import apply_sets, preset
 from dormouse.train.context import DPContext, RankShape
-from dormouse.train.fleet import (
+from dormouse.train.fleet.launch import (
     NCCL_SAFE_ENV,
     DistError,
     LaunchError,
@@ -324,7 +324,7 @@ def test_measure_rate_is_positive():
 
 def test_the_unused_parameter_probe_leaves_no_trace():
     from dormouse.model import DormouseModel
-    from dormouse.train.parallelize import params_without_grad
+    from dormouse.train.fleet.parallelize import params_without_grad
 
     torch.manual_seed(0)
     model = DormouseModel(replace(preset("tiny").model, moe_lb_coef=0.01))
@@ -347,7 +347,7 @@ def test_reduce_dtype_reaches_the_gradients(one_rank_group, reduce):
 
     torch.manual_seed(0)
     model = DormouseModel(preset("tiny").model)
-    from dormouse.train.parallelize import parallelize, unwrap
+    from dormouse.train.fleet.parallelize import parallelize, unwrap
 
     ctx = DPContext(torch.device("cpu"), (RankShape(2, 16), RankShape(2, 16)), world=2,
                     backend="gloo", reduce=reduce)  # fmt: skip
@@ -401,7 +401,7 @@ def _beat(store, rank: int, n: int, step: int, state: str = "alive") -> None:
 def _heartbeat(timeout: float = 0.5):
     import torch.distributed as dist
 
-    from dormouse.train.watchdog import Heartbeat
+    from dormouse.train.fleet.watchdog import Heartbeat
 
     store = dist.HashStore()
     hb = Heartbeat(0, 2, timeout, lambda: store, "t")

@@ -17,9 +17,9 @@ import torch
 from dormouse.config import preset
 from dormouse.model import DormouseModel, count_params
 from dormouse.model.engram import HostTables, VramTables
-from dormouse.train import checkpoint as ckpt
-from dormouse.train.optim import MixOptimizer
-from dormouse.train.rowadam import row_adam_
+from dormouse.train.store import checkpoint as ckpt
+from dormouse.train.optim.mix import MixOptimizer
+from dormouse.train.optim.rowadam import row_adam_
 
 TINY = preset("tiny")
 KW = dict(lr=0.02, wd=0.1, ns_dtype="fp32", engram_lr_mult=5.0)  # lr large: a wrong row shows

@@ -15,8 +15,8 @@ import torch
 import dormouse.model as dm
 from dormouse.cli import main as cli_main
 from dormouse.config import ModelConfig, RunConfig, TrainConfig, preset
-from dormouse.train import fit
-from dormouse.train.fit import GiB, FitError, ParamSplit, estimate, plan_fit
+from dormouse.train.plan import fit
+from dormouse.train.plan.fit import GiB, FitError, ParamSplit, estimate, plan_fit
 
 COMPONENTS = ("masters", "grads", "adamw", "muon", "engram", "casts", "act", "opt_work")
 

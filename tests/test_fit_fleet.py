@@ -16,8 +16,8 @@ import torch
 
 from dormouse.cli import main as cli_main
 from dormouse.config import apply_sets, preset
-from dormouse.train import fit
-from dormouse.train.fit import FitError, estimate, max_share, plan_fleet, usable_bytes
+from dormouse.train.plan import fit
+from dormouse.train.plan.fit import FitError, estimate, max_share, plan_fleet, usable_bytes
 
 
 def _sets(run, *sets):

@@ -24,12 +24,12 @@ import pytest
 import torch
 
 from dormouse.config import apply_sets, preset, validate
-from dormouse.train import checkpoint as ckpt
+from dormouse.train.store import checkpoint as ckpt
 from dormouse.train.context import RankShape
-from dormouse.train.fleet import (
+from dormouse.train.fleet.launch import (
     PER_RANK_FIELDS, agreement_fields, disagreement, disagreement_message,
 )  # fmt: skip
-from dormouse.train.watchdog import WATCHDOG_EXIT
+from dormouse.train.fleet.watchdog import WATCHDOG_EXIT
 
 ROOT = Path(__file__).resolve().parents[1]
 #: The hang cases' dist_timeout: short, yet far above a heartbeat interval (0.4 s) on a
@@ -205,7 +205,7 @@ def test_a_peer_gone_during_a_store_barrier_is_named_with_its_heartbeats_age():
     """The other path a killed rank takes (the store barrier around a save, which CI hit):
     the same wording as the collective's, the step its last pulse said and how old it is."""
     from dormouse.train.context import DistError
-    from dormouse.train.watchdog import Heartbeat
+    from dormouse.train.fleet.watchdog import Heartbeat
 
     store = torch.distributed.HashStore()
     hb = Heartbeat(0, 2, 10.0, lambda: store, "dormouse/test")  # threads never started
@@ -226,7 +226,7 @@ def test_a_store_drop_seen_before_the_agents_exit_finished_names_the_agent(monke
     kernel re-parents its workers, so a worker's store call fails while getppid() still
     names the agent; the line must still say the agent is gone, not "no rank is known to
     have died". Here the "agent" is a process that exits 0.3 s after the drop."""
-    from dormouse.train.watchdog import Heartbeat
+    from dormouse.train.fleet.watchdog import Heartbeat
 
     agent = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(0.3)"])
     monkeypatch.setattr(os, "getppid", lambda: agent.pid)  # as if it launched this process

@@ -24,9 +24,10 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_placement_fills_only_what_the_user_left_unset(tmp_path):
     env = {"DORMOUSE_CACHE": str(tmp_path)}
     assert cache.place_kernel_caches(env) == {
-        "TRITON_CACHE_DIR": str(tmp_path / "triton"), "TRITON_CACHE_AUTOTUNING": "1"}
+        "TRITON_CACHE_DIR": str(tmp_path / "triton"), "TRITON_CACHE_AUTOTUNING": "1",
+        "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
     mine = {"DORMOUSE_CACHE": str(tmp_path), "TRITON_CACHE_DIR": "/mine",
-            "TRITON_CACHE_AUTOTUNING": "0"}  # fmt: skip
+            "TRITON_CACHE_AUTOTUNING": "0", "TORCHINDUCTOR_CACHE_DIR": "/ind"}  # fmt: skip
     assert cache.place_kernel_caches(mine) == {}
     assert mine["TRITON_CACHE_DIR"] == "/mine" and mine["TRITON_CACHE_AUTOTUNING"] == "0"
     empty = {"TRITON_CACHE_DIR": "", "HOME": str(tmp_path)}  # empty = unset, as for Triton
@@ -122,7 +123,8 @@ def test_warm_on_cpu_has_nothing_to_warm(capsys):
 
     assert main(["bench", "warm", "tiny", "--device", "cpu"]) == 0
     out = capsys.readouterr().out
-    assert out.startswith("bench warm: nothing to warm on cpu: no Triton kernel runs here (tiny: ")
+    assert out.startswith("bench warm: nothing to warm on cpu: no Triton kernel runs and nothing "
+                          "compiles here (tiny: ")
     assert "device cpu is not CUDA" in out and "|" not in out  # nothing built, nothing timed
 
 

@@ -125,8 +125,8 @@ def test_a_single_process_run_never_imports_the_fleet_modules(tmp_path):
         f"run = apply_sets(preset('tiny'), ['data={corpus}', 'out_dir={tmp_path / 'o'}',"
         " 'steps=1', 'batch=1', 'seq_len=16', 'device=cpu', 'eval_every=0'])\n"
         "train_run(run)\n"
-        "fleet = [m for m in ('dormouse.train.fleet', 'dormouse.train.watchdog',"
-        " 'dormouse.train.parallelize') if m in sys.modules]\n"
+        "fleet = [m for m in ('dormouse.train.fleet.launch', 'dormouse.train.fleet.watchdog',"
+        " 'dormouse.train.fleet.parallelize') if m in sys.modules]\n"
         "assert not fleet, fleet\n"
     )
     p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,

@@ -133,7 +133,7 @@ def test_best_checkpoint_and_early_stop(tmp_path):
     ev = [r for r in rows if r["kind"] == "eval"]
     best = min(ev, key=lambda r: r["loss"])
     assert report["best"]["step"] == best["step"]
-    from dormouse.train.checkpoint import read_checkpoint
+    from dormouse.train.store.checkpoint import read_checkpoint
 
     ck = read_checkpoint(best_path(run))
     assert ck["step"] == best["step"] and ck["extra"]["best_step"] == best["step"]

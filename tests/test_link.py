@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from dormouse.train.device import DeviceRecord
-from dormouse.train.link import (
+from dormouse.train.plan.device import DeviceRecord
+from dormouse.train.fleet.link import (
     LINK_EFFICIENCY,
     LinkError,
     allreduce_bytes_per_rank,
@@ -79,7 +79,7 @@ def test_main_link_names_its_inputs(capsys):
 
 def test_main_link_says_when_the_link_is_assumed(monkeypatch, capsys):
     cpu = DeviceRecord(0, "cpu", "cpu", None, 1, 1, None, None, 1)
-    import dormouse.train.device as dv
+    import dormouse.train.plan.device as dv
 
     monkeypatch.setattr(dv, "probe", lambda memory=True: [cpu])
     assert main_link(["--params", "1000000", "--reduce", "fp32"]) == 0
@@ -92,7 +92,7 @@ def test_main_link_reads_the_slowest_card(monkeypatch, capsys):
     def gpu(i, gen, width):
         return DeviceRecord(i, f"GPU{i}", "cuda", (8, 6), 1, -1, gen, width, 1)
 
-    import dormouse.train.device as dv
+    import dormouse.train.plan.device as dv
 
     monkeypatch.setattr(dv, "probe", lambda memory=True: [gpu(0, 5, 8), gpu(1, 3, 16)])
     assert main_link(["--params", "1000000"]) == 0

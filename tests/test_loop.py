@@ -13,7 +13,7 @@ import torch
 from dormouse.cli import main as cli_main
 from dormouse.config import apply_sets, preset
 from dormouse.model import DormouseModel
-from dormouse.train import checkpoint as ckpt
+from dormouse.train.store import checkpoint as ckpt
 from dormouse.train.loop import TrainingError, lr_factor
 from trainlog import train
 from references.fingerprint import fingerprint

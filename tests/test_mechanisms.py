@@ -29,7 +29,7 @@ import torch
 from dormouse.config import ConfigError, preset
 from dormouse.model import DormouseModel
 from dormouse.model.engram import HostTables
-from dormouse.train.optim import MixOptimizer
+from dormouse.train.optim.mix import MixOptimizer
 
 RUN = preset("tiny")
 STEPS = 5

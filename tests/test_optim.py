@@ -16,10 +16,10 @@ from torch import nn
 
 from dormouse.config import ConfigError, TrainConfig
 from dormouse.model.engram import HostTables
-from dormouse.train import checkpoint as ckpt
-from dormouse.train.optim import MixOptimizer
-from dormouse.train.quant import BLOCK, dequantize_signed
-from dormouse.train.routing import format_routes, route_params, strip_name
+from dormouse.train.store import checkpoint as ckpt
+from dormouse.train.optim.mix import MixOptimizer
+from dormouse.train.optim.quant import BLOCK, dequantize_signed
+from dormouse.train.optim.routing import format_routes, route_params, strip_name
 from references.muon_single import muon_single_step
 
 D = 32
@@ -512,7 +512,7 @@ def test_optim_8bit_without_bitsandbytes_is_loud(monkeypatch):
 
 def test_from_config_resolves_ns_dtype_auto(caplog):
     cfg = TrainConfig(ns_dtype="auto", lr=0.01, muon_momentum=0.9)
-    with caplog.at_level("INFO", logger="dormouse.train.optim"):
+    with caplog.at_level("INFO", logger="dormouse.train.optim.mix"):
         opt = MixOptimizer.from_config(StandIn(), cfg, "cpu")
         assert {g["ns_dtype"] for g in opt._muon_groups} == {"fp32"}
         assert {g["momentum"] for g in opt._muon_groups} == {0.9}

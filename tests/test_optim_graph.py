@@ -13,9 +13,9 @@ import torch
 
 from dormouse.config import preset
 from dormouse.model import DormouseModel
-from dormouse.train import rowadam
-from dormouse.train.optim import GRAPH_WARMUP, MixOptimizer
-from dormouse.train.rowadam import row_adam_, row_adam_dense_, row_state
+from dormouse.train.optim import rowadam
+from dormouse.train.optim.mix import GRAPH_WARMUP, MixOptimizer
+from dormouse.train.optim.rowadam import row_adam_, row_adam_dense_, row_state
 
 
 def _table(rows: int = 40, dim: int = 8, seed: int = 0):
@@ -134,14 +134,14 @@ def test_the_graph_stays_only_when_its_replay_is_not_slower(eager, replay, kept,
     device; the choice itself is held here on the CPU with those times given."""
     import logging
 
-    from dormouse.train.optim import GRAPH_KEEP, GRAPH_TIMED
+    from dormouse.train.optim.mix import GRAPH_KEEP, GRAPH_TIMED
 
     assert GRAPH_KEEP >= 1.0 and GRAPH_TIMED >= 1
     opt = MixOptimizer(_tiny(), lr=0.01)
     assert opt.capture_step(capture=False) == ""
     g = opt._graph
     g.graph, g.times = object(), {"eager": [eager, eager], "replay": [replay] * GRAPH_TIMED}
-    with caplog.at_level(logging.INFO, logger="dormouse.train.optim"):
+    with caplog.at_level(logging.INFO, logger="dormouse.train.optim.mix"):
         g._choose()
     assert (opt._graph is g) is kept and (g.graph is not None) is kept and g.times is None
     line = caplog.text

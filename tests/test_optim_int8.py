@@ -21,12 +21,12 @@ import torch
 
 from dormouse.config import ConfigError, preset
 from dormouse.model import DormouseModel
-from dormouse.train.fleet import RefusedError, refuse_incompatible
-from dormouse.train.optim import MixOptimizer, _refuse_sharded_int8
-from dormouse.train.quant import (
+from dormouse.train.fleet.launch import RefusedError, refuse_incompatible
+from dormouse.train.optim.mix import MixOptimizer, _refuse_sharded_int8
+from dormouse.train.optim.quant import (
     BLOCK, dequantize_signed, dequantize_sqrt, quantize_signed_, quantize_sqrt_,
 )  # fmt: skip
-from dormouse.train.rowadam import moments, row_adam_, row_state
+from dormouse.train.optim.rowadam import moments, row_adam_, row_state
 
 #: fp32 slack on top of half a code step: x / a * 127 and q * (a / 127) each round once
 #: (relative 2^-24), so the computed error exceeds the exact half step by a few 2^-24 of the

@@ -181,7 +181,7 @@ def tiny_model():
 
 def test_from_config_reads_exactly_the_fields_this_test_checks(tiny_model):
     from dormouse.config import TrainConfig
-    from dormouse.train.optim import MixOptimizer
+    from dormouse.train.optim.mix import MixOptimizer
 
     fields, _ = _fields()
     cfg = _Reads(TrainConfig(compile=True))  # compile_mode is read only then
@@ -198,7 +198,7 @@ def test_from_config_reads_exactly_the_fields_this_test_checks(tiny_model):
 @given(data=st.data())
 def test_every_optimizer_field_reaches_the_optimizer(tiny_model, data):
     from dormouse.config import TrainConfig
-    from dormouse.train.optim import MixOptimizer
+    from dormouse.train.optim.mix import MixOptimizer
 
     fields, _ = _fields()
     for name, (values, reached) in fields.items():
@@ -210,7 +210,7 @@ def test_every_optimizer_field_reaches_the_optimizer(tiny_model, data):
 
 def test_optim_8bit_reaches_the_optimizer_as_a_loud_refusal_on_the_cpu(tiny_model):
     from dormouse.config import ConfigError, TrainConfig
-    from dormouse.train.optim import MixOptimizer
+    from dormouse.train.optim.mix import MixOptimizer
 
     with pytest.raises(ConfigError, match="optim_8bit"):
         MixOptimizer.from_config(tiny_model, TrainConfig(optim_8bit=True), "cpu")

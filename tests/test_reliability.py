@@ -24,7 +24,7 @@ from dormouse.config import ConfigError, apply_sets, preset
 from dormouse.errors import UserError
 from dormouse.model import DormouseModel
 from dormouse.model.sample import SampleError
-from dormouse.train import checkpoint as ckpt
+from dormouse.train.store import checkpoint as ckpt
 from dormouse.train.data import DataError
 from dormouse.train.loop import TrainingError
 from trainlog import train
@@ -562,9 +562,9 @@ def test_checkpoints_honour_the_umask(tmp_path, umask, mode):
 
 
 def test_user_errors_share_one_base_class():
-    from dormouse.train.device import DeviceError, DtypeError
+    from dormouse.train.plan.device import DeviceError, DtypeError
     from dormouse.train.context import DistError, LaunchError, RefusedError
-    from dormouse.train.fit import FitError
+    from dormouse.train.plan.fit import FitError
 
     for cls in (ConfigError, DataError, ckpt.CheckpointError, TrainingError, SampleError,
                 DtypeError, DeviceError, FitError, DistError, LaunchError, RefusedError):  # fmt: skip
@@ -661,3 +661,15 @@ def test_reliability_table_names_real_tests():
         if name not in defs:
             missing.append(f"{file}::{name}")
     assert not missing, f"docs/reliability.md names tests that do not exist: {missing}"
+
+
+def test_a_folder_trained_with_auto_settings_is_the_same_run_again(tmp_path, capsys):
+    """dropout=auto and compile=auto are resolved before the run trains (the checkpoint holds
+    the resolution); the same command again is the same run, not 'a different config'."""
+    out = tmp_path / "run"
+    sets = ("--set", "dropout=auto", "--set", "compile=auto", "--set", "compile_mode=auto")
+    assert _train(capsys, tmp_path, out, *sets)[0] == 0
+    rc, said, _ = _train(capsys, tmp_path, out, *sets)
+    assert rc == 0 and "already complete at step 2" in said
+    rc, _, err = _train(capsys, tmp_path, out, "--set", "dropout=0.3")  # pinned: differs
+    _refused(rc, err, "already holds a run", "dropout")

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dormouse.train.scaler import INIT_SCALE, LossScaler
+from dormouse.train.optim.scaler import INIT_SCALE, LossScaler
 
 
 def test_growth_backoff_and_skip():
@@ -46,7 +46,7 @@ def test_unscale_reaches_host_rows_exactly():
     """A power-of-two scale and its unscale give the unscaled backward's gradients bit for bit,
     parameters and the host-RAM Engram rows (which are no parameters) alike."""
     from dormouse.config import apply_sets, preset
-    from dormouse.train.optim import MixOptimizer
+    from dormouse.train.optim.mix import MixOptimizer
     from references.single import build_model
 
     run = apply_sets(preset("tiny"), ["engram_ram=true"])
@@ -112,7 +112,7 @@ def test_fp16_without_the_unscale_does_not(monkeypatch):
     """The same run stepping on gradients 2**16 too large: measured |dloss| 1.5e-2 and the
     norms 6.5e4 relative (Adam and Muon are nearly blind to a constant gradient scale, but
     not to the scale changing at a skip, and the norm the clip reads is scale times off)."""
-    from dormouse.train.optim import MixOptimizer
+    from dormouse.train.optim.mix import MixOptimizer
 
     monkeypatch.setattr(MixOptimizer, "unscale_", lambda self, inverse: None)
     got = _vs_fp32("fp16-no-unscale", fresh=True)
@@ -149,7 +149,7 @@ def test_fleet_overflow_skips_on_both_ranks_and_halves_both_scales():
 def test_resume_restores_the_scale_exactly(tmp_path):
     """Growth every 2 clean steps, so the scale moves (up, and down on an overflow) before and
     after the checkpoint: the resumed run's scales and losses are the uninterrupted run's."""
-    from dormouse.train.checkpoint import read_checkpoint
+    from dormouse.train.store.checkpoint import read_checkpoint
     from dormouse.train.run import train_run
     from gates.harness import FleetSpec, Recorder, fixture_run
 

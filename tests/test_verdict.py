@@ -17,7 +17,7 @@ from trainlog import train
 
 from dormouse.config import ConfigError, apply_sets, preset, validate
 from dormouse.model import DormouseModel
-from dormouse.train.optim import MixOptimizer
+from dormouse.train.optim.mix import MixOptimizer
 from references.fingerprint import fingerprint
 
 
@@ -188,7 +188,7 @@ def test_verdict_device_is_refused_where_it_cannot_hold(tmp_path):
         train(DormouseModel(ram.model), ram)
     from dormouse.train.context import DPContext
     from dormouse.train.loop import device_verdict
-    from dormouse.train.scaler import LossScaler
+    from dormouse.train.optim.scaler import LossScaler
 
     one = _run(tmp_path, "fp16", "verdict=device").train
     opt = MixOptimizer(_tiny(), lr=0.01)
@@ -208,7 +208,7 @@ def test_verdict_device_is_refused_where_it_cannot_hold(tmp_path):
 def test_the_captured_step_takes_the_verdict_on_the_device():
     """On a CUDA device: the optimizer graph captured with the copy aside replays a refused
     step as no step at all and a taken step as the graph without it does, bit for bit."""
-    from dormouse.train.optim import GRAPH_WARMUP
+    from dormouse.train.optim.mix import GRAPH_WARMUP
 
     g = torch.Generator().manual_seed(0)
     xs = [torch.randint(0, 256, (2, 33), generator=g).cuda() for _ in range(GRAPH_WARMUP + 5)]

@@ -71,42 +71,39 @@ class Harness:
                           defer=self.defer)[2]  # fmt: skip
 
 
-def harness(run: RunConfig, device: torch.device, *, compile: bool | str = False) -> Harness:
-    """The seeded model and optimizer of `run` on `device`, as `dormouse train` builds them.
-    `compile`: the forward runs through torch.compile(model) (the loop's `net`); a string is
-    torch.compile's mode ("default", "reduce-overhead", "max-autotune-no-cudagraphs").
-    --set compile=true compiles as train compiles (`train.run.compiled`) whatever `compile`."""
+def harness(run: RunConfig, device: torch.device) -> Harness:
+    """The seeded model and optimizer of `run` on `device`, as `dormouse train` builds them:
+    compile=auto resolved as train resolves it (train.run.resolve_compile: on CUDA compiled,
+    reduce-overhead where the shapes are static), so a bench without flags times what a
+    train without flags runs. `--set compile=false` times the eager step."""
     from ..train.context import DPContext
     from ..train.loop import device_verdict
-    from ..train.optim import MixOptimizer
-    from ..train.run import build_model, resolve_arms, resolve_autocast
-    from ..train.scaler import LossScaler, loss_scaled
+    from ..train.optim.mix import MixOptimizer
+    from ..train.run import build_model, compiled, resolve_autocast, resolve_compile
+    from ..train.optim.scaler import LossScaler, loss_scaled
 
+    run = validate(resolve_compile(run, device))
     t = run.train
     model = build_model(run).to(device).train()
     opt = MixOptimizer.from_config(model, t, device.type)
     dtype = resolve_autocast(run, device)
     # a step of global_batch windows runs as the loop runs it: micro-batches of <= batch
     ctx = DPContext.single(device, t.batch, t.seq_len, t.global_batch)
-    mode = compile if isinstance(compile, str) else None
-    if run.train.compile:  # --set compile=true: the dormouse row compiled as train compiles it
-        from ..train.run import compiled
-
-        net = compiled(model, run, device, dtype)
-    else:
-        kw = {"mode": mode} if mode else {}
-        if compile:
-            resolve_arms(model, dtype)
-        net = torch.compile(model, dynamic=False, **kw) if compile else model
+    net = compiled(model, run, device, dtype)
     # an fp16 forward times the loop's loss scaling too (the scale and unscale passes)
     scaler = LossScaler(t.loss_scale_every) if loss_scaled(dtype, ctx) else None
     return Harness(model, net, opt, ctx, t, dtype, scaler, device_verdict(t, ctx, opt, scaler))
 
 
-def build(run: RunConfig, device: torch.device, *, compile: bool | str = False):
-    """(model, step, dtype) of `harness(run, device, compile=compile)`."""
-    h = harness(run, device, compile=compile)
+def build(run: RunConfig, device: torch.device):
+    """(model, step, dtype) of `harness(run, device)`."""
+    h = harness(run, device)
     return h.model, h.step, h.dtype
+
+
+def compile_text(t) -> str:
+    """A resolved train config's compile, in a table cell: off, default, reduce-overhead."""
+    return t.compile_mode if t.compile is True else "off"
 
 
 def windows(run: RunConfig, n: int) -> list[torch.Tensor]:
@@ -159,7 +156,7 @@ def timed(fn, steps: int, warmup: int, device: torch.device, setup=None,
 
 def machine_lines(device: torch.device, command: str) -> list[str]:
     """Who measured: the device, torch, the CPU and its threads, the date, the command."""
-    from ..train.device import probe_device
+    from ..train.plan.device import probe_device
 
     rec, cpu = probe_device(device), probe_device("cpu")
     usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()

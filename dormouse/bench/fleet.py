@@ -78,8 +78,8 @@ def _trainer(preset: str, sets: list[str], slow: str, rank: int, draws: int):
     """One rank's solo trainer (its emulation on): (one, tokens a step, its timer), where
     one() trains the next step on the next of `draws` random batches and returns its wall
     seconds."""
-    from ..train.balance import StepTimer
-    from ..train.fleet import parse_slow
+    from ..train.fleet.balance import StepTimer
+    from ..train.fleet.launch import parse_slow
     from .common import build, windows
 
     run = configure(preset, sets)
@@ -186,7 +186,7 @@ def _record_compute(stamps: list[float]) -> dict[int, float]:
     included, waiting for a peer not), read as the loop's stream stops the timer at the start
     of the next step; only a fleet whose ranks all time themselves (re-balancing, or an
     emulated slow rank) fills it. The side-by-side trainer's timer is another instance."""
-    from ..train import balance
+    from ..train.fleet import balance
 
     out: dict[int, float] = {}
     init, take = balance.FleetStream.__init__, balance.StepTimer.stop

@@ -17,7 +17,7 @@ import logging
 import torch
 
 
-from ..train import fit
+from ..train.plan import fit
 from .common import BenchError, GiB, build, configure, machine_lines, report, resolve_device, table
 from .common import windows
 

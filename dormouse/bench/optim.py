@@ -31,7 +31,7 @@ def add_args(ap) -> None:
 def per_matrix_muon(opt):
     """(step, matrices): the batched arm's Muon math, one polar per [R, C] matrix (a 3-D
     expert stack: one per expert), with its own momentum; read from MixOptimizer's groups."""
-    from ..train.muon import DTYPES, muon_scale, newton_schulz
+    from ..train.optim.muon import DTYPES, muon_scale, newton_schulz
 
     items = [(g, p, k, torch.zeros(g["matrix"], device=p.device))
              for g in opt.param_groups if g["kind"] == "muon" for p in g["params"]
@@ -53,7 +53,7 @@ def per_matrix_muon(opt):
 
 def run(args, command: str) -> str:
     from ..model import DormouseModel
-    from ..train.optim import MixOptimizer
+    from ..train.optim.mix import MixOptimizer
 
     cfg = configure(args.preset, args.set).model
     device = resolve_device(args.device)

@@ -12,11 +12,11 @@ The step is the loop's own `train_step` (as `bench step` builds it); after untim
 * the top ops by GPU time (self), per step.
 
     python -m dormouse bench profile small --device cuda --batch 64 --seq 256
-    python -m dormouse bench profile small --device cuda --batch 64 --seq 256 --compile default
+    python -m dormouse bench profile small --device cuda --batch 64 --seq 256 --compile off
     python -m dormouse bench profile tiny --device cpu --steps 3     # CPU: no kernels, phases only
 
-`--compile MODE` runs the forward through torch.compile(model, mode=MODE) (fla's kernels stay
-eager: they are torch.compiler.disable'd); its compiling first step is timed apart.
+`--compile` (default auto: what `train` runs) pins the compile mode or turns it off; a
+compiling first step is timed apart.
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ import statistics
 
 import torch
 
-from .common import BenchError, configure, harness, machine_lines, report, resolve_device, table
-from .common import shape_text, timed, windows
+from .common import BenchError, compile_text, configure, harness, machine_lines, report
+from .common import resolve_device, shape_text, table, timed, windows
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +37,7 @@ HEADER = ("preset|batch x seq|compile|step ms (median)|tokens/s|GPU busy|kernels
           "GPU ms/step|step ms (unprofiled)|GPU busy (unprofiled wall)").split("|")
 PHASE_HEADER = ["preset", "phase", "wall ms/step", "GPU ms/step", "kernels/step"]
 TOP_HEADER = ["preset", "op", "calls/step", "self GPU ms/step", "share of GPU time"]
-COMPILE_MODES = ("off", "default", "reduce-overhead", "max-autotune-no-cudagraphs")
+COMPILE_MODES = ("auto", "off", "default", "reduce-overhead", "max-autotune-no-cudagraphs")
 
 
 def add_args(ap) -> None:
@@ -47,8 +47,9 @@ def add_args(ap) -> None:
     ap.add_argument("--steps", type=int, default=10, help="profiled steps (default 10)")
     ap.add_argument("--warmup", type=int, help="untimed steps first (default 1 on CPU, 5 on CUDA)")
     ap.add_argument("--kda-impl", choices=("auto", "torch", "fla"), help="the KDA arm")
-    ap.add_argument("--compile", choices=COMPILE_MODES, default="off",
-                    help="torch.compile the model's forward in this mode (default off)")
+    ap.add_argument("--compile", choices=COMPILE_MODES, default="auto",
+                    help="torch.compile the step in this mode (default auto: as train decides, "
+                    "compiled on CUDA, off on the CPU)")  # fmt: skip
     ap.add_argument("--top", type=int, default=15, help="top ops listed per preset (default 15)")
 
 
@@ -122,11 +123,11 @@ def profile_preset(run, device, steps: int, warmup: int, compile: str, top: int)
     h = harness(run, device)
     step, chain = h.step, h.defer  # verdict=device: steps timed back to back, as the loop runs
     data = windows(run, warmup + steps + 1)
-    first = ""
-    if compile != "off":
+    first = "off"
+    if h.train.compile:
         try:
-            first = f"{compile} ({timed(lambda i: step(0, data[0]), 1, 0, device)[0] / 1000:.1f}"
-            first += " s first step)"
+            first = (f"{compile_text(h.train)} ("
+                     f"{timed(lambda i: step(0, data[0]), 1, 0, device)[0] / 1000:.1f} s first step)")
         except Exception as e:
             msg = (str(e).strip().splitlines() or [""])[0][:300]
             raise BenchError(f"torch.compile ({compile}) of {run.source} failed on {device} "
@@ -149,7 +150,7 @@ def profile_preset(run, device, steps: int, warmup: int, compile: str, top: int)
     med, plain_med = statistics.median(ms), statistics.median(plain)
     tok_s = h.ctx.shape.tokens / (med / 1000)
     busy_plain = min(1.0, busy_us / 1000 / steps / plain_med)
-    row = [name, shape_text(run), first or "off", f"{med:.1f}",
+    row = [name, shape_text(run), first, f"{med:.1f}",
            f"{tok_s:,.0f}", f"{100 * busy_us / 1000 / wall_ms:.0f}%" if cuda else "n/a (CPU)",
            f"{len(kern) / steps:,.0f}" if cuda else "n/a", f"{gpu_ms / steps:.1f}" if cuda
            else "n/a", f"{plain_med:.1f}",
@@ -175,7 +176,9 @@ def run(args, command: str) -> str:
     from ..model.arms import require_arms
 
     sets = args.set + ([f"kda_impl={args.kda_impl}"] if args.kda_impl else [])
-    if args.compile != "off":  # compiled as `train --set compile=true` compiles
+    if args.compile == "off":
+        sets += ["compile=false"]
+    elif args.compile != "auto":  # compiled as `train --set compile=true` compiles
         sets += ["compile=true", f"compile_mode={args.compile}"]
     runs = [configure(n, sets, args.batch, args.seq) for n in args.presets or ["small"]]
     device = resolve_device(args.device)

@@ -53,8 +53,8 @@ def measure_rank(run, rank: int, world: int, shard: str) -> dict:
     import torch.distributed as dist
 
     from ..train.context import DPContext, RankShape, local_shard
-    from ..train.optim import MixOptimizer
-    from ..train.parallelize import parallelize
+    from ..train.optim.mix import MixOptimizer
+    from ..train.fleet.parallelize import parallelize
     from ..train.run import build_model
 
     t = run.train
@@ -119,7 +119,7 @@ def measure_fleet(name: str, world: int, shards: list[str], sets: list[str] = ()
 
 def estimated(run, world: int, shard: str) -> dict:
     """The same quantities from `fit.estimate` (rank 0's: the full ceil(D0 / world) chunk)."""
-    from ..train import fit
+    from ..train.plan import fit
 
     e = fit.estimate(run, world=world, shard=shard)
     return {"params": e.masters, "grads": e.grads, "optimizer": e.adamw + e.muon + e.engram,

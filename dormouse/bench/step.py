@@ -22,18 +22,19 @@ from __future__ import annotations
 import gc
 import logging
 import math
-import re
 import resource
 import statistics
 import sys
+import time
 from dataclasses import replace
 
 import torch
 
 
-from ..config import RunConfig, preset, preset_names, validate
-from .common import BenchError, GiB, configure, harness, machine_lines, report, resolve_device
-from .common import shape_text, table, timed, windows
+from ..config import RunConfig, apply_sets, preset, preset_names, validate
+from ..model import active_params as active_params_per_token
+from .common import BenchError, GiB, compile_text, configure, harness, machine_lines, report
+from .common import resolve_device, shape_text, table, timed, windows
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +51,7 @@ PEAK_TFLOPS: tuple[tuple[str, tuple[str, ...], dict[str, float]], ...] = (
     ("RTX 4090", (), {"bf16": 165.0, "fp32": 82.6}),
 )
 HEADER = ("preset|params (M)|active params/token (M)|batch x seq|KDA arm|MoE arm|dtype|"
-          "step ms (median)|step ms (min)|tokens/s|model TFLOP/s|MFU (datasheet)|"
+          "compile|first step s|step ms (median)|step ms (min)|tokens/s|model TFLOP/s|MFU (datasheet)|"
           "MFU (measured peak)|TFLOP/step: 6N + mixer + polar|HFU (measured peak)|"
           "peak memory").split("|")
 NOTES = (
@@ -72,6 +73,12 @@ NOTES = (
      "ns_steps, per step). HFU (measured peak): that sum / step time / the measured peak. "
      "Uncounted: elementwise work (and, with an fla-core release whose saved set "
      "model/kda.py does not know, the KDA forward the compiled op's backward runs again)."),
+    "compile: what `train` with these settings runs (compile=auto: on CUDA torch.compile in "
+    "reduce-overhead where the shapes are static, else default mode; off on the CPU; "
+    "--set compile=false|true, compile_mode=M pin it). First step s: from the model's build "
+    "to the end of its first step (tracing, compiling, kernel autotune: the cold start a "
+    "`train` pays before step 1; a second run reads inductor's and Triton's caches). The first "
+    "two steps are left out of step ms.",
     "Peak memory: torch.cuda.max_memory_allocated on CUDA; on the CPU the process's peak RSS "
     "(the whole process, never lower than an earlier preset's).",
 )  # fmt: skip
@@ -88,7 +95,7 @@ PARTS_NOTE = (
     "window's host-to-device copy and the lr schedule. A benchmark: the repeated optimizer "
     "steps move the parameters on the same gradients, each clip rescales them again."
 )  # fmt: skip
-BASELINE_HEADER = ["compile", "dormouse / GPT tokens/s"]
+BASELINE_HEADER = ["dormouse / GPT tokens/s"]
 BASELINE_NOTES = (
     "Baseline (--baseline gpt): after each preset, the plain GPT (model/gpt.py: SDPA causal "
     "attention, GELU MLP, tied head) of equal total parameters (gpt_twin: heads of 64, MLP 4 x "
@@ -97,9 +104,6 @@ BASELINE_NOTES = (
     ("The GPT's active params count every matrix once, the tied embedding as the head; "
      "attention's score FLOPs are uncounted in model TFLOP/s and MFU (the 6N rule) and counted "
      "in the GPT row's TFLOP/step and HFU, as KDA's recurrence is in the dormouse row's."),
-    "compile: torch.compile(model, dynamic=False) as the loop's net; the first, compiling step "
-    "and the second are timed alone (logged; the first shown in the baseline column) and left "
-    "out of step ms, then the warm-up and timed steps run.",
 )  # fmt: skip
 
 
@@ -122,8 +126,8 @@ def add_args(ap) -> None:
                     help="the matmul peak (TFLOP/s) MFU and HFU divide by, instead of the one "
                     "measured on CUDA (on the CPU: none without this)")  # fmt: skip
     ap.add_argument("--compile", choices=("auto", "on", "off"),
-                    help="torch.compile the GPT row (auto, the default: on CUDA, off on the CPU "
-                    "where inductor compiles slowly); its compile is timed apart")  # fmt: skip
+                    help="compile of the GPT row (auto, the default: as the dormouse row, "
+                    "i.e. as train decides: on CUDA, off on the CPU)")  # fmt: skip
 
 
 def peak_tflops(device_name: str, dtype: str) -> float | None:
@@ -132,27 +136,6 @@ def peak_tflops(device_name: str, dtype: str) -> float | None:
         if needle in device_name and not any(x in device_name for x in excluded):
             return peaks.get(dtype)
     return None
-
-
-def active_params_per_token(model) -> float:
-    """Parameters one token's forward multiplies through, the N of the 6N-FLOPs rule: the
-    body's shared weights max_iter times (routed expert stacks at moe_topk/n_experts of
-    that), each iteration's low-rank delta once; the embedding and Engram tables are
-    lookups, not matmuls. Gains, biases and conv taps stay in (a rounding error). The GPT
-    baseline: every block once, the tied embedding counted as the head it also is, the
-    position table a lookup."""
-    cfg, total = model.cfg, 0.0
-    if cfg.arch == "gpt":  # every block once; the tied embedding is the head's matmul
-        return float(sum(p.numel() for name, p in model.named_parameters() if name != "pos.weight"))
-    for name, p in model.named_parameters():
-        if name == "embed.weight" or name.startswith("engram.store."):
-            continue
-        if not name.startswith("blocks.") or "_delta." in name:
-            total += p.numel()
-        else:
-            share = cfg.moe_topk / cfg.n_experts if re.search(r"\.moe\.w[123]$", name) else 1
-            total += p.numel() * cfg.max_iter * share
-    return total
 
 
 def twin(run: RunConfig) -> RunConfig:
@@ -170,13 +153,14 @@ def twin(run: RunConfig) -> RunConfig:
 
 
 def bench_preset(run: RunConfig, device: torch.device, steps: int, warmup: int,
-                 compile: bool = False, peak: float | None = None,
-                 parts: bool = False) -> tuple[list, int, float | None, list]:  # fmt: skip
-    """(the table row of `run` on `device`, timed steps skipped as non-finite, seconds of the
-    first (compiling) step when `compile`, else None, and with `parts` the parts table's rows).
-    `peak`: the matmul TFLOP/s MFU and HFU (measured peak) divide by (None: n/a)."""
+                 peak: float | None = None,
+                 parts: bool = False) -> tuple[list, int, float, list]:  # fmt: skip
+    """(the table row of `run` on `device`, timed steps skipped as non-finite, seconds from the
+    build to the end of the first step (the cold start: compile, CUDA-graph capture, kernel
+    autotune), and with `parts` the parts table's rows). `peak`: the matmul TFLOP/s MFU and
+    HFU (measured peak) divide by (None: n/a)."""
     from ..model import count_params
-    from ..train.device import probe_device
+    from ..train.plan.device import probe_device
     from .flops import step_flops
 
     cuda = device.type == "cuda"
@@ -184,24 +168,28 @@ def bench_preset(run: RunConfig, device: torch.device, steps: int, warmup: int,
     if cuda:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
-    h = harness(run, device, compile=compile)
+    t0 = time.perf_counter()
+    h = harness(run, device)
     model, step, dtype = h.model, h.step, h.dtype
     data, taken = windows(run, warmup + steps), []
-    compile_s = None
-    compile = compile or run.train.compile
-    if compile:  # dynamo traces and inductor compiles on the first call: timed alone
-        try:
-            compile_s = timed(lambda i: step(0, data[0]), 1, 0, device)[0] / 1000
-            # and the second: a guard the first trace broke recompiles here (the lazily chosen
-            # KDA arm did: 13.6 s for small on the H200, docs/performance.md)
-            second_s = timed(lambda i: step(1, data[1 % len(data)]), 1, 0, device)[0] / 1000
-        except Exception as e:
-            first = (str(e).strip().splitlines() or [""])[0][:300]
-            raise BenchError(f"torch.compile of {run.source} failed on {device} "
-                             f"({type(e).__name__}: {first}); rerun with --compile off") from e
-        log.info(f"{run.source}: compiled first step {compile_s:.1f} s, second step "
-                 f"{second_s:.2f} s (untimed in step ms; a second step far above step ms is a "
-                 f"recompile: TORCH_LOGS=recompiles says why)")  # fmt: skip
+    # the first step traces and compiles (or tunes kernels), timed alone with the build: what
+    # a `train` of this config pays before its first step's log line
+    try:
+        timed(lambda i: step(0, data[0]), 1, 0, device)
+        start_s = time.perf_counter() - t0
+        # and the second: a guard the first trace broke recompiles here (the lazily chosen
+        # KDA arm did: 13.6 s for small on the H200); CUDA graphs are recorded here too
+        second_s = timed(lambda i: step(1, data[1 % len(data)]), 1, 0, device)[0] / 1000
+    except Exception as e:
+        if not h.train.compile:
+            raise
+        first = (str(e).strip().splitlines() or [""])[0][:300]
+        raise BenchError(f"torch.compile of {run.source} failed on {device} "
+                         f"({type(e).__name__}: {first}); rerun with --set compile=false"
+                         ) from e  # fmt: skip
+    log.info(f"{run.source}: build + first step {start_s:.1f} s, second step {second_s:.2f} s "
+             f"(untimed in step ms; a second step far above step ms is a recompile: "
+             f"TORCH_LOGS=recompiles says why)")  # fmt: skip
     ms = timed(lambda i: taken.append(step(i, data[i])), steps, warmup, device, chain=h.defer)
     taken = [bool(ok) for ok in taken]  # verdict=device: bool tensors, read once all have run
     if cuda:
@@ -232,10 +220,11 @@ def bench_preset(run: RunConfig, device: torch.device, steps: int, warmup: int,
         arms = [model.blocks[0].mixer.impl, model.blocks[0].moe.arm(device, dtype or torch.float32).name]
     label = run.source.removeprefix("preset:")
     row = [label, f"{count_params(run.model) / 1e6:.2f}", f"{active / 1e6:.2f}",
-           shape_text(run), *arms, dt, f"{med:.1f}", f"{min(ms):.1f}",
+           shape_text(run), *arms, dt, compile_text(h.train), f"{start_s:.1f}",
+           f"{med:.1f}", f"{min(ms):.1f}",
            f"{tok_s:,.0f}", f"{tflops:.3g}", mfu, mfu_m, per_step, hfu, peak_mem]  # fmt: skip
     part_rows = _part_rows(label, h, data[-1], steps, warmup, device, med) if parts else []
-    return row, taken[warmup:].count(False), compile_s, part_rows
+    return row, taken[warmup:].count(False), start_s, part_rows
 
 
 def _part_rows(label: str, h, window, steps: int, warmup: int, device: torch.device,
@@ -285,7 +274,7 @@ def run(args, command: str) -> str:
     if args.compile and not args.baseline:
         raise BenchError(f"--compile {args.compile} applies to the GPT baseline row, which is "
                          f"not asked for; add --baseline gpt or drop --compile")  # fmt: skip
-    compile = {"on": True, "off": False}.get(args.compile or "auto", cuda)
+    twin_compile = {"on": "compile=true", "off": "compile=false"}.get(args.compile or "auto")
     for r in runs:  # a pinned kda_impl=fla that cannot run here, refused before any timing
         if args.baseline and r.model.arch != "dormouse":
             raise BenchError(f"--baseline gpt pairs a dormouse preset with its GPT twin; "
@@ -297,7 +286,7 @@ def run(args, command: str) -> str:
         except RuntimeError as e:
             raise BenchError(str(e)) from None
     if any(r.train.fit_gb for r in runs):  # --set fit_gb=GB plans as train --fit does
-        from ..train.fit import apply_fit
+        from ..train.plan.fit import apply_fit
 
         runs = [apply_fit(r) for r in runs]
     dts = [_dtype_name(r, device) for r in runs]  # a twin computes in its preset's dtype
@@ -305,18 +294,14 @@ def run(args, command: str) -> str:
     machine, rows, skipped, part_rows = [*machine_lines(device, command), peak_line], [], [], []
     for k, r in enumerate(runs, 1):
         pair = [r, twin(r)] if args.baseline else [r]
-        for j, x in enumerate(pair):
-            c = compile and j == 1
-            log.info(f"[{k}/{len(runs)}] {x.source}: {shape_text(x)} on {device}, "
-                     f"{'1 compiling + ' if c else ''}{warmup} "
-                     f"warm-up + {steps} timed step(s)")  # fmt: skip
-            row, skips, compile_s, parts = bench_preset(x, device, steps, warmup, c,
-                                                        peaks.get(dts[k - 1]),
-                                                        args.parts)  # fmt: skip
+        if twin_compile and args.baseline:
+            pair[1] = validate(apply_sets(pair[1], [twin_compile]))
+        for x in pair:
+            log.info(f"[{k}/{len(runs)}] {x.source}: {shape_text(x)} on {device}, 2 first "
+                     f"(build, compile) + {warmup} warm-up + {steps} timed step(s)")  # fmt: skip
+            row, skips, _, parts = bench_preset(x, device, steps, warmup,
+                                                peaks.get(dts[k - 1]), args.parts)  # fmt: skip
             part_rows += parts
-            if args.baseline:
-                row += [f"on ({compile_s:.1f} s first step)" if compile_s is not None else
-                        "- (as train runs it)" if j == 0 else "off"]  # fmt: skip
             rows.append(row)
             skipped += [f"{row[0]}: {skips}/{steps}"] if skips else []
         if args.baseline:

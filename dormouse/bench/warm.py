@@ -1,11 +1,12 @@
-"""warm: fill the kernel caches (Triton's compiled kernels and fla's autotune results) for a preset's training shapes.
+"""warm: fill the kernel caches (Triton's kernels, fla's autotune results, inductor's compiled step) for a preset's training shapes.
 
 fla's KDA kernels autotune for each new shape on their first call (178-209 s on a fresh H200,
 issue #16); with the cache under dormouse's folder (dormouse/cache.py) a later process reads
 the winners back. This builds each preset's model and optimizer on the device as `train` does
 and runs one training step (forward, backward, optimizer) at the micro-batch shape a run of
-this config uses, and one evaluation forward at the eval shape, each timed. Where no Triton
-kernel would run (the CPU, a card below sm_80, fla not installed) it says so and warms nothing.
+this config uses (compiled as `train` compiles it: compile=auto on CUDA), and one evaluation
+forward at the eval shape, each timed. Where no Triton kernel would run and nothing compiles
+(the CPU, an old card without fla) it says so and warms nothing.
 
     python -m dormouse bench warm small --batch 64 --seq 256
     python -m dormouse bench warm b1 --set batch=8 --set seq_len=2048
@@ -34,18 +35,20 @@ def add_args(ap) -> None:
 
 
 def triton_arm(run, device: torch.device) -> tuple[bool, str]:
-    """(whether a Triton kernel runs in this run's step on `device`, the verdict in words)."""
+    """(whether this run's step on `device` builds something a cache keeps: fla's Triton
+    kernels or inductor's compiled step (compile=auto on CUDA), the verdict in words)."""
     from ..model.arms import ArmError, require_arms
-    from ..train.run import resolve_autocast
+    from ..train.run import resolve_autocast, resolve_compile
 
+    compiled = resolve_compile(run, device).train.compile is True
+    why = "compile=on: inductor's graphs and kernels" if compiled else "compile=off"
     if run.model.arch != "dormouse":
-        return False, (f"arch={run.model.arch} runs no Triton kernel of its own (SDPA and "
-                       f"matmuls; a torch.compile'd GPT compiles in its first step instead)")
+        return compiled, f"arch={run.model.arch} runs no Triton kernel of its own; {why}"
     try:
         kda, _ = require_arms(run.model, device, resolve_autocast(run, device) or torch.float32)
     except ArmError as e:
         raise BenchError(str(e)) from None
-    return kda.name == "fla", kda.reason
+    return kda.name == "fla" or compiled, f"{kda.reason}; {why}"
 
 
 def run(args, command: str) -> str:
@@ -56,15 +59,16 @@ def run(args, command: str) -> str:
     runs = [configure(n, args.set, args.batch, args.seq) for n in args.presets]
     device = resolve_device(args.device)
     if any(r.train.fit_gb for r in runs):  # the shapes a --fit run trains at
-        from ..train.fit import apply_fit
+        from ..train.plan.fit import apply_fit
 
         runs = [apply_fit(r) for r in runs]
     verdicts = [triton_arm(r, device) for r in runs]
     names = [r.source.removeprefix("preset:") for r in runs]
     if not any(tuned for tuned, _ in verdicts):
         why = "; ".join(f"{n}: {reason}" for n, (_, reason) in zip(names, verdicts))
-        return (f"bench warm: nothing to warm on {device}: no Triton kernel runs here ({why}). "
-                f"fla's KDA kernels run on CUDA sm_80+ with fla-core installed\n")  # fmt: skip
+        return (f"bench warm: nothing to warm on {device}: no Triton kernel runs and nothing "
+                f"compiles here ({why}). fla's KDA kernels run on CUDA sm_80+ with fla-core "
+                f"installed; compile=auto compiles on CUDA\n")  # fmt: skip
     say_kernel_cache()
     rows = []
     for name, r, (tuned, reason) in zip(names, runs, verdicts):
@@ -84,7 +88,7 @@ def run(args, command: str) -> str:
         s_eval = timed(lambda i: evaluate(model, [(e[:, :-1], e[:, 1:])], device, dtype),
                        1, 0, device)[0] / 1000  # fmt: skip
         dt = {None: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
-        arm = model.blocks[0].mixer.impl
+        arm = model.blocks[0].mixer.impl if r.model.arch == "dormouse" else "-"
         what = "train step (forward + backward + optimizer)" + (
             f" x {micro.accum} micro-batches" if micro.accum > 1 else "")
         rows += [[name, arm, dt, f"{micro.batch} x {t.seq_len}", what, f"{s_train:.1f}"],

@@ -8,7 +8,7 @@ Owns:
 * `TableStore` / `VramTables` / `HostTables` — where the table rows live (device
   Parameter, or host RAM with `engram_ram`), behind one `gather`; a host store also keeps
   its pending row gradient. The tables' optimizer (row-sparse Adam and its state) is the
-  trainer's: `dormouse.train.rowadam`.
+  trainer's: `dormouse.train.optim.rowadam`.
 * `touched_rows` — which rows of a table gradient a step may move.
 * `Engram` — the module: gather, project to key/value, gate by similarity with
   the hidden state, zero-initialised causal depthwise conv, residual add.

@@ -10,7 +10,6 @@ wrapped (`run.py`). `Callbacks` are observation points: the gates record runs th
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import math
 import signal
@@ -18,7 +17,6 @@ import sys
 import threading
 import time
 from contextlib import nullcontext
-from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -26,12 +24,17 @@ import torch
 
 from ..config import ConfigError, RunConfig, validate
 from ..errors import UserError
-from . import checkpoint as ckpt
+from .store import checkpoint as ckpt
 from ..model.layers import row_keys
-from .balance import FleetStream
+# best_path, ckpt_path: still importable from here, their home before run_dir
+from .store.folder import (  # noqa: F401
+    METRICS, PLOT, RunDir, RunDirError, best_path, ckpt_path, read_rows,
+)  # fmt: skip
+from .fleet.balance import FleetStream
 from .context import DPContext
 from .data import DataError, fingerprint_mismatch, open_data
-from .scaler import LossScaler, loss_scaled
+from .optim.scaler import LossScaler, loss_scaled
+from .store.metrics import Sinks
 
 LN2 = math.log(2.0)
 log = logging.getLogger(__name__)
@@ -190,7 +193,7 @@ def evaluate_fleet(model, batches, ctx: DPContext, autocast_dtype) -> dict[str, 
     mine = batches[ctx.rank::ctx.world]
     pad = []
     if ctx.eval_on_all_ranks:  # a rank with fewer (or no) batches of its own repeats the first
-        pad = batches[:1] * (-(-len(batches) // ctx.world) - len(mine))
+        pad = list(batches[:1]) * (-(-len(batches) // ctx.world) - len(mine))
     total, count = _sums(model, mine, ctx.device, autocast_dtype, pad)
     total, count = ctx.sum_all([total, count])
     return _result(total, int(count))
@@ -202,7 +205,9 @@ def _autocast(device: torch.device, dtype):
     return torch.autocast(device_type=device.type, dtype=dtype)
 
 
-def _plot(metrics_path: Path, png: Path) -> None:
+def _plot(folder: RunDir) -> None:
+    """loss.png from metrics.jsonl. Never the run's end: the checkpoint is written by now,
+    so a damaged row or a failed write is a warning naming the file."""
     try:
         import matplotlib
 
@@ -211,9 +216,13 @@ def _plot(metrics_path: Path, png: Path) -> None:
     except ImportError:
         log.info("loss curve skipped: matplotlib is not installed (pip install matplotlib)")
         return
-    rows = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
-    tr = [(r["step"], r["loss"]) for r in rows if r.get("kind") == "train"]
-    ev = [(r["step"], r["loss"]) for r in rows if r.get("kind") == "eval"]
+    try:
+        rows, _ = read_rows(folder.file(METRICS))
+    except (RunDirError, OSError) as e:
+        log.warning(f"warning: {folder.file(PLOT)} not drawn ({e})")
+        return
+    tr = [(r["step"], r["loss"]) for _, r in rows if r["kind"] == "train"]
+    ev = [(r["step"], r["loss"]) for _, r in rows if r["kind"] == "eval"]
     fig, ax = plt.subplots(figsize=(7, 4))
     if tr:
         ax.plot(*zip(*tr), label="train loss", lw=1)
@@ -222,11 +231,14 @@ def _plot(metrics_path: Path, png: Path) -> None:
     ax.set_xlabel("step")
     ax.set_ylabel("loss (nats/byte)")
     ax.grid(alpha=0.3)
-    ax.legend()
+    if tr or ev:
+        ax.legend()
     fig.tight_layout()
-    fig.savefig(png, dpi=110)
-    plt.close(fig)
-    log.info(f"loss curve written to {png}")
+    try:
+        if folder.write_plot(fig):
+            log.info(f"loss curve written to {folder.file(PLOT)}")
+    finally:
+        plt.close(fig)
 
 
 # ---- the loop -------------------------------------------------------------------------------
@@ -261,6 +273,19 @@ def dropout_keys(model, ctx: DPContext, seed: int, step: int | None, rows: int):
         return None
     first = ctx.offset // (ctx.shape.seq_len + 1)  # this rank's first row in the global batch
     return row_keys(seed, step, torch.arange(first, first + rows))
+
+
+def _say_first_step(t_step: float, device: torch.device) -> None:
+    """The cold start in the log: the first step (compile, CUDA-graph capture, kernel
+    autotune) and the time since the process imported dormouse."""
+    from .. import STARTED
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    now = time.perf_counter()
+    log.info(f"first step took {now - t_step:.1f} s (tracing, compiling, autotuning where "
+             f"they run; cached for the next run); step 1 reached {now - STARTED:.1f} s after "
+             f"start")  # fmt: skip
 
 
 def train_step(model, net, opt, ctx: DPContext, x, y, cfg, factor: float, autocast,
@@ -547,17 +572,6 @@ class _NoHeartbeat:
         pass
 
 
-def ckpt_path(run: RunConfig) -> Path:
-    return Path(run.train.out_dir) / f"{run.train.ckpt_name}.pt"
-
-
-def best_path(run: RunConfig) -> Path:
-    """Where the checkpoint of the best validation loss so far is kept: best.pt beside
-    ckpt.pt (NAME.best.pt beside NAME.pt for another ckpt_name)."""
-    name = run.train.ckpt_name
-    return Path(run.train.out_dir) / ("best.pt" if name == "ckpt" else f"{name}.best.pt")
-
-
 #: Evaluations in a row with val up and train loss down before the loop says "overfitting".
 OVERFIT_EVALS = 3
 
@@ -623,12 +637,27 @@ def train(
     stop_at: int | None = None,
     progress: bool = False,
     callbacks: Callbacks | None = None,
+    folder: RunDir | None = None,
 ) -> dict:
     """Train `model` (wrapped as `net`, on ctx.device) as `run` says; returns a report.
 
     `stop_at` ends the run after that many steps while keeping the schedule of the
     full run (an interrupted run, for resume tests); the final checkpoint is written.
+    `folder`: the run folder as the CLI holds it (run_dir.RunDir.hold); else resolved here.
+    The metrics sinks (store/metrics.py) are closed however the run ends.
     """
+    sinks = Sinks()
+    try:
+        return _train(model, net, opt, ctx, run, sinks, autocast=autocast, resume=resume,
+                      stop_at=stop_at, progress=progress, callbacks=callbacks,
+                      folder=folder)  # fmt: skip
+    finally:
+        sinks.close()
+
+
+def _train(model, net, opt, ctx: DPContext, run: RunConfig, sinks: Sinks, *, autocast,
+           resume: bool, stop_at: int | None, progress: bool,
+           callbacks: Callbacks | None, folder: RunDir | None) -> dict:  # fmt: skip
     run = validate(run)
     cfg = run.train
     cb = callbacks or Callbacks()
@@ -645,13 +674,11 @@ def train(
     # every rank holds the list and evaluates its share of it (evaluate_fleet)
     val = data.val_batches(cfg.eval_batches, cfg.batch, cfg.seq_len) if data.has_val else []
 
-    out = Path(cfg.out_dir)
-    path = ckpt_path(run)
-    best_file = best_path(run)
+    folder = folder or RunDir(cfg.out_dir)
+    path, best_file = folder.checkpoint(run), folder.best(run)
     best = _Best()
     # fp16 anywhere in the fleet: one loss scale, the same on every rank (scaler.py)
     scaler = LossScaler(cfg.loss_scale_every) if loss_scaled(autocast, ctx) else None
-    metrics_path = out / "metrics.jsonl"
     start = 0
     if resume:
         if not path.exists():
@@ -691,21 +718,18 @@ def train(
         log.info(f"resumed from {path} at step {start}")
         for change in ckpt.resume_changes(ck["run"], run):
             log.info(f"changed on resume: {change}")
-        dropped = ckpt.trim_metrics(metrics_path, start) if main else 0
+        dropped = folder.trim_metrics(start) if main else 0
         if dropped:
             log.info(f"metrics.jsonl: dropped {dropped} row(s) logged after step {start} (the "
                      f"run went on past its last checkpoint); they are logged again from here")
     if main:
-        try:
-            out.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise TrainingError(f"cannot create the run folder {out} ({e.strerror or e}); pick "
-                                f"a writable --out") from None  # fmt: skip
+        folder.make()
         if not resume:
-            metrics_path.write_text("")
+            folder.start_metrics()
             # a best.pt from the run this one replaces (--overwrite) is not this run's best
             ckpt.remove_checkpoint(best_file)
-        (out / "config.json").write_text(run.to_json())
+        folder.write_config(run)
+        sinks.open(folder, cfg.tensorboard, start if resume else None)
     log.info(f"run {run.source}: {ctx.describe()} steps={cfg.steps} lr={cfg.lr} "
              f"dtype={'fp32' if autocast is None else str(autocast).replace('torch.', '')}"
              + ("" if scaler is None else
@@ -718,7 +742,7 @@ def train(
             extra["loss_scale"] = scaler.state_dict()
         return extra
 
-    def save(step: int, where: Path = path) -> None:
+    def save(step: int, where=path) -> None:
         # Every rank takes part: under FSDP2 each writes its shards and rank 0 commits them;
         # else the state is gathered (a collective) and rank 0 writes the one file.
         beat.at(step, "save")
@@ -744,10 +768,8 @@ def train(
             )
         beat.at(step, "train", saved=step)
 
-    def write_metrics(row: dict) -> None:
-        if main:
-            with metrics_path.open("a") as f:
-                f.write(json.dumps(row) + "\n")
+    def write_metrics(kind: str, step: int, values: dict) -> None:
+        sinks.write(kind, step, values)  # no sink on ranks other than 0
 
     def do_eval(step: int, train_loss: float) -> tuple[dict, bool]:
         """Evaluate (the fleet splits the batches), log, keep best.pt; (result, stop?)."""
@@ -756,9 +778,9 @@ def train(
         tag = f" dist={ctx.rank}/{ctx.world} (split over the ranks)" if ctx.world > 1 else ""
         log.info(f"eval step={step} loss={res['loss']:.4f} bpb={res['bpb']:.4f} on "
                  f"{res['tokens']} val bytes{tag}")  # fmt: skip
-        write_metrics({"kind": "eval", "step": step, "loss": res["loss"], "bpb": res["bpb"],
-                       "val_bytes": res["tokens"], "bytes": step * ctx.stride,
-                       "train_s": round(best.train_s, 3)})  # fmt: skip
+        write_metrics("eval", step, {"loss": res["loss"], "bpb": res["bpb"],
+                                     "val_bytes": res["tokens"], "bytes": step * ctx.stride,
+                                     "train_s": round(best.train_s, 3)})  # fmt: skip
         stop = False
         improved, overfit = best.see(step, res["loss"], train_loss)
         if overfit:
@@ -836,10 +858,12 @@ def train(
             said = "" if scaler is None else f" scale={scaler.scale:g}"
             log.info(f"step={done} loss={fleet:.4f} bpb={fleet / LN2:.4f} lr={lr_now:.3e} "
                 f"gnorm={gnorm:.3f}{said} tok/s={tps:.0f} ms={ms:.1f}")  # fmt: skip
-            write_metrics({"kind": "train", "step": done, "loss": fleet, "bpb": fleet / LN2,
-                           "lr": lr_now, "gnorm": gnorm, "tok_s": tps, "ms": ms,
-                           "load": p.load(),
-                           **({} if scaler is None else {"scale": scaler.scale})})  # fmt: skip
+            write_metrics("train", done, {
+                "loss": fleet, "bpb": fleet / LN2, "lr": lr_now, "gnorm": gnorm, "tok_s": tps,
+                "ms": ms, "load": p.load(),
+                **({} if scaler is None else {"scale": scaler.scale}),
+                # a fleet's windows per rank this step (re-balancing moves them)
+                **({} if ctx.world == 1 else {"split": [s.windows for s in ctx.shapes]})})
         bar.update(done, last_loss)
         return True
 
@@ -894,6 +918,7 @@ def train(
                                        step=step, scaler=scaler, defer=defer)  # fmt: skip
             if step == start:  # the first step may be long on one rank (kernel autotune)
                 beat.settled()
+                _say_first_step(t_step, device)
             done = step + 1
             evals = bool(cfg.eval_every and done % cfg.eval_every == 0 and done != end
                          and data.has_val)  # fmt: skip
@@ -946,8 +971,9 @@ def train(
         save(end)
     if best.step is not None:
         log.info(f"best val {best.loss:.4f} at step {best.step}: {best_file}")
-    if main and metrics_path.exists():
-        _plot(metrics_path, out / "loss.png")
+    if main:
+        if folder.file(METRICS).exists():
+            _plot(folder)
     return {
         "steps": end,
         "loss": last_loss,

@@ -40,7 +40,7 @@ def resolve_device(name: str, local_rank: int | None = None) -> torch.device:
 
 def resolve_autocast(run: RunConfig, device: torch.device) -> torch.dtype | None:
     """The forward's compute dtype (None = plain fp32), by the device policy."""
-    from .device import probe_device, resolve_dtype
+    from .plan.device import probe_device, resolve_dtype
 
     dtype, _ = resolve_dtype(run.train.dtype, probe_device(device))
     return None if dtype in (None, torch.float32) else dtype
@@ -104,13 +104,74 @@ def resolve_dropout(run: RunConfig, world: int = 1) -> RunConfig:
     return replace(run, model=replace(run.model, dropout=p))
 
 
+#: compile=auto compiles on CUDA cards of at least this capability: inductor's Triton kernels
+#: need sm_70 (Volta); an older card trains eager.
+COMPILE_MIN_SM = (7, 0)
+#: compile_mode=auto replays CUDA graphs only below this much work a forward+backward (6N x
+#: the micro-batch's tokens, TFLOP): there a step is launch-bound (small at 64 x 256, 0.49
+#: TFLOP: 2,600 kernels, 17 ms graphed against 125 ms eager on an H200); above it the kernels
+#: dominate and the graphs' static memory pools cost the batch (b1 at 32 x 2048, 190 TFLOP,
+#: ran out of memory capturing the optimizer under reduce-overhead; default mode fits)
+GRAPHS_MAX_TFLOP = 10.0
+
+
+def resolve_compile(run: RunConfig, device: torch.device, world: int = 1) -> RunConfig:
+    """`compile=auto` and `compile_mode=auto` -> what this run does, logged with what was read.
+
+    compile: on CUDA (sm_70+), yes: on one H200 small's step went 124.7 -> 17.4 ms
+    (docs/performance.md); on the CPU, no: inductor's C++ codegen costs minutes there and the
+    step gains little. compile_mode: reduce-overhead (CUDA graphs of the step and the
+    optimizer) where the shapes are static: one process on CUDA, no accumulation, nothing
+    streamed from host memory (engram_ram, moe_offload), inductor; else default (a fleet's
+    all-reduce hooks sit between the compiled pieces: gate g31 holds default mode there)."""
+    from dataclasses import replace
+
+    t = run.train
+    if t.compile == "auto":
+        sm = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+        on = sm is not None and sm >= COMPILE_MIN_SM
+        why = (f"{device.type}" if sm is None else f"cuda sm_{sm[0]}{sm[1]}") + (
+            "" if on else (" (inductor's C++ codegen costs minutes on a CPU)" if sm is None else
+                           f" (inductor's Triton needs sm_{COMPILE_MIN_SM[0]}{COMPILE_MIN_SM[1]})"))
+        log.info(f"compile=auto: {why} -> compile={str(on).lower()} (--set compile=true|false "
+                 f"pins it)")  # fmt: skip
+        t = replace(t, compile=on)
+    if t.compile_mode == "auto":
+        accum = bool(t.global_batch) and t.global_batch > t.batch * world
+        work = step_tflop(run) if t.compile and device.type == "cuda" else 0.0
+        blockers = [why for why, hit in (
+            (f"{work:.3g} TFLOP a step (6N x {t.batch} x {t.seq_len}) > {GRAPHS_MAX_TFLOP:g}: "
+             f"kernel-bound, CUDA graphs' pools would cost memory", work > GRAPHS_MAX_TFLOP),
+            (f"a fleet of {world}", t.dist or world > 1),
+            (f"on {device.type}", device.type != "cuda"),
+            (f"accumulation (global_batch={t.global_batch} > batch={t.batch})", accum),
+            ("engram_ram streams rows from host memory", run.model.engram_ram),
+            ("moe_offload streams experts from host memory", run.model.moe_offload),
+            (f"compile_backend={t.compile_backend}", t.compile_backend != "inductor"),
+        ) if hit]  # fmt: skip
+        mode = "default" if blockers or not t.compile else "reduce-overhead"
+        if t.compile:
+            log.info("compile_mode=auto: " + (", ".join(blockers) if blockers else
+                     f"one process on CUDA, static shapes, no accumulation, {work:.3g} TFLOP a "
+                     f"step (launch-bound below {GRAPHS_MAX_TFLOP:g})") + f" -> {mode}")
+        t = replace(t, compile_mode=mode)
+    return replace(run, train=t)
+
+
+def step_tflop(run: RunConfig) -> float:
+    """TFLOP of one micro-batch's forward + backward by the 6N rule (built on the meta device)."""
+    from ..model import active_params
+
+    return 6 * active_params(build_model(run, meta=True)) * run.train.batch * run.train.seq_len / 1e12
+
+
 def prepare(run: RunConfig, device_type: str | None = None, local_rank: int | None = None,
             world: int = 1) -> tuple[RunConfig, torch.device, torch.dtype | None]:  # fmt: skip
-    """(run with --fit and dropout=auto applied, device, compute dtype): what every run
-    checks first."""
+    """(run with --fit, dropout=auto and compile=auto applied, device, compute dtype): what
+    every run checks first."""
     run = resolve_dropout(validate(run), world)
     if run.train.fit_gb:
-        from .fit import apply_fit
+        from .plan.fit import apply_fit
 
         if run.model.arch != "dormouse":
             raise TrainingError(
@@ -120,6 +181,7 @@ def prepare(run: RunConfig, device_type: str | None = None, local_rank: int | No
 
         run = apply_fit(run, world)
     device = resolve_device(device_type or run.train.device, local_rank)
+    run = validate(resolve_compile(run, device, world))
     autocast = resolve_autocast(run, device)
     check_arms(run, device, autocast)
     return run, device, autocast
@@ -133,12 +195,10 @@ def compiled(model: torch.nn.Module, run: RunConfig, device: torch.device,
     fla's KDA kernels and the Engram hash constants are torch.compiler.disable'd, so they run
     eager between the compiled regions. The kernel arms are chosen before the first trace
     (`resolve_arm`, for the `autocast` dtype), so that no trace mutates the model."""
+    if "auto" in (run.train.compile, run.train.compile_mode):
+        run = resolve_compile(run, device)
     t = run.train
     if not t.compile:
-        if device.type == "cuda" and run.model.arch == "dormouse":
-            log.info("compile=false: on an H200 --set compile=true --set "
-                     "compile_mode=reduce-overhead measured 5.6x faster steps for small "
-                     "(docs/performance.md)")  # fmt: skip
         return model
     if t.compile_mode == "reduce-overhead" and device.type != "cuda":
         log.info(f"compile_mode=reduce-overhead on {device.type}: CUDA graphs need a GPU; "
@@ -161,7 +221,7 @@ def resolve_arms(model: torch.nn.Module, autocast: torch.dtype | None) -> None:
 
 
 def _optimizer(net: torch.nn.Module, run: RunConfig, device: torch.device):
-    from .optim import MixOptimizer
+    from .optim.mix import MixOptimizer
 
     return MixOptimizer.from_config(net, run.train, device.type)
 
@@ -178,11 +238,12 @@ def train_run(
     rate: float | None = None,
     timeout_s: float | None = None,
     close: bool = True,
+    folder=None,
 ) -> dict:
     """Build and train `run`; returns the loop's report.
 
     `model` replaces the seeded build (the caller must build it identically on every rank);
-    `callbacks` observe the loop. Fleet only: `rate` replaces this rank's measured matmul rate
+    `callbacks` observe the loop; `folder` is the run folder the CLI holds. Fleet only: `rate` replaces this rank's measured matmul rate
     (`--capacity auto`), `timeout_s` replaces dist_timeout, `close=False` leaves the process
     group up for a caller that gathers more afterwards.
     """
@@ -197,19 +258,20 @@ def train_run(
         return train(model, compiled(model, run, device, autocast),
                      _optimizer(model, run, device), ctx, run, autocast=autocast,
                      resume=resume, stop_at=stop_at, progress=progress,
-                     callbacks=callbacks)  # fmt: skip
+                     callbacks=callbacks, folder=folder)  # fmt: skip
     return _train_fleet(run, resume=resume, stop_at=stop_at, model=model, callbacks=callbacks,
-                        device_type=device_type, rate=rate, timeout_s=timeout_s, close=close)
+                        device_type=device_type, rate=rate, timeout_s=timeout_s, close=close,
+                        folder=folder)  # fmt: skip
 
 
 def _train_fleet(run: RunConfig, *, resume, stop_at, model, callbacks, device_type, rate,
-                 timeout_s, close) -> dict:  # fmt: skip
+                 timeout_s, close, folder) -> dict:  # fmt: skip
     import torch.distributed as dist
 
-    from . import fleet
+    from .fleet import launch as fleet
     from .context import RefusedError
-    from .parallelize import parallelize
-    from .watchdog import fleet_failure, short
+    from .fleet.parallelize import parallelize
+    from .fleet.watchdog import fleet_failure, short
 
     world = fleet.world_from(os.environ) or 1
     fleet.refuse_incompatible(run, world)
@@ -236,7 +298,7 @@ def _train_fleet(run: RunConfig, *, resume, stop_at, model, callbacks, device_ty
         try:
             report = train(model, net, _optimizer(net, run, device), ctx, run,
                            autocast=autocast, resume=resume, stop_at=stop_at,
-                           callbacks=callbacks)  # fmt: skip
+                           callbacks=callbacks, folder=folder)  # fmt: skip
         except Exception as e:
             if not fleet_failure(e):
                 raise

@@ -26,9 +26,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..config import Dtype
-from ..errors import UserError
-from ..model.arms import Card, choose_arm, release, why_not
+from ...config import Dtype
+from ...errors import UserError
+from ...model.arms import Card, choose_arm, release, why_not
 
 log = logging.getLogger(__name__)
 

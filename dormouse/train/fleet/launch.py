@@ -27,8 +27,8 @@ from typing import Mapping, Sequence
 import torch
 import torch.distributed as dist
 
-from ..config import RunConfig
-from .context import (
+from ...config import RunConfig
+from ..context import (
     DistError, DPContext, LaunchError, RankShape, RefusedError, accumulate, packed_split,
 )  # fmt: skip
 from .watchdog import (
@@ -386,7 +386,7 @@ def disagreement_message(diff: Mapping[str, list[int]], mine: Mapping[str, str],
 def _agree_config(run: RunConfig, shapes: list[RankShape], device: torch.device,
                   rank: int) -> None:  # fmt: skip
     """All-gather a hash of each field; refuse on EVERY rank, naming the fields and ranks."""
-    from .data import DataError, data_fingerprint, default_corpus
+    from ..data import DataError, data_fingerprint, default_corpus
 
     error = ""
     prints = None

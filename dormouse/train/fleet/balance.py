@@ -31,7 +31,7 @@ from typing import Sequence
 
 import torch
 
-from .context import DistError, DPContext, RankShape, accumulate, packed_split
+from ..context import DistError, DPContext, RankShape, accumulate, packed_split
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +47,7 @@ def split_capped(rates: Sequence[float], total: int,
     exceeds its cap is fixed at the cap and the rest is split over the others by their rates,
     repeated until no share exceeds its cap (water-filling): memory bounds, speed shares.
     """
-    from .fleet import split_by_rates
+    from .launch import split_by_rates
 
     n = len(rates)
     caps = list(caps) if caps is not None else [None] * n
@@ -79,7 +79,7 @@ def rank_window_cap(run, usable_bytes: int, world: int) -> int:
     """The most windows one forward of `run` may take on a rank with `usable_bytes`: the
     fleet's one question to the memory model (`fit.max_share`, per rank, with DDP's buckets
     or FSDP2's shards as the run's dist_shard says)."""
-    from . import fit
+    from ..plan import fit
 
     return fit.max_share(run, usable_bytes, world=world, shard=run.train.dist_shard)
 
@@ -87,7 +87,7 @@ def rank_window_cap(run, usable_bytes: int, world: int) -> int:
 def budget_bytes(run, device: torch.device) -> int | None:
     """This rank's memory budget for the cap: --fit GB if given, else a card's total memory
     (both through fit.usable_bytes' headroom); None on the CPU (host memory is not the bound)."""
-    from . import fit
+    from ..plan import fit
 
     if run.train.fit_gb:
         return fit.usable_bytes(run.train.fit_gb)
@@ -345,7 +345,7 @@ class FleetStream:
                 log.info(f"rebalance off: {off} (the start-up split stays)")
             else:
                 self.every = int(t.rebalance_every)
-        from .fleet import parse_slow  # a fleet only: one process never imports fleet.py
+        from .launch import parse_slow  # a fleet only: one process never imports fleet.py
 
         slow = parse_slow(t.emulate_slow, ctx.rank)
         if slow:
@@ -422,7 +422,7 @@ class FleetStream:
         return accumulate(windows, self.micro_caps[r], seq)
 
     def _switch(self, split: Sequence[int]) -> None:
-        from .fleet import refuse_uneven_fsdp
+        from .launch import refuse_uneven_fsdp
 
         shapes = tuple(self._shape(r, b) for r, b in enumerate(split))
         refuse_uneven_fsdp(shapes, self.ctx.shard)
@@ -438,7 +438,7 @@ class FleetStream:
         return self.data.train_stream(s.windows, s.seq_len, offset=ctx.offset, stride=ctx.stride)
 
     def _rebalance(self, step: int) -> None:
-        from .fleet import _agree
+        from .launch import _agree
 
         per_window = _agree([self.meter.value()], self.ctx.device)  # the ONE collective
         if not all(math.isfinite(s) and s > 0 for s in per_window):
@@ -454,8 +454,8 @@ class FleetStream:
 
 
 def _card_row(run, ctx: DPContext, cap: int) -> dict:
-    from ..model.arms import require_arms
-    from .device import fallback_count, policy_for, probe_device
+    from ...model.arms import require_arms
+    from ..plan.device import fallback_count, policy_for, probe_device
 
     dev = ctx.device
     card = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"

@@ -19,9 +19,9 @@ from typing import Callable, Mapping
 
 import torch.distributed as dist
 
-from ..errors import UserError
-from .checkpoint import pid_alive
-from .context import DistError
+from ...errors import UserError
+from ..store.folder import pid_alive
+from ..context import DistError
 
 
 #: Exit code of a rank its watchdog ends (a stalled or dead peer, a lost store or launcher).
@@ -75,6 +75,7 @@ class Heartbeat:
         self.changed = {r: now for r in range(self.world) if r != self.rank}
         self.left: dict[int, dict] = {}  # peers that said they left on purpose
         self._halt = threading.Event()
+        self._moved = threading.Event()
         self._barriers = 0
         self._main = None
         self._threads = [threading.Thread(target=f, name=f"dormouse-{n}-r{rank}", daemon=True)
@@ -83,9 +84,12 @@ class Heartbeat:
     # -- what the loop tells it -------------------------------------------------------------
 
     def at(self, step: int, what: str, saved: int | None = None) -> None:
+        was = (self.step, self.phase, self.saved)
         self.step, self.phase = int(step), what
         if saved is not None:
             self.saved = int(saved)
+        if (self.step, self.phase, self.saved) != was:
+            self._moved.set()  # the pulse says it now, not an interval later
 
     def settled(self) -> None:
         """After the first step: every collective from now on waits `settle_to` at most."""
@@ -117,6 +121,7 @@ class Heartbeat:
             return
         self.state, self.why = state, why
         self._halt.set()
+        self._moved.set()
         for t in self._threads:
             if t.is_alive():
                 t.join(timeout=2 * self.interval + 1)
@@ -159,27 +164,39 @@ class Heartbeat:
         store.set(self._key(self.rank), self._record(self._count))
 
     def _pulse(self) -> None:
-
-        store = None
+        # This rank's record goes out whenever its step or phase moves (`at`), so a rank that
+        # stops is named by the step it stopped at: a pulse only every `interval` said a step
+        # up to a second behind on a fast loop (step 0/1 of a rank stopped at 5/6). The peers'
+        # records are read every `interval`.
+        store, read_at = None, 0.0
         while not self._halt.is_set():
             try:
                 if store is None:
                     store = self.connect()
+                self._moved.clear()
                 self._beat_once(store)
-                for r in list(self.changed):
-                    if r in self.left or not store.check([self._key(r)]):
-                        continue
-                    rec = json.loads(store.get(self._key(r)))
-                    old = self.seen.get(r)
-                    if old is None or old.get("n") != rec.get("n"):
-                        self.changed[r] = time.monotonic()
-                    self.seen[r] = rec
-                    if rec.get("state") in ("done", "failed"):
-                        self.left[r] = rec
+                if time.monotonic() >= read_at:
+                    self._read_peers(store)
+                    read_at = time.monotonic() + self.interval
                 self.last_io = time.monotonic()
             except Exception:  # noqa: BLE001 - a missed round; the watch judges the silence
                 store = None
-            self._halt.wait(self.interval)
+            if store is None:
+                self._halt.wait(self.interval)
+            else:
+                self._moved.wait(max(0.0, read_at - time.monotonic()))
+
+    def _read_peers(self, store) -> None:
+        for r in list(self.changed):
+            if r in self.left or not store.check([self._key(r)]):
+                continue
+            rec = json.loads(store.get(self._key(r)))
+            old = self.seen.get(r)
+            if old is None or old.get("n") != rec.get("n"):
+                self.changed[r] = time.monotonic()
+            self.seen[r] = rec
+            if rec.get("state") in ("done", "failed"):
+                self.left[r] = rec
 
     # -- the watch --------------------------------------------------------------------------
 

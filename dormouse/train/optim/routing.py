@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from ..config import ConfigError
+from ...config import ConfigError
 
 _WRAPPER_TOKENS = ("_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module")
 

@@ -13,7 +13,7 @@ import logging
 
 import torch
 
-from .context import DPContext, host_stores
+from ..context import DPContext, host_stores
 
 log = logging.getLogger(__name__)
 

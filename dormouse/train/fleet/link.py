@@ -97,15 +97,15 @@ def bucket_mb_for(payload_bytes: float) -> float:
 def _count_params(preset_name: str) -> tuple[int, str]:
     """(params, where the number came from). Falls back to the design's nominal size when
     the model cannot be counted, and says so."""
-    from ..config import PRESET_PARAMS, preset
+    from ...config import PRESET_PARAMS, preset
 
     cfg = preset(preset_name)  # ConfigError names the presets
     try:
-        from .. import model as model_pkg
+        from ... import model as model_pkg
 
         count = getattr(model_pkg, "count_params", None)
         if count is None:
-            from ..model.model import count_params as count
+            from ...model.model import count_params as count
         return int(count(cfg.model)), f"preset {preset_name}, counted by count_params (meta device)"
     except Exception as e:  # noqa: BLE001 - the model is young; any failure falls back loudly
         why = f"{type(e).__name__}: {e}".splitlines()[0]
@@ -123,7 +123,7 @@ def _read_link(probe: Callable | None = None) -> tuple[int | None, int | None, s
     """This machine's slowest visible link (the ring waits for it), or why it is unread."""
     try:
         if probe is None:
-            from .device import probe
+            from ..plan.device import probe
         records = [r for r in probe(memory=False) if r.kind == "cuda"]
     except Exception as e:  # noqa: BLE001 - a probe failure is reported, not fatal
         return None, None, f"the probe failed ({type(e).__name__}: {e})".splitlines()[0]

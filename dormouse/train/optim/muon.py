@@ -4,7 +4,7 @@ the step of one shape group of matrices whose momentum is one flat tensor: the s
 whole matrices the step all-gathers for the polar (gather everywhere: every rank runs the
 same polar and applies its own rows; docs/fleet.md has its bytes next to DDP's).
 
-MixOptimizer (dormouse.train.optim) builds the groups and their stacks and calls
+MixOptimizer (dormouse.train.optim.mix) builds the groups and their stacks and calls
 `muon_step_`; the slow, obviously-right twin is `references/muon_single.py`, held to this one
 matrix by matrix by the tests. torch.optim.Muon is not used: it rejects 3-D expert stacks.
 
@@ -21,8 +21,8 @@ import math
 import torch
 from torch import Tensor
 
-from ..config import ConfigError
-from .context import local_shard
+from ...config import ConfigError
+from ..context import local_shard
 from .quant import BLOCK, dequantize_signed, quantize_signed_
 
 # Keller Jordan's quintic Newton-Schulz coefficients (https://kellerjordan.github.io/posts/muon/),
@@ -56,7 +56,7 @@ POLAR_EXPRESS = tuple(
 NS_EPS = 1e-7
 
 #: ns_dtype / muon_state_dtype names (muon_state_dtype="int8" is no dtype: int8 codes with
-#: one scale per block, `dormouse.train.quant`)
+#: one scale per block, `dormouse.train.optim.quant`)
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
@@ -109,7 +109,7 @@ def muon_step_(g: dict, buf: Tensor, offsets: list[int], absmax: Tensor | None =
     buf: the group's momentum, one flat tensor (fp32 or bf16) of this process's elements of
     its parameters (all of them, or the local shards of FSDP2 DTensors), parameter i's from
     offsets[i] to offsets[i + 1]. With `absmax` (muon_state_dtype=int8) buf is instead int8
-    codes [blocks, BLOCK] with one absmax per block (`dormouse.train.quant`), parameter i's
+    codes [blocks, BLOCK] with one absmax per block (`dormouse.train.optim.quant`), parameter i's
     blocks from offsets[i] to offsets[i + 1], its last block zero-padded. A parameter whose
     grad is None does not move and its momentum does not change. A bf16 or int8 buf is
     APPROXIMATE by design: the update is computed in fp32 from the stored momentum and the new

@@ -1,5 +1,6 @@
 """Checkpoints in two formats, written atomically and loaded safely, refusing a mismatched
-shape; and the run folder (fresh, resume or complete).
+shape or a damaged entry. Which files a run folder holds, and who may write them, is
+run_dir.py's; `write_atomic` here is how every file of a run is replaced.
 
 A checkpoint holds the run config, the model (fp32 masters, the LFB buffers and the host-RAM
 Engram tables, which live in its state dict), the optimizer, the data position and the data's
@@ -30,20 +31,23 @@ layouts and paths and refuses every other global. A non-tensor entry (DCP unpick
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
 import errno
 import importlib
-import json
 import logging
 import os
 import pickle
 import re
+import resource
 import shutil
+import stat
 import tempfile
 import warnings
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
@@ -55,11 +59,11 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )  # fmt: skip
 
-from ..config import ConfigError, ModelConfig, RunConfig, validate
-from ..errors import UserError
-from ..model.engram import HostTables
-from .context import local_shard
-from .routing import strip_name
+from ...config import ConfigError, ModelConfig, RunConfig, validate
+from ...errors import UserError
+from ...model.engram import HostTables
+from ..context import local_shard
+from ..optim.routing import strip_name
 
 log = logging.getLogger(__name__)
 
@@ -211,10 +215,13 @@ def save_checkpoint(
     data_fingerprint: list[dict] | None = None,
     rng: dict | None = None,
     extra: dict | None = None,
+    prune: bool = True,
 ) -> Path:
     """Write one checkpoint file atomically. Pass the gathered states (model_state(net) and
     optimizer_state(net, opt), called on every rank; rank 0 writes) or, in one process, the
-    model and its optimizer. `rng`: this process's RNG state unless given (an export)."""
+    model and its optimizer. `rng`: this process's RNG state unless given (an export).
+    `prune`: remove the shard directories of a sharded checkpoint this file replaced (a run's
+    own save); an export writes beside files it does not own and prunes nothing."""
     path = Path(path)
     if model is not None:
         model_state, optimizer_state = _gather(model, optimizer)
@@ -236,7 +243,8 @@ def save_checkpoint(
         "extra": extra or {},
     }
     _write_file(path, payload, step)
-    _prune_shards(path, keep="")  # a sharded checkpoint this file replaced
+    if prune:
+        _prune_shards(path, keep="")  # a sharded checkpoint this file replaced
     return path
 
 
@@ -257,37 +265,94 @@ def _mkdir(folder: Path) -> None:
                               f"pick a writable --out") from None  # fmt: skip
 
 
+def write_error(e: OSError) -> str:
+    """An OSError of a write as the one line's cause: the system's words, and what they mean
+    where the fix is not obvious (a full disk, a quota, this process's file size limit)."""
+    what = e.strerror or str(e)
+    if e.errno == errno.ENOSPC:
+        return f"{what} (the disk is full)"
+    if e.errno == errno.EDQUOT:
+        return f"{what} (over the disk quota)"
+    if e.errno == errno.EFBIG:
+        limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+        said = "" if limit == resource.RLIM_INFINITY else f": {limit} bytes"
+        return f"{what} (past this process's file size limit, ulimit -f{said})"
+    return what
+
+
+def write_escape(e: OSError) -> str:
+    """What frees a write that failed with `e`."""
+    if e.errno == errno.EFBIG:
+        return "raise the file size limit (ulimit -f unlimited)"
+    return "free space (or pick another --out)"
+
+
 def _write_failed(path: Path, step: int, e: OSError) -> CheckpointError:
-    full = " (the disk is full)" if e.errno in (errno.ENOSPC, errno.EDQUOT) else ""
     kept = ("the previous checkpoint there is untouched" if path.exists()
             else "no earlier checkpoint exists")  # fmt: skip
     return CheckpointError(
-        f"could not write {path} at step {step}: {e.strerror or e}{full}; the partial "
-        f"write was removed and {kept}. Free space (or pick another --out), then --resume auto"
+        f"could not write {path} at step {step}: {write_error(e)}; the partial write was "
+        f"removed and {kept}. {write_escape(e).capitalize()}, then --resume auto"
     )
 
 
-def _write_file(path: Path, payload: dict, step: int) -> None:
-    """torch.save to a temp file, fsync, rename over `path`, fsync the folder."""
-    _mkdir(path.parent)
-    # the pid in the name lets the next run tell a dead writer's leftover from a live one
+class _Recording:
+    """A file whose write() remembers the OSError it raised: torch's zip writer reports a
+    failed write as RuntimeError('[enforce fail at inline_container.cc] ... unexpected pos'),
+    which drops the errno (a full disk, a file size limit)."""
+
+    def __init__(self, f: IO[bytes]):
+        self.f, self.error = f, None
+
+    def write(self, data) -> int:
+        try:
+            return self.f.write(data)
+        except OSError as e:
+            self.error = self.error or e
+            raise
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
+def write_atomic(path: Path, write: Callable[[IO[bytes]], None]) -> None:
+    """Replace `path` with what `write(f)` writes: a temp file beside it (created with
+    O_EXCL, so never through a link; named with this pid, so a later start can tell a dead
+    writer's leftover), fsync, rename over `path` (the commit point: a link at `path` is
+    replaced, never followed), fsync the folder. On any failure the temp file is removed and
+    `path` is as it was; a failed write raises its OSError, also where torch's zip writer
+    turned it into a RuntimeError."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.{os.getpid()}.",
                                suffix=".tmp")  # fmt: skip
     try:
-        # mkstemp creates 0600; a checkpoint is an ordinary output file, so honour the umask
+        # mkstemp creates 0600; our files are ordinary output files, so honour the umask
         os.fchmod(fd, 0o666 & ~_umask())
         with os.fdopen(fd, "wb") as f:
-            torch.save(payload, f)
+            rec = _Recording(f)
+            try:
+                write(rec)
+            except RuntimeError:
+                if rec.error is None:
+                    raise
+            if rec.error is not None:
+                raise rec.error
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
         _fsync_dir(path.parent)
-    except BaseException as e:
-        if os.path.exists(tmp):
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
-        if isinstance(e, OSError):
-            raise _write_failed(path, step, e) from None
         raise
+
+
+def _write_file(path: Path, payload: dict, step: int) -> None:
+    """torch.save `payload` to `path` atomically (write_atomic); a failure is one line."""
+    _mkdir(path.parent)
+    try:
+        write_atomic(path, lambda f: torch.save(payload, f))
+    except OSError as e:
+        raise _write_failed(path, step, e) from None
 
 
 def _fsync_dir(folder: Path) -> None:
@@ -320,7 +385,7 @@ def nonfinite_entries(state: dict) -> list[str]:
 # ---- the sharded format ------------------------------------------------------------------
 
 #: A sharded checkpoint's directory: `<stem>.<step>.<token>.shards` beside `<stem>.pt`.
-_SHARDS = re.compile(r"(?P<stem>.+)\.[0-9]+\.(?P<token>[A-Za-z0-9_]+)\.shards\Z")
+SHARDS_NAME = re.compile(r"(?P<stem>.+)\.[0-9]+\.(?P<token>[A-Za-z0-9_]+)\.shards\Z")
 
 
 def _dist() -> bool:
@@ -426,11 +491,15 @@ def save_sharded(path: str | Path, net: torch.nn.Module, opt, *, run: RunConfig,
         if isinstance(e, OSError):
             raise _write_failed(path, step, e) from None
         if isinstance(e, CheckpointException):  # a rank's write failed: every rank raises it
+            inner = _failures(e)
+            disk = next((f for f in inner if isinstance(f, OSError)), None)
+            if disk is not None:
+                raise _write_failed(path, step, disk) from None
             kept = ("the previous checkpoint there is untouched" if path.exists()
                     else "no earlier checkpoint exists")  # fmt: skip
-            raise CheckpointError(f"could not write the shards of {path} at step {step} ({e}); "
-                                  f"{kept}. Free space (or pick another --out), then --resume "
-                                  f"auto") from None  # fmt: skip
+            raise CheckpointError(f"could not write the shards of {path} at step {step} "
+                                  f"({_one_line(inner[0] if inner else e)}); {kept}. Free "
+                                  f"space (or pick another --out), then --resume auto") from None
         raise
     return path
 
@@ -473,7 +542,7 @@ def remove_checkpoint(path: str | Path) -> None:
 def _prune_shards(path: Path, keep: str) -> None:
     """Remove `path`'s shard directories other than `keep` (those of replaced checkpoints)."""
     for p in path.parent.iterdir():
-        m = _SHARDS.match(p.name)
+        m = SHARDS_NAME.match(p.name)
         if m and m["stem"] == path.stem and p.name != keep and p.is_dir():
             shutil.rmtree(p, ignore_errors=True)
 
@@ -513,6 +582,9 @@ class _Reader(FileSystemReader):
         where = Path(self.path) / ".metadata"
         if kwargs.get("rank") is not None or not where.is_file():
             raise CheckpointError(f"{where} is missing: the shards directory is incomplete")
+        if where.is_symlink():
+            raise CheckpointError(f"{where} is a symbolic link: a checkpoint's metadata is a file "
+                                  f"in its own directory; the checkpoint is damaged")
         try:
             with open(where, "rb") as f:
                 md = _MetadataUnpickler(f).load()
@@ -528,6 +600,50 @@ class _Reader(FileSystemReader):
             md.storage_meta = StorageMeta()
         md.storage_meta.load_id = self.load_id
         return md
+
+    def read_data(self, plan, planner):
+        """torch's read, one shard file at a time, so that a failure names its file; a file
+        that is a link, not a regular file, or shorter than its chunks is refused before
+        torch opens it (a path read from a checkpoint stays inside its directory)."""
+        from torch.futures import Future
+
+        per_file: dict[str, list] = {}
+        for item in plan.items:
+            per_file.setdefault(self.storage_data[item.storage_index].relative_path,
+                                []).append(item)  # fmt: skip
+        for name, items in per_file.items():
+            where = Path(self.path) / name
+            self._check_shard(where, items)
+            try:
+                super().read_data(dataclasses.replace(plan, items=items), planner).wait()
+            except UserError:
+                raise
+            except Exception as e:  # noqa: BLE001 - a damaged file, said in one line
+                raise CheckpointError(
+                    f"the shard {where} could not be read ({_one_line(e)}): the checkpoint is "
+                    f"damaged, and no code from it ran; resume from another checkpoint, or "
+                    f"train a new run"
+                ) from None
+        done: Future = Future()
+        done.set_result(None)
+        return done
+
+    def _check_shard(self, where: Path, items: list) -> None:
+        need = max(self.storage_data[i.storage_index].offset
+                   + self.storage_data[i.storage_index].length for i in items)  # fmt: skip
+        try:
+            st = os.lstat(where)
+        except OSError as e:
+            why = f"cannot be read ({e.strerror or e})"
+        else:
+            why = ("is a symbolic link (a shard is a file in its checkpoint's own directory)"
+                   if stat.S_ISLNK(st.st_mode) else
+                   "is not a regular file" if not stat.S_ISREG(st.st_mode) else
+                   f"is truncated ({st.st_size} bytes; its chunks end at byte {need})"
+                   if st.st_size < need else "")  # fmt: skip
+        if why:
+            raise CheckpointError(f"the shard {where} {why}: the checkpoint is damaged; resume "
+                                  f"from another checkpoint, or train a new run")  # fmt: skip
 
 
 class _Planner(DefaultLoadPlanner):
@@ -548,6 +664,24 @@ def _flat(tree: dict, prefix: str = "") -> dict[str, torch.Tensor]:
     return out
 
 
+def _failures(e: CheckpointException) -> list[BaseException]:
+    """The exceptions DCP wrapped, one a rank that failed (DCP keeps each with its traceback)."""
+    out = []
+    for f in getattr(e, "failures", {}).values():
+        f = f[0] if isinstance(f, tuple) else f
+        if isinstance(f, BaseException):
+            out.append(f)
+    return out
+
+
+def _one_line(e: BaseException) -> str:
+    """An exception as part of one line: a UserError's message, else its type and first line
+    (torch's load advice, e.g. to retry with weights_only=False, is dropped)."""
+    if isinstance(e, UserError):
+        return str(e)
+    return _load_failure(e)
+
+
 def _dcp_load(state: dict, shards: Path, path: Path, alone: bool) -> None:
     """Fill `state` in place from the shards directory. `alone`: this process reads without
     its peers (no process group, or one rank exporting); else every rank calls it together."""
@@ -566,10 +700,11 @@ def _dcp_load(state: dict, shards: Path, path: Path, alone: bool) -> None:
             warnings.simplefilter("ignore")  # DCP warns when it loads without a process group
             dcp.load(state, storage_reader=_Reader(shards), planner=_Planner(), no_dist=alone)
     except CheckpointException as e:  # DCP wraps each rank's failure: ours, or a damaged file
-        ours = [f[0] if isinstance(f, tuple) else f for f in getattr(e, "failures", {}).values()]
-        ours = [f for f in ours if isinstance(f, CheckpointError)]
+        inner = _failures(e)
+        ours = [f for f in inner if isinstance(f, CheckpointError)]
         raise (ours[0] if ours else CheckpointError(
-            f"could not read the shards of {path} in {shards} ({e}); the directory is damaged: "
+            f"could not read the shards of {path} in {shards} ("
+            f"{_one_line(inner[0]) if inner else type(e).__name__}); the checkpoint is damaged: "
             f"resume from another checkpoint, or train a new run")) from None
 
 
@@ -599,11 +734,11 @@ def _full_state(ck: dict, path: Path) -> tuple[dict, dict]:
 
 
 def export_checkpoint(src: str | Path, dest: str | Path) -> Path:
-    """One file (format 2, whole) from a checkpoint of either format or a run folder (its
-    checkpoint): what `eval` and `sample` load anywhere, and one process can resume."""
+    """One file (format 2, whole) from a checkpoint file of either format: what `eval` and
+    `sample` load anywhere, and one process can resume. The run folder's rules (which file a
+    folder's checkpoint is, what --to may replace) are run_dir.export's; this writes `dest`
+    and nothing beside it."""
     src, dest = Path(src), Path(dest)
-    if src.is_dir():
-        src = src / f"{_ckpt_name(src)}.pt"
     if dest.is_dir():
         raise CheckpointError(f"--to {dest} is a folder; name the file to write, e.g. "
                               f"{dest / 'model.pt'}")  # fmt: skip
@@ -616,15 +751,7 @@ def export_checkpoint(src: str | Path, dest: str | Path) -> Path:
     return save_checkpoint(dest, run=ck["run"], model_state=model, optimizer_state=optim,
                            step=ck["step"], data_state=ck.get("data"),
                            data_fingerprint=ck.get("data_fingerprint"), rng=rank_rng(ck, 0),
-                           extra=ck.get("extra"))  # fmt: skip
-
-
-def _ckpt_name(run_dir: Path) -> str:
-    """A run folder's checkpoint name: its config.json's ckpt_name (default ckpt)."""
-    try:
-        return RunConfig.from_json((run_dir / "config.json").read_text()).train.ckpt_name
-    except (OSError, ValueError, ConfigError):
-        return "ckpt"
+                           extra=ck.get("extra"), prune=False)  # fmt: skip
 
 
 def _load_failure(e: Exception) -> str:
@@ -673,10 +800,14 @@ def read_checkpoint(path: str | Path, mmap: bool = False) -> dict[str, Any]:
         )
     if sharded_:
         name = ck.get("shards")
-        if not isinstance(name, str) or not _SHARDS.match(name) or Path(name).name != name:
+        if not isinstance(name, str) or not SHARDS_NAME.match(name) or Path(name).name != name:
             raise CheckpointError(f"{path} names no valid shards directory ({name!r}); the file "
                                   f"is damaged")  # fmt: skip
         ck["shards_dir"] = path.parent / name
+        if ck["shards_dir"].is_symlink():
+            raise CheckpointError(f"{path} names the shards directory {name}, which is a symbolic "
+                                  f"link: the shards must be in the run folder itself; the "
+                                  f"checkpoint is damaged")  # fmt: skip
         if not (ck["shards_dir"] / ".metadata").is_file():
             raise CheckpointError(
                 f"{path} is a sharded checkpoint whose directory {name} is not beside it in "
@@ -690,7 +821,105 @@ def read_checkpoint(path: str | Path, mmap: bool = False) -> dict[str, Any]:
             f"{path}: its embedded run config is unusable ({e}); the file is damaged or from "
             f"another version of dormouse: train a new run (--overwrite, or another --out)"
         ) from None
+    _check_fields(ck, path, sharded_)
     return ck
+
+
+def _int(x, lo: int = 0) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= lo
+
+
+def _num(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _rng_ok(r) -> bool:
+    t = r.get("torch") if isinstance(r, dict) else None
+    cuda = r.get("cuda", []) if isinstance(r, dict) else None
+    return (torch.is_tensor(t) and t.dtype == torch.uint8 and t.dim() == 1
+            and isinstance(cuda, (list, tuple))
+            and all(torch.is_tensor(c) and c.dtype == torch.uint8 for c in cuda))  # fmt: skip
+
+
+def _stream_ok(d) -> bool:
+    # the fields a stream reads back (data.ByteStream.load_state_dict), where present
+    return (isinstance(d, dict) and d.get("kind") == "stream" and _int(d.get("step"))
+            and all(_int(d[k]) for k in ("n_bytes", "stride") if k in d)
+            and (d.get("shuffle_seed") is None or _int(d["shuffle_seed"]))
+            and isinstance(d.get("phased", False), bool))  # fmt: skip
+
+
+def _data_ok(d) -> bool:
+    if d is None:
+        return True
+    if not isinstance(d, dict) or not (d.get("split") is None or (
+            isinstance(d["split"], list) and all(_int(b, 1) for b in d["split"]))):  # fmt: skip
+        return False
+    if d.get("world") is not None and not _int(d["world"], 1):
+        return False
+    if d.get("kind") == "mixture":
+        return (_int(d.get("step")) and _int(d.get("seed"))
+                and isinstance(d.get("weights"), list) and all(_num(w) for w in d["weights"])
+                and isinstance(d.get("streams"), list) and all(map(_stream_ok, d["streams"])))
+    return _stream_ok(d)
+
+
+def _extra_ok(e) -> bool:
+    if not isinstance(e, dict):
+        return False
+    scale = e.get("loss_scale")
+    return ((e.get("best_step") is None or _int(e["best_step"]))
+            and (e.get("best_loss") is None or _num(e["best_loss"]))
+            and _int(e.get("since_best", 0))
+            and _num(e.get("train_s", 0.0)) and e.get("train_s", 0.0) >= 0
+            and isinstance(e.get("history", []), list)
+            and all(isinstance(h, (list, tuple)) and len(h) == 3 and _int(h[0])
+                    and _num(h[1]) and _num(h[2]) for h in e.get("history", []))
+            and (scale is None or (isinstance(scale, dict) and _num(scale.get("scale"))
+                                   and scale["scale"] > 0 and _int(scale.get("clean")))))
+
+
+def _groups_ok(g) -> bool:
+    return isinstance(g, list) and all(
+        isinstance(x, dict) and isinstance(x.get("params"), list) for x in g)
+
+
+#: What each entry a checkpoint file holds besides the model must be: read_checkpoint refuses
+#: a file where one is not, naming it, before any of it is used (a tampered `rng` or
+#: `extra.best_loss` was a traceback on resume).
+_FIELDS = {
+    "format": lambda v: _int(v, 1),
+    "rng": _rng_ok,
+    "data": _data_ok,
+    "data_fingerprint": lambda v: v is None or (isinstance(v, list) and all(
+        isinstance(f, dict) and isinstance(f.get("path"), str) and _int(f.get("size"))
+        and isinstance(f.get("digest"), str) for f in v)),
+    "extra": lambda v: v is None or _extra_ok(v),
+    "optimizer": lambda v: v is None or isinstance(v, dict),
+}
+_SHARDED_FIELDS = {
+    "rng": lambda v: isinstance(v, list) and len(v) > 0 and all(map(_rng_ok, v)),
+    "world": lambda v: _int(v, 1),
+    "param_groups": _groups_ok,
+}
+
+
+def _check_fields(ck: dict, path: Path, sharded_: bool) -> None:
+    rules = {**_FIELDS, **(_SHARDED_FIELDS if sharded_ else {})}
+    for name, ok in rules.items():
+        if name in ("data", "data_fingerprint", "extra", "optimizer") and name not in ck:
+            continue  # optional: an export or an older writer may leave them out
+        if name not in ck or not ok(ck[name]):
+            found = repr(ck.get(name, "nothing"))
+            raise CheckpointError(
+                f"{path}: its '{name}' entry is damaged (found {found[:60]}); the file was "
+                f"altered or was not written by dormouse, so none of it is used: resume from "
+                f"another checkpoint, or train a new run (--overwrite, or another --out)"
+            )
+    if not sharded_ and not all(isinstance(k, str) and torch.is_tensor(v)
+                                for k, v in ck["model"].items()):  # fmt: skip
+        raise CheckpointError(f"{path}: its 'model' entry holds something other than named "
+                              f"tensors; the file was altered or was not written by dormouse")
 
 
 def shape_mismatch(saved: ModelConfig, current: ModelConfig) -> list[str]:
@@ -742,124 +971,11 @@ def load_train_state(net: torch.nn.Module, opt, ck: dict[str, Any], path: str | 
     load_optimizer_state(net, opt, optim, path, _SHARDED)
 
 
-# ---- the run folder ---------------------------------------------------------------------
-
-#: A checkpoint writer's temp file or shard directory: `.NAME.PID.RANDOM.tmp` (or
-#: `.NAME.RANDOM.tmp`, older).
-_TEMP = re.compile(r"\.(?P<name>.+\.pt)\.(?:(?P<pid>[0-9]+)\.)?[A-Za-z0-9_]+\.tmp\Z")
-
-
-def check_out_dir(out: str | Path) -> None:
-    """Refuse an --out that is a file, lies under a file, or cannot be created or written."""
-    out = Path(out)
-    if out.exists() and not out.is_dir():
-        raise CheckpointError(f"--out {out} is a file, not a folder; give a folder path "
-                              f"(it is created if missing)")  # fmt: skip
-    anc = out
-    while not anc.exists():
-        if anc.parent == anc:
-            break
-        anc = anc.parent
-    if anc != out and not anc.is_dir():
-        raise CheckpointError(
-            f"--out {out} lies under {anc}, which is a file, so the folder cannot be created; "
-            f"give a path under a folder"
-        )
-    if not os.access(anc, os.W_OK | os.X_OK):
-        what = "the run folder" if anc == out else f"its nearest existing parent {anc}"
-        raise CheckpointError(
-            f"--out {out}: {what} is not writable by this user, so no checkpoint could be "
-            f"saved; pick a writable --out (or fix the folder's permissions)"
-        )
-
-
-def clean_stale_temps(out: str | Path) -> list[str]:
-    """Remove what a checkpoint writer killed mid-save left: temp files and temp shard
-    directories no live writer owns (one named with the pid of a live process is left alone),
-    and shard directories no checkpoint names; returns their names."""
-    out = Path(out)
-    removed = []
-    if not out.is_dir():
-        return removed
-    for p in sorted(out.iterdir()):
-        m, s = _TEMP.match(p.name), _SHARDS.match(p.name)
-        if m:
-            pid = int(m["pid"]) if m["pid"] else None
-            if pid is not None and pid != os.getpid() and pid_alive(pid):
-                continue
-        elif not (s and p.is_dir() and _orphan(out / f"{s['stem']}.pt", p.name)):
-            continue
-        if p.is_dir():
-            shutil.rmtree(p, ignore_errors=True)
-        else:
-            p.unlink(missing_ok=True)
-        removed.append(p.name)
-    return removed
-
-
-def _orphan(manifest: Path, shards: str) -> bool:
-    """True when `shards` is no directory the checkpoint `manifest` names (a save killed
-    between renaming its directory and replacing the manifest); an unreadable manifest
-    keeps it."""
-    if not manifest.is_file():
-        return True
-    try:
-        ck = torch.load(manifest, map_location="cpu", weights_only=True, mmap=True)
-    except Exception:
-        return False
-    return not (isinstance(ck, dict) and ck.get("shards") == shards)
-
-
-def pid_alive(pid: int) -> bool:
-    """False once the process has exited (a zombie its parent has not reaped yet included)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except FileNotFoundError:
-        return False
-    except (OSError, IndexError):  # no /proc (not Linux): ask the kernel
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        except (PermissionError, OverflowError):
-            return True
-        return True
-
-
-def metrics_rows(path: str | Path) -> int:
-    path = Path(path)
-    if not path.is_file():
-        return 0
-    with path.open("rb") as f:
-        return sum(1 for line in f if line.strip())
-
-
-def trim_metrics(path: str | Path, step: int) -> int:
-    """Drop metrics rows written after `step` (and a torn last line); returns how many.
-
-    A run that crashed after its last checkpoint logged rows the resumed run logs again."""
-    path = Path(path)
-    if not path.is_file():
-        return 0
-    keep, dropped = [], 0
-    for line in path.read_text(errors="replace").splitlines():
-        if not line.strip():
-            continue
-        try:
-            row_step = json.loads(line).get("step")
-            ok = isinstance(row_step, (int, float)) and row_step <= step
-        except (ValueError, AttributeError):
-            ok = False
-        if ok:
-            keep.append(line)
-        else:
-            dropped += 1
-    if dropped:
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.trim.tmp")
-        tmp.write_text("".join(line + "\n" for line in keep))
-        os.replace(tmp, path)
-    return dropped
+#: A writer's temp file or shard staging directory (write_atomic, _staging_dir):
+#: `.NAME.PID.RANDOM.tmp`, or `.NAME.RANDOM.tmp` from an older writer of checkpoints. The run
+#: folder's cleaner (run_dir.clean_stale_temps) removes a dead writer's.
+TEMP_NAME = re.compile(r"\.(?P<name>.+\.(?:pt|json|jsonl|png))\.(?:(?P<pid>[0-9]+)\.)?"
+                       r"[A-Za-z0-9_]+\.tmp\Z")
 
 
 #: The optimizer group entries a resume takes from the checkpoint: its parameters and the lr
@@ -874,68 +990,3 @@ def resume_changes(saved: RunConfig, now: RunConfig) -> list[str]:
     run (the model's shape, the data and the optimizer's routing are checked where loaded)."""
     a, b = dataclasses.asdict(saved.train), dataclasses.asdict(now.train)
     return [f"{k} {a[k]!r} -> {b[k]!r}" for k in a if a[k] != b[k]]
-
-
-def plan_run_folder(run: RunConfig, mode: str, overwrite: bool, elastic_restart: int = 0) -> str:
-    """Decide what training into `run`'s folder means: "fresh", "resume" or "complete".
-
-    mode: never (refuse a folder holding a run), auto (resume when a checkpoint exists),
-    must (refuse when none does). --overwrite starts afresh on purpose. An elastic restart
-    (torchrun's TORCHELASTIC_RESTART_COUNT > 0) resumes by itself: `overwrite` then applies
-    to the first attempt only. Nothing is written here.
-    """
-    t = run.train
-    out = Path(t.out_dir)
-    path = out / f"{t.ckpt_name}.pt"
-    check_out_dir(out)
-    if overwrite and mode == "must":
-        raise CheckpointError("--overwrite starts afresh and --resume must continues: pick one")
-    if elastic_restart > 0:
-        if overwrite or mode == "never":
-            log.info(f"elastic restart {elastic_restart}: resuming the run in {out} "
-                     f"(--resume auto), not {'overwriting it' if overwrite else 'refusing it'}")
-        overwrite, mode = False, ("auto" if mode != "must" else "must")
-    has_ckpt = path.is_file()
-    rows = metrics_rows(out / "metrics.jsonl")
-    if overwrite:
-        if has_ckpt or rows:
-            log.info(f"--overwrite: starting afresh in {out} (replacing "
-                     + ", ".join(x for x in (f"{path.name}" if has_ckpt else "",
-                                             f"{rows} metrics rows" if rows else "") if x)
-                     + ")")  # fmt: skip
-        return "fresh"
-    if not has_ckpt:
-        if mode == "must":
-            raise CheckpointError(
-                f"--resume: no checkpoint at {path}; start without --resume (or --resume auto, "
-                f"which starts fresh when there is none)"
-            )
-        if rows and mode == "never":
-            raise CheckpointError(
-                f"{out} already holds metrics.jsonl ({rows} rows) from an earlier run that wrote "
-                f"no checkpoint; training here would erase them. Use --overwrite to start "
-                f"afresh, --resume auto, or another --out"
-            )
-        return "fresh"
-    ck = read_checkpoint(path, mmap=True)
-    step = int(ck["step"])
-    same = ck["run"] == run
-    if mode == "never" and not (same and step == t.steps):
-        why = ("this run's config" if same else "a different config ("
-               + "; ".join(resume_changes(ck["run"], run) or ["the model differs"]) + ")")
-        raise CheckpointError(
-            f"{out} already holds a run: {path.name} at step {step} of {ck['run'].train.steps}, "
-            f"{rows} metrics rows, {why}; training here would replace it. Use --resume auto to "
-            f"continue it, --overwrite to start afresh, or another --out"
-        )
-    if step > t.steps:
-        raise CheckpointError(
-            f"{path} is at step {step}, beyond this run's steps={t.steps}; raise --steps to "
-            f"continue it, or --overwrite to start afresh"
-        )
-    if step == t.steps:
-        log.info(f"{out}: the run is already complete at step {step} ({path}); nothing to "
-                 f"train. Raise --steps with --resume auto to continue it, or --overwrite to "
-                 f"start afresh")
-        return "complete"
-    return "resume"

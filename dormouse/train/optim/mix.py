@@ -2,13 +2,13 @@
 
 One torch.optim.Optimizer over three kinds of group, built from `routing.route_params`:
 
-* Muon (`dormouse.train.muon`), batched: one group per matrix shape [R, C] (a 2D weight, or one
+* Muon (`dormouse.train.optim.muon`), batched: one group per matrix shape [R, C] (a 2D weight, or one
   expert of a 3D [E, R, C] stack), whose momentum is one flat tensor (the [N, R, C] stack in
   one process, the local shards' elements under FSDP2) and whose Newton-Schulz polar runs as
   one batched call on whole matrices (under FSDP2 gathered by one all-gather per group).
 * AdamW: `torch.optim.AdamW` (or bitsandbytes' AdamW8bit), never hand-written; its group dicts
   are this optimizer's own.
-* Engram: the row-sparse Adam of `dormouse.train.rowadam` (lazy, per-row bias correction, no
+* Engram: the row-sparse Adam of `dormouse.train.optim.rowadam` (lazy, per-row bias correction, no
   weight decay) over the VRAM tables (`*store.table` parameters) and the host-RAM stores
   (`HostTables`, engram_ram), so both stores follow the same trajectory.
 
@@ -37,9 +37,9 @@ import time
 import torch
 from torch import Tensor, nn
 
-from ..config import ConfigError
-from ..model.engram import HostTables, touched_rows
-from .context import local_shard
+from ...config import ConfigError
+from ...model.engram import HostTables, touched_rows
+from ..context import local_shard
 from .muon import DTYPES, muon_step_
 from .routing import Route, route_params, strip_name
 from .quant import BLOCK
@@ -50,7 +50,7 @@ log = logging.getLogger(__name__)
 #: Adam's epsilon, the AdamW groups' and the Engram group's (torch AdamW's default); the
 #: config's adam_eps.
 ADAM_EPS = 1e-8
-#: muon_state_dtype / engram_state_dtype values; "int8": blockwise codes (dormouse.train.quant)
+#: muon_state_dtype / engram_state_dtype values; "int8": blockwise codes (dormouse.train.optim.quant)
 STATE_DTYPES = ("fp32", "bf16", "int8")
 #: Group entries a load leaves as built: the kernel choice is this machine's, not the run's.
 _KEEP_ON_LOAD = ("params", "fused", "foreach")
@@ -130,7 +130,7 @@ class MixOptimizer(torch.optim.Optimizer):
     APPROXIMATE by design (it drifts from the fp32 trajectory by bf16 round-off).
     `engram_state_dtype="bf16"` does the same for the Engram tables' Adam moments (computed
     in fp32, stored in bf16): the bulk of b1's optimizer state. "int8" stores either as 8-bit
-    codes with an fp32 scale per block (`dormouse.train.quant`: 256-value blocks of the
+    codes with an fp32 scale per block (`dormouse.train.optim.quant`: 256-value blocks of the
     momentum, one table row for the moments), about a quarter of fp32 and as approximate;
     its state entries are the codes and scales (momentum_q/momentum_absmax; exp_avg_q,
     exp_avg_absmax, exp_avg_sq_q, exp_avg_sq_sqrtmax), plain tensors that a checkpoint saves

@@ -22,7 +22,7 @@ def row_state(table: torch.Tensor, state_dtype: str = "fp32") -> dict[str, torch
     which `row_adam_` always computes in fp32, stored by `state_dtype`:
 
     * "fp32" / "bf16": exp_avg and exp_avg_sq like the table, in that dtype (bf16 halves them).
-    * "int8" (`dormouse.train.quant`): exp_avg_q (int8) and exp_avg_sq_q (uint8 codes of
+    * "int8" (`dormouse.train.optim.quant`): exp_avg_q (int8) and exp_avg_sq_q (uint8 codes of
       sqrt(v)) like the table, and per ROW one fp32 scale each, exp_avg_absmax and
       exp_avg_sq_sqrtmax [n_tables, rows]. A block is one table row because the row-sparse
       step reads and writes whole rows: re-quantising a touched row touches its own codes and
