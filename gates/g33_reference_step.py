@@ -23,6 +23,7 @@ path learns from step 0.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import tempfile
 from pathlib import Path
@@ -221,8 +222,12 @@ def checkpoint_errors(ck: dict, snap: dict, start: dict, run_json: str) -> tuple
     data = {k: ck["data"].get(k) for k in snap["data"]}
     if data != snap["data"]:
         bad.append(f"data position {data}, the reference's {snap['data']}")
-    if ck["config"] != run_json:
-        bad.append("the stored run config is not the run's")
+    stored, asked = json.loads(ck["config"]), json.loads(run_json)
+    # a field left on "auto" is stored as what it resolved to
+    differ = [k for part in ("model", "train") for k, v in asked[part].items()
+              if v != "auto" and stored[part].get(k) != v]
+    if differ or stored["source"] != asked["source"]:
+        bad.append(f"the stored run config differs from the run's in {differ or ['source']}")
     extra = ck.get("extra", {})
     for k in ("best_step", "since_best"):
         if extra.get(k) != snap[k]:
