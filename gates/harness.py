@@ -72,7 +72,7 @@ GATES = [
     "g16_clip", "g17_bf16_reduce", "g18_causal", "g19_kernels", "g20_data", "g21_multinode",
     "g22_elastic", "g23_capacity_fleet", "g24_fsdp_muon", "g25_sharded_ckpt",
     "g26_accumulation", "g27_resplit", "g28_rebalance", "g29_dropout", "g30_mixed_dtype",
-    "g31_compile_fleet",
+    "g31_compile_fleet", "g32_reference_model", "g33_reference_step",
 ]  # fmt: skip
 
 

@@ -9,7 +9,12 @@ it, and says where the bug lives:
   launches, through a sitecustomize on PYTHONPATH), never in the gate's own process, where
   the single-process references run unpatched;
 * scope "process": in the gate's own process (gates that call dormouse functions directly:
-  capacity parsing, the device policy, the launch rules, the model's kernel arms).
+  capacity parsing, the device policy, the launch rules, the model's kernel arms);
+* scope "source": a bug in code the single process and the fleet share (the loss, the clip,
+  the schedule, the optimizer, LFB, the data order, evaluation, resume state): planted in
+  the gate's own process AND in every fleet rank, so the fleet and its one-process reference
+  carry it alike. Only a gate that holds the trainer to the equations (g32, g33) or to a
+  bound of its own (g01: the fixture must learn) can see it.
 
 `python -m gates --mutations` runs every entry against its gates and writes
 docs/mutations.md; `pytest -m mutation` does the same as tests. A mutation counts as caught
@@ -26,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 _MISSING = object()
+_IN_PROCESS = ("process", "source")
 
 
 @dataclass(frozen=True)
@@ -34,7 +40,7 @@ class Mutation:
     bug: str  # the plausible bug, in words
     patches: tuple[tuple[str, Callable[[Any], Any]], ...]  # ("module:Qual.name", make(original))
     gates: tuple[str, ...]  # every one of these must FAIL by verdict
-    scope: str = "fleet"  # "fleet" or "process" (see the module docstring)
+    scope: str = "fleet"  # "fleet", "process" or "source" (see the module docstring)
 
 
 def _resolve(target: str):
@@ -77,13 +83,13 @@ def apply(name: str) -> Callable[[], None]:
 
 @contextlib.contextmanager
 def planted(name: str):
-    """Within the block: the gate's fleets (and, for scope "process", this process) run
-    mutation `name`."""
+    """Within the block: the gate's fleets (scope "fleet" or "source") and this process
+    (scope "process" or "source") run mutation `name`."""
     from gates import harness
 
     m = BY_NAME[name]
-    undo = apply(name) if m.scope == "process" else (lambda: None)
-    harness.ACTIVE_MUTATION = name if m.scope == "fleet" else ""
+    undo = apply(name) if m.scope in _IN_PROCESS else (lambda: None)
+    harness.ACTIVE_MUTATION = name if m.scope in ("fleet", "source") else ""
     try:
         yield m
     finally:
@@ -427,6 +433,195 @@ def _strip_module_first(orig):
     return strip_name
 
 
+# ---- bugs in the shared source (scope "source"): the single process carries them too ------------
+
+
+def _muon_decay_base_lr(orig):
+    def muon_step_(g, buf, offsets, absmax=None, lr_t=None):
+        import torch
+
+        if g["weight_decay"]:
+            with torch.no_grad():
+                for p in g["params"]:
+                    if p.grad is not None:
+                        p.mul_(1.0 - g["base_lr"] * g["weight_decay"])  # the unscheduled lr
+        return orig({**g, "weight_decay": 0.0}, buf, offsets, absmax, lr_t)
+
+    return muon_step_
+
+
+def _cosine_from_step_zero(orig):
+    def lr_factor(step, cfg):
+        import math
+
+        if (cfg.warmup and step < cfg.warmup) or cfg.schedule != "cosine" or (
+                cfg.steps <= cfg.warmup):
+            return orig(step, cfg)
+        lo = cfg.min_lr_frac  # progress counted from step 0, the warm-up forgotten
+        return lo + (1 - lo) * 0.5 * (1 + math.cos(math.pi * min(1.0, step / max(1, cfg.steps))))
+
+    return lr_factor
+
+
+def _eval_in_train_mode(orig):
+    def _sums(model, batches, device, autocast_dtype, pad=None):
+        model.__dict__["eval"] = lambda: model  # model.eval() forgotten: a no-op
+        try:
+            return orig(model, batches, device, autocast_dtype, pad)
+        finally:
+            model.__dict__.pop("eval", None)
+
+    return _sums
+
+
+def _clip_zero_clips_all(orig):
+    def clip_grad_norm_(self, max_norm):
+        import math
+
+        # the loop's `grad_clip > 0` read as `>= 0`: grad_clip=0 clips to a norm of 0
+        return orig(self, 0.0 if math.isinf(max_norm) else max_norm)
+
+    return clip_grad_norm_
+
+
+def _clip_not_clamped(orig):
+    def clip_grad_norm_(self, max_norm):
+        import math
+
+        import torch
+
+        total = orig(self, math.inf)  # the norm; nothing scaled
+        if math.isfinite(max_norm):
+            grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
+            grads += [h.grad for h in (s.consolidate() for _, s in self._host) if h is not None]
+            # clip / norm without min(1, .): a step under the threshold is scaled UP to it
+            torch._foreach_mul_(grads, max_norm / (float(total) + 1e-6))
+        return total
+
+    return clip_grad_norm_
+
+
+def _from_config_dropping(field: str, default):
+    def make(orig):
+        fn = orig.__func__
+
+        def from_config(cls, model, train_cfg, device_type):
+            import dataclasses
+
+            return fn(cls, model, dataclasses.replace(train_cfg, **{field: default}), device_type)
+
+        return classmethod(from_config)
+
+    return make
+
+
+def _skip_zeroes_bias(_orig):
+    def lfb_discard(self):
+        import torch
+
+        with torch.no_grad():
+            for block in self.blocks:
+                block.moe.lfb_bias.zero_()  # the bias, not the counts
+
+    return lfb_discard
+
+
+def _k_unnormalised(orig):
+    calls = [0]
+
+    def _l2norm(x, *args, **kw):
+        calls[0] += 1
+        return orig(x, *args, **kw) if calls[0] % 2 else x  # q, k = _l2norm(q), k
+
+    return _l2norm
+
+
+def _without_since_best(orig):
+    return lambda self: {k: v for k, v in orig(self).items() if k != "since_best"}
+
+
+def _times_temperature(orig):
+    def sample_next(logits, temperature, top_k=0, generator=None):
+        if temperature > 0:
+            logits = logits.float() * temperature * temperature  # then / T: x T in all
+        return orig(logits, temperature, top_k, generator)
+
+    return sample_next
+
+
+def _loss_on_byte_after_next(orig):
+    def forward(self, x, y=None, keys=None):
+        import torch.nn.functional as F
+
+        logits, loss, aux = orig(self, x, y, keys=keys)
+        if y is not None:
+            loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)),
+                                   y[:, 1:].reshape(-1))  # fmt: skip
+        return logits, loss, aux
+
+    return forward
+
+
+def _gates_not_renormalised(orig):
+    def route(self, x, key=None):
+        s, experts, _ = orig(self, x, key)
+        return s, experts, s.gather(1, experts)
+
+    return route
+
+
+def _decay_ignores_input(orig):
+    def _inputs(self, x, iteration, conv_tail, y):
+        import torch
+
+        q, k, v, g, beta, tail = orig(self, x, iteration, conv_tail, y)
+        g = (-torch.exp(self.A_log.to(g.dtype))).expand(*g.shape[:2], -1).reshape(g.shape)
+        return q, k, v, g, beta, tail
+
+    return _inputs
+
+
+def _mix32_one_round(_orig):
+    return lambda h: ((h >> 16) ^ h) * 0x45D9F3B & 0xFFFFFFFF
+
+
+def _decay_every_adamw_tensor(orig):
+    def _classify(name, shape, kind):
+        owner, reason, decay = orig(name, shape, kind)
+        return owner, reason, decay or owner == "adamw"
+
+    return _classify
+
+
+def _row_adam_one_correction(_orig):
+    def _adam_rows(p, m, v, k, g, lr, betas, eps):
+        import torch
+
+        b1, b2 = betas
+        m.lerp_(g, 1 - b1)
+        v.mul_(b2).addcmul_(g, g, value=1 - b2)
+        step_size = (lr / (1 - torch.pow(b1, k.to(torch.float64)))).to(p.dtype).unsqueeze(1)
+        return p + (-step_size) * m / (v.sqrt() + eps)  # no second bias correction
+
+    return _adam_rows
+
+
+def _lfb_toward_the_busy(orig):
+    def lfb_update(self, reduce=None, ok=None):
+        self.lfb_counts.neg_()  # sign(counts - mean): the bias moves toward the busy experts
+        return orig(self, reduce, ok)
+
+    return lfb_update
+
+
+def _bias_not_persistent(orig):
+    def __init__(self, cfg):
+        orig(self, cfg)
+        self._non_persistent_buffers_set.add("lfb_bias")
+
+    return __init__
+
+
 MUTATIONS: list[Mutation] = [
     Mutation("loss_scale_world_squared",
              "the loss scale is world_size^2 * t_r / sum(t): every fleet gradient is world_size "
@@ -661,6 +856,117 @@ MUTATIONS: list[Mutation] = [
              "'_orig_mod.head.weight' is no head, and the head falls to Muon",
              (("dormouse.train.optim.routing:strip_name", _keep_orig_mod),),
              ("g31_compile_fleet",)),
+
+    # ---- source: planted in the code the single process shares with the fleet ----
+    Mutation("muon_decay_base_lr",
+             "Muon's decoupled weight decay uses the base lr, not the scheduled one (too strong "
+             "in warm-up and at the cosine floor)",
+             (("dormouse.train.optim.mix:muon_step_", _muon_decay_base_lr),),
+             ("g33_reference_step",), scope="source"),
+    Mutation("cosine_from_step_zero",
+             "the cosine's progress is counted from step 0, ignoring the warm-up (the lr drops "
+             "at the end of warm-up)",
+             (("dormouse.train.loop:lr_factor", _cosine_from_step_zero),),
+             ("g33_reference_step",), scope="source"),
+    Mutation("eval_in_train_mode",
+             "model.eval() dropped before validation: dropout in every evaluation, and its "
+             "forwards move the LFB counts",
+             (("dormouse.train.loop:_sums", _eval_in_train_mode),),
+             ("g33_reference_step",), scope="source"),
+    Mutation("clip_zero_clips_all",
+             "`grad_clip >= 0` instead of `> 0`: grad_clip=0 (off) clips to norm 0, zeroing "
+             "every gradient; the run learns nothing",
+             (("dormouse.train.optim.mix:MixOptimizer.clip_grad_norm_", _clip_zero_clips_all),),
+             ("g01_trajectory", "g33_reference_step"), scope="source"),
+    Mutation("clip_not_clamped",
+             "the clip coefficient grad_clip / norm is not capped at 1: every step's gradient "
+             "is scaled to the clip norm, small ones up",
+             (("dormouse.train.optim.mix:MixOptimizer.clip_grad_norm_", _clip_not_clamped),),
+             ("g33_reference_step",), scope="source"),
+    Mutation("engram_lr_mult_dropped",
+             "MixOptimizer.from_config drops engram_lr_mult: --set engram_lr_mult is silently "
+             "ignored (the default 5 runs)",
+             (("dormouse.train.optim.mix:MixOptimizer.from_config",
+               _from_config_dropping("engram_lr_mult", 5.0)),),
+             ("g33_reference_step",), scope="source"),
+    Mutation("adam_eps_dropped",
+             "MixOptimizer.from_config drops adam_eps: --set adam_eps is silently ignored "
+             "(torch's 1e-8 runs)",
+             (("dormouse.train.optim.mix:MixOptimizer.from_config",
+               _from_config_dropping("adam_eps", 1e-8)),),
+             ("g33_reference_step",), scope="source"),
+    Mutation("skip_zeroes_lfb_bias",
+             "a skipped step zeroes lfb_bias instead of lfb_counts: every non-finite skip "
+             "erases the balancing bias",
+             (("dormouse.model.model:DormouseModel.lfb_discard", _skip_zeroes_bias),),
+             ("g33_reference_step",), scope="source"),
+    Mutation("kda_k_unnormalised",
+             "the torch KDA arm skips k's L2 norm (q is normalised, k is not)",
+             (("dormouse.model.kda:_l2norm", _k_unnormalised),),
+             ("g32_reference_model",), scope="source"),
+    Mutation("kda_decay_ignores_input",
+             "the KDA decay drops its input-dependent softplus term: g = -exp(A_log)",
+             (("dormouse.model.kda:KDAMixer._inputs", _decay_ignores_input),),
+             ("g32_reference_model",), scope="source"),
+    Mutation("since_best_not_saved",
+             "the early-stop counter (since_best) is not saved: patience restarts at every "
+             "resume",
+             (("dormouse.train.loop:_Best.state", _without_since_best),),
+             ("g33_reference_step",), scope="source"),
+    Mutation("sampling_times_temperature",
+             "sampling multiplies the logits by the temperature: T=0.8 samples at 1.25, a low "
+             "T gives near-uniform text",
+             (("dormouse.model.sample:sample_next", _times_temperature),),
+             ("g32_reference_model",), scope="source"),
+    Mutation("loss_on_byte_after_next",
+             "the loss is taken on logits[:, :-1] against y[:, 1:]: the model learns the byte "
+             "after next",
+             (("dormouse.model.model:DormouseModel.forward", _loss_on_byte_after_next),),
+             ("g32_reference_model", "g33_reference_step"), scope="source"),
+    Mutation("moe_gates_not_renormalised",
+             "the MoE's top-k gates are the raw affinities, not renormalised over the picks",
+             (("dormouse.model.moe:MoE.route", _gates_not_renormalised),),
+             ("g32_reference_model",), scope="source"),
+    Mutation("engram_hash_one_round",
+             "the Engram hash's finaliser runs one multiply-xorshift round and no last shift: "
+             "other rows (the tables of a checkpoint no longer line up)",
+             (("dormouse.model.engram:_mix32", _mix32_one_round),),
+             ("g32_reference_model",), scope="source"),
+    Mutation("adamw_decays_1d",
+             "AdamW decays every tensor it steps, norm gains, biases and the decay's dt_bias "
+             "and A_log included",
+             (("dormouse.train.optim.routing:_classify", _decay_every_adamw_tensor),),
+             ("g33_reference_step",), scope="source"),
+    Mutation("row_adam_one_correction",
+             "the Engram row Adam drops its second bias correction (sqrt(v) for sqrt(v / (1 - "
+             "b2^t)))",
+             (("dormouse.train.optim.rowadam:_adam_rows", _row_adam_one_correction),),
+             ("g33_reference_step",), scope="source"),
+    Mutation("lfb_toward_the_busy",
+             "the LFB update's sign is flipped: the bias steers more tokens to the busiest "
+             "experts",
+             (("dormouse.model.moe:MoE.lfb_update", _lfb_toward_the_busy),),
+             ("g33_reference_step",), scope="source"),
+    Mutation("lfb_bias_not_persistent",
+             "lfb_bias is a non-persistent buffer: no checkpoint holds it, a resume restarts "
+             "the balancing from zero",
+             (("dormouse.model.moe:MoE.__init__", _bias_not_persistent),),
+             ("g33_reference_step",), scope="source"),
+    Mutation("phase_drawn_once",
+             "the data phase is pass 0's in every pass: each later pass reads the same windows",
+             (("dormouse.train.data:ByteStream.phase",
+               lambda orig: lambda self, n_pass: orig(self, 0)),),
+             ("g33_reference_step",), scope="source"),
+    Mutation("block_order_drawn_once",
+             "the block order is pass 0's permutation in every pass",
+             (("dormouse.train.data:ByteStream.block",
+               lambda orig: lambda self, step: orig(self, step % self.n_blocks)),),
+             ("g33_reference_step",), scope="source"),
+    Mutation("resume_restarts_data",
+             "a resume does not restore the data position: the run reads its first blocks again",
+             (("dormouse.train.data:ByteStream.load_state_dict",
+               lambda orig: lambda self, sd: orig(self, {**sd, "step": 0})),),
+             ("g33_reference_step",), scope="source"),
 ]
 
 BY_NAME = {m.name: m for m in MUTATIONS}
@@ -676,13 +982,14 @@ def run_one(m: Mutation, gate: str, cuda: bool = False) -> dict:
     before = set(harness._memory)
     with _isolated_cache(m), planted(m.name):
         rec = harness.timed(gate, lambda: harness.load(gate).run(cuda=cuda))
-    if m.scope == "process":  # references computed while the bug sat in this process
+    if m.scope in _IN_PROCESS:  # references computed while the bug sat in this process
         for key in set(harness._memory) - before:
             harness._memory.pop(key, None)
     crashed = rec.claim == "(gate crashed)"
     outcome = "caught" if not rec.passed and not crashed else ("crashed" if crashed else "MISSED")
-    return {"mutation": m.name, "bug": m.bug, "gate": gate, "outcome": outcome,
-            "measured": rec.measured, "tolerance": rec.tolerance, "seconds": rec.seconds}
+    return {"mutation": m.name, "bug": m.bug, "scope": m.scope, "gate": gate,
+            "outcome": outcome, "measured": rec.measured, "tolerance": rec.tolerance,
+            "seconds": rec.seconds}
 
 
 def run_named(mutation: str, gate: str) -> dict:
@@ -695,7 +1002,7 @@ def run_named(mutation: str, gate: str) -> dict:
 def _isolated_cache(m: Mutation):
     """A process-scope bug may change what a reference computes here: keep such results out
     of the cache that unmutated gates share (fleets are keyed by their mutation anyway)."""
-    if m.scope != "process" or "DORMOUSE_GATE_CACHE" not in os.environ:
+    if m.scope not in _IN_PROCESS or "DORMOUSE_GATE_CACHE" not in os.environ:
         yield
         return
     old = os.environ.pop("DORMOUSE_GATE_CACHE")
@@ -714,18 +1021,21 @@ def write_table(rows: list[dict], path) -> None:
     lines = [
         "# Mutations: every gate must be able to fail",
         "",
-        "Generated by `python -m gates --mutations` (do not edit by hand). Each row plants one "
-        "plausible bug (`gates/mutations.py`: a monkeypatch of a named function) and runs the "
-        "gate that must catch it. `caught` = the gate returned FAIL by its own verdict; "
-        "`crashed` or `MISSED` would be a gate without the power to fail.",
+        ("Generated by `python -m gates --mutations` (do not edit by hand). Each row plants one "
+         "plausible bug (`gates/mutations.py`: a monkeypatch of a named function) and runs the "
+         "gate that must catch it. `caught` = the gate returned FAIL by its own verdict; "
+         "`crashed` or `MISSED` would be a gate without the power to fail. Scope: where the "
+         "bug is planted: `fleet` inside every fleet rank, `process` in the gate's own process, "
+         "`source` in both (the single-process reference carries it too: docs/references.md)."),
         "",
         f"torch {torch.__version__}, gloo on the CPU. {caught}/{len(rows)} caught.",
         "",
-        "| mutation | the bug | gate | outcome | measured (with the bug) | tolerance |",
-        "|---|---|---|---|---|---|",
+        "| mutation | the bug | scope | gate | outcome | measured (with the bug) | tolerance |",
+        "|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        cells = [r["mutation"], r["bug"], r["gate"], r["outcome"], r["measured"], r["tolerance"]]
+        cells = [r["mutation"], r["bug"], r["scope"], r["gate"], r["outcome"], r["measured"],
+                 r["tolerance"]]
         lines.append("| " + " | ".join(str(c).replace("|", "\\|").replace("\n", " ")
                                         for c in cells) + " |")  # fmt: skip
     lines.append("")

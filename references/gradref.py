@@ -1,4 +1,5 @@
-"""The token-weighted gradient of ONE fleet step, computed by hand in one process.
+"""The token-weighted gradient of ONE fleet step, computed by hand in one process (a fleet
+reference, layer 3 of DESIGN §5: it steps with the trainer's own optimizer).
 
 A fleet whose rank r holds t_r tokens must step with the gradient of the mean loss over the
 GLOBAL batch's tokens:

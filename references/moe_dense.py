@@ -62,3 +62,52 @@ def moe_dense(
                 y = y + _swiglu(xt, s1.t(), s3.t(), s2.t())
         outs.append(y)
     return torch.stack(outs).reshape(x.shape)
+
+
+def pick_experts(x: torch.Tensor, router_w: torch.Tensor, topk: int, bias=None):
+    """(affinities s [N, E], picked experts [N, topk] best first, margin): the same rule as
+    moe_dense, for every token at once. Ties go to the lower expert index (a stable sort).
+    `margin` is the smallest gap between a token's topk-th and next score (inf when every
+    expert is picked): below the round-off of whoever is compared with this, they may pick
+    differently."""
+    rows = x.reshape(-1, x.shape[-1])
+    s = torch.sigmoid(rows @ router_w.t())
+    score = s.detach() + (bias.to(s.dtype) if bias is not None else 0.0)
+    ordered, idx = torch.sort(score, dim=-1, descending=True, stable=True)
+    margin = (float((ordered[:, topk - 1] - ordered[:, topk]).min())
+              if topk < score.shape[-1] and score.shape[0] else float("inf"))  # fmt: skip
+    return s, idx[:, :topk], margin
+
+
+def moe_all_experts(
+    x: torch.Tensor,
+    router_w: torch.Tensor,
+    w1: torch.Tensor,
+    w3: torch.Tensor,
+    w2: torch.Tensor,
+    shared=None,
+    bias: torch.Tensor | None = None,
+    topk: int = 2,
+    dropped: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """moe_dense's rule with every expert computed for every token: the output is the sum
+    over ALL experts of g_e * expert_e(x), where g_e is the renormalised affinity of a picked
+    expert and exactly 0 for the others. The same equations as the loop above (held to it by
+    tests/test_references.py), fast enough to sit inside a whole-model reference that trains.
+
+    `dropped`: a bool [N, E] mask of assignments the capacity rule dropped; a dropped pick
+    keeps its share in the normaliser (the token loses that share) and contributes nothing,
+    as moe_dense's `drop`. `shared` as in moe_dense (a tuple or None)."""
+    rows = x.reshape(-1, x.shape[-1])
+    s, picked, _ = pick_experts(rows, router_w, topk, bias)
+    mask = torch.zeros_like(s).scatter(1, picked, 1.0)
+    g = s * mask
+    g = g / g.sum(-1, keepdim=True)
+    if dropped is not None:
+        g = g.masked_fill(dropped, 0.0)
+    every = torch.stack([_swiglu(rows, w1[e], w3[e], w2[e]) for e in range(w1.shape[0])], 1)
+    y = (g.unsqueeze(-1) * every).sum(1)  # [N, E, D] -> [N, D]
+    if shared is not None:
+        s1, s3, s2 = shared
+        y = y + _swiglu(rows, s1.t(), s3.t(), s2.t())
+    return y.reshape(x.shape)

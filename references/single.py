@@ -1,4 +1,8 @@
-"""The reference trajectory: ONE process at the fleet's GLOBAL batch.
+"""The fleet's reference (layer 3 of DESIGN §5): the trainer's own single process at the
+fleet's GLOBAL batch. Not an independent reference: it RUNS dormouse.train, by design, so a
+bug in the code it shares with the fleet is in both; the equation references
+(references/model.py, references/step.py; gates 32 and 33) are what hold this one process to
+DESIGN §2-§3.
 
 A fleet of P ranks with batches b_r reads, at step s, the union of its ranks' windows, and
 that union is exactly the block one process with batch sum(b_r) reads at step s (the data

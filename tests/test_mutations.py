@@ -32,7 +32,7 @@ def test_every_mutation_names_a_real_target_and_gate():
     names = [m.name for m in MUTATIONS]
     assert len(names) == len(set(names))
     for m in MUTATIONS:
-        assert m.scope in ("fleet", "process")
+        assert m.scope in ("fleet", "process", "source")
         assert set(m.gates) <= set(GATES), m.name
         for target, _ in m.patches:
             owner, attr = _resolve(target)

@@ -29,7 +29,13 @@ With v_d the (padded) byte d positions back (d = 0 is byte t itself):
 `+ 1` keeps a zero byte from erasing its own term. M[n, j, d] are odd constants
 in [2^22, 2^23) and S[n, j] 32-bit salts, both drawn from splitmix64 keyed by
 (n, j, d) and the fixed `HASH_SEED`, so they never depend on torch's RNG, on the
-other orders in the config, or on the Python version. Every intermediate stays
+other orders in the config, or on the Python version:
+
+    M[n, j, d] = (r & (2^22 - 1)) | 2^22 | 1,  r = splitmix64(HASH_SEED ^ n << 48 ^ j << 24 ^ d)
+    S[n, j]    = splitmix64(HASH_SEED ^ n << 48 ^ j << 24 ^ 0xFFFFFF) & (2^32 - 1)
+
+with Vigna's splitmix64 (add 0x9E3779B97F4A7C15, then x ^= x >> 30, x *= 0xBF58476D1CE4E5B9,
+x ^= x >> 27, x *= 0x94D049BB133111EB, x ^= x >> 31, all mod 2^64). Every intermediate stays
 below 2^63, so the int64 arithmetic never overflows and CPU and CUDA agree bit for
 bit. mix32 is Thomas Mueller's 32-bit integer finaliser (two rounds of
 xor-shift-16 and multiply by 0x45d9f3b, then a last xor-shift), which spreads the
@@ -53,7 +59,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dormouse.model.layers import RMSNorm
+from dormouse.model.layers import RMSNorm, at_least_fp32
 
 #: Pad value for positions before the start; real bytes are 0..255.
 PAD = 256
@@ -428,7 +434,7 @@ class Engram(nn.Module):
         e = self.store.gather(idx).flatten(-2)  # [B, T, n_tables * dim]
         k = self.key(e)
         v = self.value(e)
-        s = (self.norm_h(h).float() * self.norm_k(k).float()).sum(-1, keepdim=True)
+        s = (at_least_fp32(self.norm_h(h)) * at_least_fp32(self.norm_k(k))).sum(-1, keepdim=True)
         gate = torch.sigmoid(s / math.sqrt(d))
         u = gate.to(v.dtype) * v  # [B, T, d]
         if prev_u is None:

@@ -24,7 +24,7 @@ from torch import nn
 from dormouse import cache
 from dormouse.config import ModelConfig
 from dormouse.model.arms import Arm, announce, check_request, choose_arm
-from dormouse.model.layers import LowRankDelta, RMSNorm
+from dormouse.model.layers import LowRankDelta, RMSNorm, at_least_fp32
 from dormouse.model.qk_norm import EPS as _L2_EPS
 from dormouse.model.qk_norm import qk_l2norm
 
@@ -553,7 +553,7 @@ class ShortConv(nn.Module):
 
 
 def _l2norm(x: torch.Tensor, eps: float = _L2_EPS) -> torch.Tensor:
-    xf = x.float()
+    xf = at_least_fp32(x)
     return (xf * torch.rsqrt(xf.pow(2).sum(-1, keepdim=True) + eps)).to(x.dtype)
 
 
@@ -722,10 +722,10 @@ class KDAMixer(nn.Module):
             q, k, v = qkv.view(B, T, 3, H, Dh).unbind(dim=2)
             q, k = _l2norm(q), _l2norm(k)
 
-        f = self.dt_bias.float().expand(B, T, -1)
+        f = at_least_fp32(self.dt_bias).expand(B, T, -1)
         if self.f_down is not None:
-            f = self.f_up(y["f"]).float() + f
-        g = (-torch.exp(self.A_log.float()) * F.softplus(f)).view(B, T, H, Dh)
+            f = at_least_fp32(self.f_up(y["f"])) + f
+        g = (-torch.exp(at_least_fp32(self.A_log)) * F.softplus(f)).view(B, T, H, Dh)
         beta = torch.sigmoid(y["b"])
         return q, k, v, g, beta, new_tail
 

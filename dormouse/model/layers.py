@@ -1,9 +1,17 @@
-"""Small building blocks shared by the model's modules: RMSNorm and the low-rank delta."""
+"""Small building blocks shared by the model's modules: RMSNorm, the low-rank delta and the
+keyed dropout."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+
+def at_least_fp32(t: torch.Tensor) -> torch.Tensor:
+    """t in fp32 for the reductions and gates the model keeps in fp32 (under bf16/fp16 too), but
+    fp64 stays fp64, so a model built in fp64 computes in fp64 throughout and can be held to the
+    fp64 reference (references/model.py) at fp64 round-off."""
+    return t if t.dtype == torch.float64 else t.float()
 
 
 class RMSNorm(nn.Module):
@@ -13,9 +21,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
+        xf = at_least_fp32(x)
         y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (y * self.weight.float()).to(x.dtype)
+        return (y * self.weight.to(xf.dtype)).to(x.dtype)
 
 
 class LowRankDelta(nn.Module):
@@ -59,7 +67,17 @@ class KeyedDropout:
 
     `site` names the place in the network (embedding, Engram, each mixer and FFN output per
     iteration), so every site draws its own mask; activation checkpointing recomputes the
-    very same mask. Inverted scaling (kept values x 1/(1-p)), as torch's dropout."""
+    very same mask. Inverted scaling (kept values x 1/(1-p)), as torch's dropout.
+
+    The mask, in 32-bit unsigned arithmetic (mix32 as `_mix32`; M32 = 2^32 - 1):
+
+        key(seed, step, row) = mix32(mix32(mix32(seed) ^ step) ^ row)      (row_keys)
+        base                 = mix32(key ^ ((site * 0x9E3779B + 1) & M32))
+        h[i]                 = mix32(base ^ i)     i: the value's flat index within its window
+        kept                 = (h[i] & 0xFFFFFF) >= round(p * 2^24)
+
+    Sites: 0 the embedding, 1 the Engram branch, 2 + 2 * (iteration * n_layers + layer) a
+    block's mixer output and the next site its FFN output."""
 
     def __init__(self, keys: torch.Tensor, p: float):
         self.keys = keys.to(torch.int64)

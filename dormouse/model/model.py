@@ -19,7 +19,7 @@ from torch.utils.checkpoint import checkpoint
 from ..config import ModelConfig
 from .engram import Engram
 from .kda import KDAMixer
-from .layers import RMSNorm, dropout_for
+from .layers import RMSNorm, at_least_fp32, dropout_for
 from .moe import MoE
 
 
@@ -108,7 +108,8 @@ class DormouseModel(nn.Module):
         logits = self.head(self.norm_f(h))
         loss = None
         if y is not None:
-            loss = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), y.reshape(-1))
+            loss = F.cross_entropy(at_least_fp32(logits).reshape(-1, logits.size(-1)),
+                                   y.reshape(-1))
         aux = {"load": torch.stack(loads).mean(0) if loads else None, "dropped": dropped}
         return logits, loss, aux
 

@@ -61,6 +61,7 @@ from torch import nn
 
 from dormouse.config import ModelConfig
 from dormouse.model.arms import Arm, announce, check_request, choose_arm
+from dormouse.model.layers import at_least_fp32
 
 #: The grouped matmul this torch provides: the public name (present in 2.11 and 2.13) or
 #: the private op it wraps. Same (mat_a, mat_b, *, offs) contract for 2D x 3D; both
@@ -209,12 +210,13 @@ class MoE(nn.Module):
         expert weights; a crash on the batched arm, whose widths then changed).
         """
         with torch.autocast(device_type=x.device.type, enabled=False):
-            s = torch.sigmoid(F.linear(x.float(), self.router.weight.float()))
+            xf = at_least_fp32(x)
+            s = torch.sigmoid(F.linear(xf, self.router.weight.to(xf.dtype)))
         replay = self.replay if key is not None else None
         if replay is not None and torch._C._current_graph_task_id() != -1:
             experts = replay.pop(key)  # the recompute: the forward's choice
         else:
-            experts = torch.topk(s.detach() + self.lfb_bias.float(), self.topk, dim=-1).indices
+            experts = torch.topk(s.detach() + self.lfb_bias.to(s.dtype), self.topk, dim=-1).indices
             if replay is not None:
                 replay[key] = experts
         picked = s.gather(1, experts)
@@ -371,7 +373,7 @@ class MoE(nn.Module):
 
         # Undo the sort (a permutation: gather, not scatter) and sum each token's k
         # contributions in a fixed order, so the forward is deterministic on any device.
-        contrib = _GatherRows.apply(ys, inv, order, 1).float() * gates[:, None]
+        contrib = at_least_fp32(_GatherRows.apply(ys, inv, order, 1)) * gates[:, None]
         return contrib.view(n, k, self.d_model).sum(1)
 
     # ---- LFB controller ------------------------------------------------------------

@@ -51,16 +51,24 @@ def generate(model, prompt: bytes, n: int, *, temperature: float = 0.8, top_k: i
     logits = model.step(x, cache)  # the whole prompt in one chunked pass
     out = bytearray()
     for _ in range(n):
-        logits = logits.float()
-        if temperature <= 0:
-            nxt = int(logits.argmax(-1))
-        else:
-            logits = logits / temperature
-            if top_k:
-                kth = torch.topk(logits, min(top_k, logits.size(-1))).values[..., -1, None]
-                logits = logits.masked_fill(logits < kth, float("-inf"))
-            probs = torch.softmax(logits, -1).cpu()
-            nxt = int(torch.multinomial(probs, 1, generator=generator))
+        nxt = int(sample_next(logits, temperature, top_k, generator))
         out.append(nxt)
         logits = model.step(torch.tensor([[nxt]], dtype=torch.long, device=device), cache)
     return bytes(out)
+
+
+def sample_next(logits: torch.Tensor, temperature: float, top_k: int = 0,
+                generator: torch.Generator | None = None) -> torch.Tensor:
+    """One byte per row of logits [..., 256]: a draw from softmax(logits / temperature) over
+    the top_k largest logits (0: all), or the argmax at temperature 0. Returns [...] int64 on
+    the CPU. Gate 32 holds the draws to that distribution (a chi-square test)."""
+    logits = logits.float()
+    if temperature <= 0:
+        return logits.argmax(-1).cpu()
+    logits = logits / temperature
+    if top_k:
+        kth = torch.topk(logits, min(top_k, logits.size(-1))).values[..., -1, None]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, -1).cpu()
+    flat = probs.reshape(-1, probs.shape[-1])
+    return torch.multinomial(flat, 1, generator=generator).reshape(probs.shape[:-1])

@@ -29,6 +29,13 @@ compute the same blocks). The one window per pass that crosses the seam reads
 the view's last bytes then its first ones, like a document boundary. Without
 `shuffle` blocks are read in file order from phase 0, which feeds the model one
 source file after another (a strongly non-i.i.d. stream).
+
+The draws, with numpy's default generator, seed = the run's seed (+ i for the i-th
+--data file), pass = step // n_blocks, n = len(view):
+
+    order of pass p:  np.random.default_rng([seed, p]).permutation(n_blocks)
+    phase of pass p:  np.random.default_rng([seed, p, 0x70686173]).integers(0, n)
+    step s reads      [(phase + order[s % n_blocks] * stride + rank offset) mod n, + window)
 """
 
 from __future__ import annotations
