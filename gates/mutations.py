@@ -866,12 +866,12 @@ MUTATIONS: list[Mutation] = [
     Mutation("cosine_from_step_zero",
              "the cosine's progress is counted from step 0, ignoring the warm-up (the lr drops "
              "at the end of warm-up)",
-             (("dormouse.train.loop:lr_factor", _cosine_from_step_zero),),
+             (("dormouse.train.step:lr_factor", _cosine_from_step_zero),),
              ("g33_reference_step",), scope="source"),
     Mutation("eval_in_train_mode",
              "model.eval() dropped before validation: dropout in every evaluation, and its "
              "forwards move the LFB counts",
-             (("dormouse.train.loop:_sums", _eval_in_train_mode),),
+             (("dormouse.train.step:_sums", _eval_in_train_mode),),
              ("g33_reference_step",), scope="source"),
     Mutation("clip_zero_clips_all",
              "`grad_clip >= 0` instead of `> 0`: grad_clip=0 (off) clips to norm 0, zeroing "

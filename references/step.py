@@ -36,7 +36,8 @@ imported.
                 (shuffle=false: file order from 0)
     evaluation  eval_batches forward-sized batches evenly spaced over the val split, in eval
                 mode (no dropout, no counts); the token mean; bpb = nats / ln 2; at step 0,
-                every eval_every steps and at the end; early_stop: stop after that many in a
+                every eval_every steps and at the end; the best is the lowest after step 0
+                (an untrained model is never kept); early_stop: stop after that many in a
                 row without a new best
 
 `ReferenceRun.run` returns what a run records (losses, norms, evaluations, the step it
@@ -291,8 +292,7 @@ class ReferenceRun:
         rec = {"losses": {}, "gnorms": {}, "evals": [], "skipped": [], "snapshots": {}}
         has_val = len(self.val_list) > 0
         if t.eval_every and has_val:
-            res = self.evaluate()
-            self._see(0, res["loss"], math.nan)
+            res = self.evaluate()  # logged, never a best: the model is untrained
             rec["evals"].append((0, res["loss"], res["bpb"]))
         end, early, last_loss = t.steps, False, math.nan
         for step in range(t.steps):

@@ -21,12 +21,11 @@ from dataclasses import dataclass, field
 import torch
 
 from ..errors import UserError
-from . import step as steps
+from . import step as steps  # by module: a planted bug (gates/mutations.py) reaches the loop
 from .context import DPContext, OneStream
 from .data import DataError, fingerprint_mismatch, open_data
 from .optim.scaler import LossScaler, loss_scaled
 from .step import LN2, Callbacks, Step, Wrapped, _call, _Deferred, _Settled, device_verdict
-from .step import evaluate_fleet, lr_factor
 from .store import checkpoint as ckpt
 from .store.folder import METRICS, PLOT, RunDir, RunDirError, read_rows
 from .store.metrics import Sinks
@@ -367,7 +366,7 @@ class _Run:
         checkpoint worth keeping."""
         s, cfg, best = self.s, self.cfg, self.best
         self.beat.at(step, "eval")
-        res = evaluate_fleet(s.model, self.val, s.ctx, s.autocast)
+        res = steps.evaluate_fleet(s.model, self.val, s.ctx, s.autocast)
         tag = (f" dist={s.ctx.rank}/{s.ctx.world} (split over the ranks)" if s.ctx.world > 1
                else "")  # fmt: skip
         log.info(f"eval step={step} loss={res['loss']:.4f} bpb={res['bpb']:.4f} on "
@@ -437,7 +436,7 @@ class _Run:
         ms = 1000 * (now - self.t_log) / max(1, self.since_log)
         tps = ctx.global_tokens * self.since_log / max(1e-9, now - self.t_log)
         self.t_log, self.since_log, self.last_loss = now, 0, fleet
-        lr_now = cfg.lr * lr_factor(p.step, cfg)
+        lr_now = cfg.lr * steps.lr_factor(p.step, cfg)
         self.bar.clear()
         said = "" if scaler is None else f" scale={scaler.scale:g}"
         log.info(f"step={done} loss={fleet:.4f} bpb={fleet / LN2:.4f} lr={lr_now:.3e} "
@@ -562,7 +561,7 @@ def _steps(r: _Run) -> tuple[bool, dict]:
             t_step = time.perf_counter()
             x, y = r.stream.next()
             s.ctx = r.stream.ctx  # a fleet's re-split replaces its context
-            loss, aux, ok = steps.train_step(s, x, y, lr_factor(step, cfg), step)
+            loss, aux, ok = steps.train_step(s, x, y, steps.lr_factor(step, cfg), step)
             if step == r.start:  # the first step may be long on one rank (kernel autotune)
                 r.beat.settled()
                 _say_first_step(t_step, s.ctx.device)
