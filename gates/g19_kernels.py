@@ -84,7 +84,7 @@ def kda_forward_err(fn, device, shape, seed, **kw) -> tuple[float, float]:
 
 
 def kda_grad_err() -> float:
-    from dormouse.model.kda import kda_torch
+    from dormouse.model.kda_torch import kda_torch
     from references.kda_naive import kda_naive
 
     base = kda_inputs(1, 11, 2, 4, 3, dtype=torch.float64, seed=11)
@@ -272,7 +272,8 @@ def run(cuda: bool = False) -> Record:
 
 def _run(cuda: bool) -> Record:
     from dormouse.model.arms import choose_arm
-    from dormouse.model.kda import kda_fla, kda_torch
+    from dormouse.model.kda_fla import kda_fla
+    from dormouse.model.kda_torch import kda_torch
 
     device = "cuda" if cuda else "cpu"
     bad, parts = [], []

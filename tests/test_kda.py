@@ -13,7 +13,10 @@ import torch.nn.functional as F
 from dormouse.config import preset
 from dormouse.model import arms
 from dormouse.model.arms import ArmError, Card, choose_arm
-from dormouse.model.kda import KDAMixer, ShortConv, kda_fla, kda_torch
+from dormouse.model.kda import KDAMixer
+from dormouse.model.kda_fla import kda_fla
+from dormouse.model.kda_torch import kda_torch
+from dormouse.model.short_conv import ShortConv
 from references.kda_naive import kda_naive
 
 # fp32 round-off: outputs and states are O(1) and each entry is a sum of at most a few
@@ -548,10 +551,11 @@ def test_kda_op_equals_fla_autograd(keep, monkeypatch):
     # again for them (any other release).
     import fla.ops.kda.chunk as fla_chunk
 
-    from dormouse.model import kda
+    from dormouse.model import kda_fla
 
-    if keep and not kda._keeps_intermediates():
-        pytest.skip(f"this fla-core release is not in kda._SAVES_KNOWN {kda._SAVES_KNOWN}")
+    if keep and not kda_fla._keeps_intermediates():
+        pytest.skip(f"this fla-core release is not in kda_fla._SAVES_KNOWN "
+                    f"{kda_fla._SAVES_KNOWN}")
     monkeypatch.setattr(kda, "_keeps", keep)
     calls = []
     real_fwd = fla_chunk.chunk_kda_fwd

@@ -16,7 +16,7 @@ import torch
 
 from dormouse import cache
 from dormouse.bench import main_bench
-from dormouse.model import kda
+from dormouse.model import kda_fla, kda_torch
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -68,7 +68,7 @@ def fake_fla(monkeypatch):
     the CPU; a clock that advances 10 s a reading makes every first call 'slow'."""
 
     def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False):
-        return kda.kda_torch(q, k, v, g, beta, scale=scale, initial_state=initial_state,
+        return kda_torch.kda_torch(q, k, v, g, beta, scale=scale, initial_state=initial_state,
                              output_final_state=output_final_state)  # fmt: skip
 
     mods = {n: types.ModuleType(n) for n in ("fla", "fla.ops", "fla.ops.kda")}
@@ -76,8 +76,8 @@ def fake_fla(monkeypatch):
     for name, mod in mods.items():
         monkeypatch.setitem(sys.modules, name, mod)
     ticks = iter(range(0, 10_000, 10))
-    monkeypatch.setattr(kda._FirstCall, "clock", staticmethod(lambda: float(next(ticks))))
-    monkeypatch.setattr(kda._FirstCall, "seen", set())
+    monkeypatch.setattr(kda_fla._FirstCall, "clock", staticmethod(lambda: float(next(ticks))))
+    monkeypatch.setattr(kda_fla._FirstCall, "seen", set())
     monkeypatch.setenv("TRITON_CACHE_AUTOTUNING", "1")
 
 
@@ -91,27 +91,27 @@ def _inputs(B=2, T=16, H=2, D=8, grad=True):
 
 def test_first_fla_call_per_shape_is_said_and_timed(fake_fla, caplog):
     caplog.set_level(logging.INFO, logger="dormouse")
-    o, _ = kda.kda_fla(*_inputs())
+    o, _ = kda_fla.kda_fla(*_inputs())
     o.sum().backward()
-    lines = [r.getMessage() for r in caplog.records if r.name == "dormouse.model.kda"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "dormouse.model.kda_fla"]
     assert lines[0].startswith("kda: first fla call for shape 2 x 16 x 2 x 8 (float32); on a "
                                "fresh machine its kernels autotune for ~3 minutes")
     assert f"cached in {os.environ['TRITON_CACHE_DIR']}; later runs start in seconds" in lines[0]
     assert lines[1] == "kda: first fla forward for shape 2 x 16 x 2 x 8 (float32) took 10.0 s"
     assert lines[2] == "kda: first fla backward for shape 2 x 16 x 2 x 8 (float32) took 10.0 s"
     caplog.clear()
-    kda.kda_fla(*_inputs())[0].sum().backward()  # the same shape: silent
-    assert not [r for r in caplog.records if r.name == "dormouse.model.kda"]
-    kda.kda_fla(*_inputs(T=32, grad=False))  # a new shape, no backward: said, forward timed
-    lines = [r.getMessage() for r in caplog.records if r.name == "dormouse.model.kda"]
+    kda_fla.kda_fla(*_inputs())[0].sum().backward()  # the same shape: silent
+    assert not [r for r in caplog.records if r.name == "dormouse.model.kda_fla"]
+    kda_fla.kda_fla(*_inputs(T=32, grad=False))  # a new shape, no backward: said, forward timed
+    lines = [r.getMessage() for r in caplog.records if r.name == "dormouse.model.kda_fla"]
     assert len(lines) == 2 and "shape 2 x 32 x 2 x 8" in lines[0] and "forward" in lines[1]
 
 
 def test_fast_first_calls_report_no_time(fake_fla, monkeypatch, caplog):
-    monkeypatch.setattr(kda._FirstCall, "clock", staticmethod(lambda: 0.0))
+    monkeypatch.setattr(kda_fla._FirstCall, "clock", staticmethod(lambda: 0.0))
     caplog.set_level(logging.INFO, logger="dormouse")
-    kda.kda_fla(*_inputs())[0].sum().backward()
-    lines = [r.getMessage() for r in caplog.records if r.name == "dormouse.model.kda"]
+    kda_fla.kda_fla(*_inputs())[0].sum().backward()
+    lines = [r.getMessage() for r in caplog.records if r.name == "dormouse.model.kda_fla"]
     assert len(lines) == 1 and lines[0].startswith("kda: first fla call")
 
 
