@@ -60,6 +60,19 @@ def test_exact_resume(tmp_path):
         assert torch.equal(a, b)
 
 
+@pytest.fixture
+def default_signals():
+    """SIGINT and SIGTERM at Python's defaults for the test: a shell's background job (nohup,
+    `&`, many CI runners) starts with SIGINT ignored, and the loop rightly leaves an ignored
+    signal alone, so a test of the stop must set the handlers it needs, not inherit them."""
+    old = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    yield
+    for s, h in old.items():
+        signal.signal(s, h)
+
+
 def _signal_at(step: int, sig, lines: list, before=None):
     """A log callback that sends `sig` to this process when `step=<step> ` is logged."""
 
@@ -74,7 +87,7 @@ def _signal_at(step: int, sig, lines: list, before=None):
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
-def test_a_signal_stops_between_steps_and_resumes_exactly(tmp_path, sig):
+def test_a_signal_stops_between_steps_and_resumes_exactly(tmp_path, sig, default_signals):
     quiet = lambda _line: None  # noqa: E731
     full_run = _run(tmp_path, tmp_path / "full", 12, "log_every=1", "ckpt_every=0")
     full = _model(full_run)
@@ -94,7 +107,7 @@ def test_a_signal_stops_between_steps_and_resumes_exactly(tmp_path, sig):
     assert fingerprint(second) == fingerprint(full)
 
 
-def test_a_replaced_sigint_handler_is_put_back(tmp_path):
+def test_a_replaced_sigint_handler_is_put_back(tmp_path, default_signals):
     # some libraries install their own SIGINT handler on first use; the loop notices
     run = _run(tmp_path, tmp_path / "o", 8, "log_every=1", "ckpt_every=0")
     lines: list[str] = []
@@ -106,7 +119,7 @@ def test_a_replaced_sigint_handler_is_put_back(tmp_path):
     assert ckpt.read_checkpoint(tmp_path / "o" / "ckpt.pt")["step"] == 4
 
 
-def test_a_second_ctrl_c_stops_at_once_without_a_checkpoint(tmp_path):
+def test_a_second_ctrl_c_stops_at_once_without_a_checkpoint(tmp_path, default_signals):
     run = _run(tmp_path, tmp_path / "o", 8, "log_every=1", "ckpt_every=0")
     lines: list[str] = []
 
