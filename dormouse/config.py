@@ -298,10 +298,11 @@ _SMALL = ModelConfig(
 #: The main job's shape (README): what a 2-core CPU learns most from in a few minutes. The CPU
 #: is compute-bound at ~500 tokens/s for `small` whatever the batch, so this model is narrower
 #: and shallower (1.1M parameters outside its Engram tables, whose row-sparse lookups are cheap)
-#: and reads ~5x the bytes a second; kda_chunk 8: the torch arm's chunked form ran 1.7x faster
-#: than at 16 here (853 vs 1,532 ms a 16 x 128 step, the same load).
+#: and reads ~10x the bytes a second. max_iter 1: at equal CPU time 800 steps of two blocks once
+#: reached val bpb 2.057, one block twice 2.085, two blocks twice (600 steps) 2.183. kda_chunk
+#: 8: the torch arm's chunked form ran 1.7x faster than at 16 here (853 vs 1,532 ms a step).
 _CPU = ModelConfig(
-    d_model=128, n_heads=4, head_dim=32, d_ffn=256, n_layers=2, max_iter=2, rank=8,
+    d_model=128, n_heads=4, head_dim=32, d_ffn=256, n_layers=2, max_iter=1, rank=8,
     n_experts=4, moe_topk=2, engram_rows=16384, engram_dim=32, engram_heads=4,
     shared_rank=32, gate_rank=16, kda_chunk=8, max_seq_len=128,
     dropout=DROPOUT_AUTO,
@@ -342,7 +343,7 @@ _PRESETS: dict[str, tuple[ModelConfig, TrainConfig]] = {
                                   eval_every=50)),
     # The README's main job: train + sample within 10 minutes on a 2-core CPU (docs/learning.md
     # has its measured wall time, val bpb and sample).
-    "cpu": (_CPU, TrainConfig(batch=16, seq_len=128, steps=600, lr=8e-3, warmup=30,
+    "cpu": (_CPU, TrainConfig(batch=16, seq_len=128, steps=800, lr=8e-3, warmup=30,
                               eval_every=100)),
     "medium": (_MEDIUM, TrainConfig(batch=8, seq_len=512, steps=5000, lr=2e-3, warmup=200,
                                     eval_every=250)),
