@@ -29,9 +29,9 @@ GENERATED = {"status.md", "mutations.md"}
 MAX_LINES = 250
 
 _LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
-_FENCE = re.compile(r"^```.*?^```", re.M | re.S)
+_FENCE = re.compile(r"^```.*?^```", re.MULTILINE | re.DOTALL)
 _SPAN = re.compile(r"`([^`\n]+)`")
-_INDENTED = re.compile(r"^    .*$", re.M)
+_INDENTED = re.compile(r"^    .*$", re.MULTILINE)
 
 
 def _words(text: str) -> list[str]:
@@ -108,7 +108,7 @@ def test_the_readme_has_one_generated_line_per_gate_of_the_status_table():
     begin, end = "<!-- status:begin -->", "<!-- status:end -->"
     lines = readme.split(begin, 1)[1].split(end, 1)[0].strip().splitlines()
     status = (ROOT / "docs" / "status.md").read_text()
-    gates = list(dict.fromkeys(re.findall(r"^\| (g\d\d\w*) \|", status, re.M)))
+    gates = list(dict.fromkeys(re.findall(r"^\| (g\d\d\w*) \|", status, re.MULTILINE)))
     assert [re.match(r"- \[`(\w+)`\]\(docs/status\.md\)", ln).group(1) for ln in lines] == gates
 
 
