@@ -295,6 +295,19 @@ _SMALL = ModelConfig(
     dropout=DROPOUT_AUTO,
 )  # fmt: skip
 
+#: The main job's shape (README): what a 2-core CPU learns most from in a few minutes. The CPU
+#: is compute-bound at ~500 tokens/s for `small` whatever the batch, so this model is narrower
+#: and shallower (1.1M parameters outside its Engram tables, whose row-sparse lookups are cheap)
+#: and reads ~10x the bytes a second. max_iter 1: at equal CPU time 800 steps of two blocks once
+#: reached val bpb 2.057, one block twice 2.085, two blocks twice (600 steps) 2.183. kda_chunk
+#: 8: the torch arm's chunked form ran 1.7x faster than at 16 here (853 vs 1,532 ms a step).
+_CPU = ModelConfig(
+    d_model=128, n_heads=4, head_dim=32, d_ffn=256, n_layers=2, max_iter=1, rank=8,
+    n_experts=4, moe_topk=2, engram_rows=16384, engram_dim=32, engram_heads=4,
+    shared_rank=32, gate_rank=16, kda_chunk=8, max_seq_len=128,
+    dropout=DROPOUT_AUTO,
+)  # fmt: skip
+
 _MEDIUM = ModelConfig(
     d_model=768, n_heads=12, head_dim=64, d_ffn=768, n_layers=6, max_iter=2, rank=32,
     n_experts=8, moe_topk=2, engram_rows=65536, engram_dim=64, engram_heads=4,
@@ -328,6 +341,10 @@ _PRESETS: dict[str, tuple[ModelConfig, TrainConfig]] = {
     # On a GPU raise the batch, e.g. --set batch=32 --set seq_len=512.
     "small": (_SMALL, TrainConfig(batch=6, seq_len=128, steps=300, lr=3e-3, warmup=30,
                                   eval_every=50)),
+    # The README's main job: train + sample within 10 minutes on a 2-core CPU (docs/learning.md
+    # has its measured wall time, val bpb and sample).
+    "cpu": (_CPU, TrainConfig(batch=16, seq_len=128, steps=800, lr=8e-3, warmup=30,
+                              eval_every=100)),
     "medium": (_MEDIUM, TrainConfig(batch=8, seq_len=512, steps=5000, lr=2e-3, warmup=200,
                                     eval_every=250)),
     "b1": (_B1, TrainConfig(batch=8, seq_len=512, steps=20000, lr=1e-3, warmup=500,
@@ -340,7 +357,7 @@ _PRESETS: dict[str, tuple[ModelConfig, TrainConfig]] = {
 }  # fmt: skip
 
 #: What DESIGN.md §2 promises (parameters including Engram tables); tested at +-10%.
-PRESET_PARAMS = {"small": 9.5e6, "medium": 140e6, "b1": 1.07e9, "gpt-small": 9.5e6,
+PRESET_PARAMS = {"cpu": 5.3e6, "small": 9.5e6, "medium": 140e6, "b1": 1.07e9, "gpt-small": 9.5e6,
                  "gpt-small-ne": 5.1e6}
 
 

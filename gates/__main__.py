@@ -1,4 +1,5 @@
-"""`python -m gates`: run every gate, print the records, write docs/status.md, exit 1 on a FAIL.
+"""`python -m gates`: run every gate, print the records, write docs/status.md and the README's
+gate lines (between its status markers, from the same records), exit 1 on a FAIL.
 
     python -m gates                     all gates on the CPU (gloo, 2 ranks)
     python -m gates --cuda-fleet        the fleet gates on nccl, one process per card
@@ -22,17 +23,17 @@ from pathlib import Path
 BEGIN, END = "<!-- status:begin -->", "<!-- status:end -->"
 
 
-def embed_in_readme(status: Path, readme: Path) -> None:
-    """Put the generated table between the README's status markers (never typed by hand)."""
+def embed_in_readme(lines: list[str], readme: Path) -> None:
+    """Put the gates' lines (harness.gate_lines) between the README's status markers."""
     text = readme.read_text()
     if BEGIN not in text or END not in text:
-        print(f"README has no {BEGIN} ... {END} markers; table not embedded", file=sys.stderr)
+        print(f"README has no {BEGIN} ... {END} markers; gate lines not written", file=sys.stderr)
         return
-    body = status.read_text().split("\n", 1)[1].strip()  # drop the file's own title
     head, rest = text.split(BEGIN, 1)
     tail = rest.split(END, 1)[1]
+    body = "\n".join(lines)
     readme.write_text(f"{head}{BEGIN}\n{body}\n{END}{tail}")
-    print(f"status table embedded in {readme}")
+    print(f"gate lines written to {readme}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -42,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     # starts, so before anything touches a GPU.
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     from gates.harness import (
-        GATES, ROOT, load, load_cuda_records, save_cuda_records, timed, write_status,
+        GATES, ROOT, gate_lines, load, load_cuda_records, save_cuda_records, timed, write_status,
     )
 
     p = argparse.ArgumentParser(prog="python -m gates", description=__doc__.splitlines()[0])
@@ -105,10 +106,11 @@ def main(argv: list[str] | None = None) -> int:
     elif not args.only:
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
-        write_status(records, out, load_cuda_records())
+        gpu_rows = load_cuda_records()
+        write_status(records, out, gpu_rows)
         print(f"status table written to {out}")
         if out.resolve() == (ROOT / "docs" / "status.md").resolve():
-            embed_in_readme(out, ROOT / "README.md")
+            embed_in_readme(gate_lines(records, gpu_rows), ROOT / "README.md")
     scratch.cleanup()
     return 1 if failed else 0
 

@@ -1192,6 +1192,24 @@ def write_status(records: list[Record], path: Path,
     path.write_text("\n".join(lines))
 
 
+def gate_lines(records: list[Record], extra: list[tuple[Record, bool]] = ()) -> list[str]:
+    """The README's lines, from the records of the status table: one per gate, its verdict on
+    the CPU, its last GPU row's (nccl, or one card; STALE as in the table), its claim."""
+    def verdict(r: Record) -> str:
+        backend, device = r.env.get("backend", "-"), r.env.get("device", "-")
+        where = [backend] if backend not in ("-", "none") else []
+        if not where or not device.startswith("cpu"):
+            where.append(device)
+        return f"{r.verdict()} ({', '.join(where)})"
+
+    out = []
+    for r in records:
+        gpu = [(e, stale) for e, stale in extra if e.gate == r.gate]
+        last = (verdict(gpu[-1][0]) + (" STALE" if gpu[-1][1] else "")) if gpu else "not run"
+        out.append(f"- [`{r.gate}`](docs/status.md): {verdict(r)}; GPU: {last}. {r.claim}")
+    return out
+
+
 
 # ---- the shared fleet runs (one run feeds several claims) ---------------------------------------
 

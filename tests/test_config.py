@@ -86,7 +86,7 @@ def test_unknown_json_field_refused():
 
 
 def test_preset_param_targets_listed():
-    assert set(PRESET_PARAMS) == {"small", "medium", "b1", "gpt-small", "gpt-small-ne"}
+    assert set(PRESET_PARAMS) == {"cpu", "small", "medium", "b1", "gpt-small", "gpt-small-ne"}
 
 
 @pytest.mark.parametrize(

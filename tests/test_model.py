@@ -10,7 +10,7 @@ from dormouse.model import DormouseModel, count_params
 from references.fingerprint import fingerprint
 
 
-@pytest.mark.parametrize("name", ["small", "medium", "b1", "gpt-small", "gpt-small-ne"])
+@pytest.mark.parametrize("name", ["cpu", "small", "medium", "b1", "gpt-small", "gpt-small-ne"])
 def test_preset_parameter_counts(name):
     # Counted on the meta device: b1 is never allocated here.
     n = count_params(preset(name).model)

@@ -4,7 +4,7 @@ Each preset's model, optimizer and step as `dormouse train` builds them, untimed
 steps, then timed steps on random byte windows.
 
     OMP_NUM_THREADS=2 python -m dormouse bench step tiny small --device cpu --steps 5
-    python -m dormouse bench step medium b1 --device cuda --batch 8 --seq 512 --out docs/bench.md
+    python -m dormouse bench step medium b1 --device cuda --batch 8 --seq 512 --out bench.md
     python -m dormouse bench small --baseline gpt --device cuda --batch 64 --seq 256
 
 `--baseline gpt` adds, after each preset, the plain GPT of equal total parameters (model/gpt.py

@@ -20,7 +20,7 @@ windows of rows held in registers and slid by one row a step:
   z[t+W-1] = sum_j w[j] x[t+j] and g = dy silu'(z), so every derivative is computed once;
 - dx[t] = sum_s w[W-1-s] g[t+s] is written, and dw[j] += g[t] x[t-(W-1)+j] is summed in fp32
   registers over the span, then written once per (batch row, span) and summed by torch.
-Measured on the H200 (`bench kernels`, docs/h200-compile/kernels-b1-32.md): 0.92 ms a call at
+Measured on the H200 (`bench kernels`, docs/performance.md): 0.92 ms a call at
 that shape (1.98 TB/s of the least bytes: x, dy read, dx written).
 
 The block shapes come from the input's shape (`_plan`), with no autotuning. Triton is imported
