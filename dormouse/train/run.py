@@ -111,7 +111,7 @@ def resolve_dropout(run: RunConfig, world: int = 1) -> RunConfig:
 COMPILE_MIN_SM = (7, 0)
 #: compile_mode=auto replays CUDA graphs only below this much work a forward+backward (6N x
 #: the micro-batch's tokens, TFLOP): there a step is launch-bound (small at 64 x 256, 0.49
-#: TFLOP: 2,600 kernels, 17 ms graphed against 125 ms eager on an H200); above it the kernels
+#: TFLOP: 2,700 kernels, 17.8 ms graphed against 122.9 ms eager on an H200); above it the kernels
 #: dominate and the graphs' static memory pools cost the batch (b1 at 32 x 2048, 190 TFLOP,
 #: ran out of memory capturing the optimizer under reduce-overhead; default mode fits)
 GRAPHS_MAX_TFLOP = 10.0
@@ -120,7 +120,7 @@ GRAPHS_MAX_TFLOP = 10.0
 def resolve_compile(run: RunConfig, device: torch.device, world: int = 1) -> RunConfig:
     """`compile=auto` and `compile_mode=auto` -> what this run does, logged with what was read.
 
-    compile: on CUDA (sm_70+), yes: on one H200 small's step went 124.7 -> 17.4 ms
+    compile: on CUDA (sm_70+), yes: on one H200 small's step went 122.9 -> 17.8 ms
     (docs/performance.md); on the CPU, no: inductor's C++ codegen costs minutes there and the
     step gains little. compile_mode: reduce-overhead (CUDA graphs of the step and the
     optimizer) where the shapes are static: one process on CUDA, no accumulation, nothing
