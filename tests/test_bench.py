@@ -282,6 +282,7 @@ def test_baseline_refusals(capsys):
     assert "already arch=gpt" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_step_bench_runs_a_gpt_preset(capsys):
     argv = ["gpt-small", "--device", "cpu", "--steps", "1", "--warmup", "0", "--batch", "2",
             "--seq", "32"]  # fmt: skip
@@ -313,6 +314,7 @@ def test_profile_union_of_kernel_intervals():
     assert _union_us([]) == 0
 
 
+@pytest.mark.slow
 def test_fleet_divides_each_fleet_by_the_solo_rates_around_it(capsys):
     # real 2-rank gloo fleets (spawned), kept short: 4 windows of 16 bytes, 4 steps each
     assert main_bench(["fleet", "--world", "2", "--global-batch", "4", "--seq", "16",

@@ -300,6 +300,7 @@ def _fsdp_rank(rank: int, tmp: str) -> None:
     _fleet_work(work)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not torch.distributed.is_available(), reason="torch built without distributed")
 def test_fsdp2_full_state_loads_into_one_process(tmp_path):
     import torch.multiprocessing as mp
@@ -524,6 +525,7 @@ def _sharded_fleet_rank(rank: int, world: int, tmp: str, mode: str) -> None:
     _fleet_work(work)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not torch.distributed.is_available(), reason="torch built without distributed")
 def test_a_2_rank_sharded_checkpoint_reshards_to_3_ranks_and_to_one_process(tmp_path):
     import torch.multiprocessing as mp

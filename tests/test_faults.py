@@ -30,6 +30,9 @@ import torch
 from dormouse.config import preset
 from dormouse.train.store import checkpoint as ckpt
 
+# every case runs the CLI in child processes (~5-45 s each): the slow tier of .ci/run
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[1]
 HOST = socket.gethostname()
 SMALL = ["--device", "cpu", "--set", "batch=2", "--set", "seq_len=32"]

@@ -161,6 +161,7 @@ def test_train_fit_plans_with_the_runs_shard_and_world(caplog):
 # ---- the CLI ------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_cli_plan_b1_on_two_16gb_cards_sharded():
     out = subprocess.run([sys.executable, "-m", "dormouse", "plan", "b1", "--fit", "16",
                           "--world", "2", "--shard", "fsdp"], capture_output=True, text=True,

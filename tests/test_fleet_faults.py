@@ -163,6 +163,7 @@ def _checkpoint_loads(out: Path) -> int:
     return ckpt.read_checkpoint(out / "ckpt.pt")["step"]
 
 
+@pytest.mark.slow
 def test_a_stopped_rank_ends_every_rank_naming_it(torchrun):
     """SIGSTOP on rank 1 (old: rank 0 waited silently for torch's 30-minute timeout)."""
     fleet = torchrun()
@@ -185,6 +186,7 @@ def test_a_stopped_rank_ends_every_rank_naming_it(torchrun):
     assert _checkpoint_loads(fleet.out) >= 35
 
 
+@pytest.mark.slow
 def test_a_killed_rank_is_one_line_on_the_survivor(torchrun):
     """SIGKILL on rank 1 (old: a gloo 'Connection reset by peer' traceback on rank 0)."""
     fleet = torchrun()
@@ -239,6 +241,7 @@ def test_a_store_drop_seen_before_the_agents_exit_finished_names_the_agent(monke
     assert f"the torchrun agent that launched this rank (pid {agent.pid}) is gone" in line, line
 
 
+@pytest.mark.slow
 def test_workers_end_when_their_torchrun_agent_is_killed(torchrun):
     """SIGKILL on the torchrun agent (old: its workers trained on, orphaned, for ever)."""
     fleet = torchrun()
@@ -405,6 +408,7 @@ def _setup(tmp: Path) -> None:
         _corpus(tmp / f"node{r}", salt=b"#" * r)  # the same size, other bytes on node 1
 
 
+@pytest.mark.slow
 def test_ranks_launched_with_different_settings_are_refused_naming_the_fields(tmp_path):
     """ckpt_every/eval_every/log_every differences hung the fleet after the first checkpoint;
     wd/grad_clip/muon_momentum differences trained silently into diverging ranks."""
@@ -453,6 +457,7 @@ def test_a_data_file_shrunk_on_one_rank_stops_every_rank_on_one_step(tmp_path):
     assert _checkpoint_loads(tmp_path / "run") == 3
 
 
+@pytest.mark.slow
 def test_long_work_on_one_rank_runs_under_the_heartbeat(tmp_path):
     """A first forward (kernel autotune) and a checkpoint save, each 2.2 dist_timeouts long, on
     one rank while the other waits in a collective or a barrier: the run completes."""

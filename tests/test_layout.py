@@ -13,6 +13,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 PKG = ROOT / "dormouse"
 
@@ -115,6 +117,7 @@ def test_one_trainer_no_seams():
     assert "train_dist" not in text and "class Seams" not in text
 
 
+@pytest.mark.slow
 def test_a_single_process_run_never_imports_the_fleet_modules(tmp_path):
     corpus = tmp_path / "c.txt"
     corpus.write_bytes(b"".join(p.read_bytes() for p in sorted(PKG.rglob("*.py")))[:40_000])

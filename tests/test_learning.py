@@ -205,6 +205,7 @@ def test_gpt_decodes_past_its_window():
     assert out.shape == (1, 256) and cache["bytes"].shape[1] <= 24
 
 
+@pytest.mark.slow
 def test_gpt_preset_trains_checkpoints_and_samples(tmp_path):
     out = tmp_path / "g"
     cmd = [sys.executable, "-m", "dormouse", "train", "gpt-small-ne", "--steps", "4", "--out",

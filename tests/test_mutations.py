@@ -39,6 +39,7 @@ def test_every_mutation_names_a_real_target_and_gate():
             assert hasattr(owner, attr), f"{m.name}: {target} is gone (renamed?)"
 
 
+@pytest.mark.slow
 def test_mutations_run_in_worker_processes():
     """`python -m gates --mutations --jobs 2`: the pairs in two spawned workers, every row
     back in the list's order (two quick process-scope pairs here; the full list is the

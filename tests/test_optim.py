@@ -641,6 +641,7 @@ def _fsdp_muon_rank(rank: int, tmp: str) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not torch.distributed.is_available(), reason="torch built without distributed")
 def test_fsdp2_steps_the_shards_as_one_process_steps_the_whole(tmp_path):
     # Muon on shards: momentum on the local elements, the polar on all-gathered whole matrices

@@ -265,6 +265,7 @@ def _param_rel(a: dict, b: dict) -> float:
     return math.sqrt(num / sum(float(b[k].double().square().sum()) for k in b))
 
 
+@pytest.mark.slow
 def test_int8_state_follows_the_fp32_trajectory_within_a_few_times_bf16():
     ref, ref_w = _trajectory("fp32", "fp32")
     assert ref[-1] < ref[0] - 0.05  # it learns (5.552 -> 5.477): the state carries a signal

@@ -635,6 +635,7 @@ _FLAGS = st.lists(st.sampled_from([
 
 @settings(max_examples=300, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.function_scoped_fixture])  # fmt: skip
+@pytest.mark.slow
 @given(sets=_SETS, flags=_FLAGS)
 def test_fuzz_cli_arguments_and_set_values(tmp_path, capsys, sets, flags):
     argv = ["train", "tiny", "--data", _corpus(tmp_path), "--out", tmp_path / "fuzz", "--dry-run",

@@ -102,12 +102,14 @@ def _vs_fp32(name: str, fresh: bool = False) -> dict[str, float]:
             "skips": len(skips)}  # fmt: skip
 
 
+@pytest.mark.slow
 def test_fp16_with_its_scale_tracks_fp32():
     got = _vs_fp32("fp16")
     assert got["skips"] <= 2, got  # an overflow or two at 2**16 early on, then none
     assert all(got[k] <= TOL[k] for k in TOL), got
 
 
+@pytest.mark.slow
 def test_fp16_without_the_unscale_does_not(monkeypatch):
     """The same run stepping on gradients 2**16 too large: measured |dloss| 1.5e-2 and the
     norms 6.5e4 relative (Adam and Muon are nearly blind to a constant gradient scale, but
@@ -122,6 +124,7 @@ def test_fp16_without_the_unscale_does_not(monkeypatch):
 # ---- the fleet: one verdict, one scale ---------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_fleet_overflow_skips_on_both_ranks_and_halves_both_scales():
     """An overflow seen by rank 1 alone (a non-finite loss, finite gradients: the reducer
     cannot spread it) at step 3 of 5: both ranks skip it and halve their scale."""
@@ -146,6 +149,7 @@ def test_fleet_overflow_skips_on_both_ranks_and_halves_both_scales():
 # ---- resume ---------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_resume_restores_the_scale_exactly(tmp_path):
     """Growth every 2 clean steps, so the scale moves (up, and down on an overflow) before and
     after the checkpoint: the resumed run's scales and losses are the uninterrupted run's."""
