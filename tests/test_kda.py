@@ -556,7 +556,7 @@ def test_kda_op_equals_fla_autograd(keep, monkeypatch):
     if keep and not kda_fla._keeps_intermediates():
         pytest.skip(f"this fla-core release is not in kda_fla._SAVES_KNOWN "
                     f"{kda_fla._SAVES_KNOWN}")
-    monkeypatch.setattr(kda, "_keeps", keep)
+    monkeypatch.setattr(kda_fla, "_keeps", keep)
     calls = []
     real_fwd = fla_chunk.chunk_kda_fwd
     monkeypatch.setattr(fla_chunk, "chunk_kda_fwd", lambda **kw: calls.append(1) or real_fwd(**kw))
