@@ -17,13 +17,13 @@ import statistics
 
 import torch
 
-#: fla's chunk_kda runs chunks of 64 positions whatever the config's kda_chunk (model/kda.py)
+#: fla's chunk_kda runs chunks of 64 positions whatever the config's kda_chunk (model/kda_fla.py)
 FLA_CHUNK = 64
 
 
 def kda_chunk_flops(C: int, K: int, V: int) -> int:
     """Forward FLOPs of one head over one chunk of C positions (key dim K, value dim V) by the
-    chunked algorithm of model/kda.py (kda_torch's docstring), with P = C(C+1)/2 the causal
+    chunked algorithm of model/kda_torch.py (its docstring), with P = C(C+1)/2 the causal
     pairs s <= r of the chunk:
 
         2 K C^2      the scores Aqk (s <= r) and Akk (s < r): C^2 pairs together, K each

@@ -72,7 +72,7 @@ NOTES = (
      "Schulz polar (flops.polar_flops: per matrix [r <= c] 4r^2c + 2r^3 per iteration x "
      "ns_steps, per step). HFU (measured peak): that sum / step time / the measured peak. "
      "Uncounted: elementwise work (and, with an fla-core release whose saved set "
-     "model/kda.py does not know, the KDA forward the compiled op's backward runs again)."),
+     "model/kda_fla.py does not know, the KDA forward the compiled op's backward runs again)."),
     "compile: what `train` with these settings runs (compile=auto: on CUDA torch.compile in "
     "reduce-overhead where the shapes are static, else default mode; off on the CPU; "
     "--set compile=false|true, compile_mode=M pin it). First step s: from the model's build "
