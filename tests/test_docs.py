@@ -123,3 +123,11 @@ def test_gate_lines_say_both_verdicts():
         "- [`g01_x`](docs/status.md): PASS (gloo); GPU: FAIL (nccl, 2x NVIDIA H200) STALE. a claim",
         "- [`g02_y`](docs/status.md): PASS (cpu); GPU: not run. another",
     ]
+
+
+def test_ci_runs_the_readme_test_command_verbatim():
+    """.ci/run runs the README's test command as the README prints it, so the two never drift."""
+    readme = (ROOT / "README.md").read_text()
+    command = next(ln for ln in readme.splitlines()
+                   if ln.startswith("python3 -m pip install") and "pytest" in ln)  # fmt: skip
+    assert command in (ROOT / ".ci" / "run").read_text().splitlines()
