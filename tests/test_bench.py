@@ -8,6 +8,7 @@ Correctness only. Speed is reported by the bench itself and never asserted here.
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -574,3 +575,23 @@ def test_parts_step_the_optimizer_on_gradients_and_mark_graph_steps(monkeypatch)
     h.s.wrapped = replace(h.s.wrapped, graphs=True)
     time_parts(h, windows(run, 1)[0], 2, 1, torch.device("cpu"))
     assert len(marks) == 3 + 3
+
+
+@pytest.mark.slow
+def test_race_trains_both_models_for_the_same_seconds(tmp_path, capsys):
+    """bench race: each model's steps fill the budget at its own step time; both runs train
+    and are scored from their run folders; a second race into the same folders is refused
+    unless --overwrite."""
+    data = tmp_path / "c.txt"
+    data.write_bytes(b"the quick brown fox jumps over the lazy dog. " * 4000)
+    argv = ["race", "tiny", "--seconds", "2", "--evals", "2", "--data", str(data),
+            "--device", "cpu", "--runs", str(tmp_path / "r")]  # fmt: skip
+    assert main_bench(argv) == 0
+    rows = _table_rows(capsys.readouterr().out)
+    got = {r[0]: dict(zip(rows[0], r)) for r in rows[2:]}
+    assert set(got) == {"tiny", "gpt 64 x 3 (twin of tiny)"}
+    for r in got.values():
+        steps, ms = int(r["steps"]), float(r["step ms"])
+        assert steps == max(1, int(2000 / ms))  # the budget over the timed step
+        assert (Path(r["run folder"]) / "metrics.jsonl").exists()
+    assert main_bench(argv) == 2 and "already holds a run" in capsys.readouterr().err
