@@ -16,7 +16,6 @@ from dataclasses import replace
 from .config import ConfigError, apply_sets, check_device, preset, preset_names, validate
 from .errors import UserError
 
-
 log = logging.getLogger("dormouse")
 
 
@@ -173,15 +172,15 @@ def _arms_for_this_machine(run, source: str):
     said = " ".join(f"{k}={v}" for k, v in pinned.items())
     log.info(f"{source}: trained with {said}; the arms compute the same function, so this run "
          f"picks them for its own device ({' '.join(f'{k}=auto' for k in pinned)})")
-    return replace(run, model=replace(run.model, **{k: "auto" for k in pinned}))
+    return replace(run, model=replace(run.model, **dict.fromkeys(pinned, "auto")))
 
 
 def cmd_eval(args) -> int:
     from .model import make_model
-    from .train.store.checkpoint import load_model, read_checkpoint
     from .train.data import open_data
-    from .train.step import evaluate
     from .train.run import resolve_autocast, resolve_device
+    from .train.step import evaluate
+    from .train.store.checkpoint import load_model, read_checkpoint
 
     if args.batches is not None and args.batches < 1:
         raise ConfigError(f"--batches {args.batches}: evaluate at least one batch (omit it for "
@@ -217,8 +216,8 @@ def cmd_sample(args) -> int:
 
     from .model import make_model
     from .model.sample import check_sample_args, generate
-    from .train.store.checkpoint import load_model, read_checkpoint
     from .train.run import resolve_device
+    from .train.store.checkpoint import load_model, read_checkpoint
 
     check_sample_args(args.bytes, args.temperature, args.top_k)
     if args.device is not None:

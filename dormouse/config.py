@@ -475,17 +475,8 @@ def asked_differences(saved: RunConfig, asked: RunConfig) -> list[str]:
 _CHOICES = {name: typing.get_args(tp) for cls in (ModelConfig, TrainConfig)
             for name, tp in typing.get_type_hints(cls).items() if typing.get_origin(tp) is Literal}
 
-_POSITIVE = (
-    "vocab d_model n_layers max_iter n_heads head_dim conv_size kda_chunk d_ffn n_experts "
-    "moe_topk engram_rows engram_dim engram_heads max_seq_len batch seq_len ns_steps "
-    "eval_batches max_skips loss_scale_every"
-).split()
-_NON_NEGATIVE = (
-    "rank gate_rank segment_len shared_rank moe_capacity moe_lb_coef steps warmup wd "
-    "grad_clip log_every eval_every ckpt_every val_bytes bucket_mb fit_gb lr min_lr_frac global_batch "
-    "rebalance_every rebalance_threshold "
-    "engram_lr_mult init_std early_stop"
-).split()
+_POSITIVE = ["vocab", "d_model", "n_layers", "max_iter", "n_heads", "head_dim", "conv_size", "kda_chunk", "d_ffn", "n_experts", "moe_topk", "engram_rows", "engram_dim", "engram_heads", "max_seq_len", "batch", "seq_len", "ns_steps", "eval_batches", "max_skips", "loss_scale_every"]
+_NON_NEGATIVE = ["rank", "gate_rank", "segment_len", "shared_rank", "moe_capacity", "moe_lb_coef", "steps", "warmup", "wd", "grad_clip", "log_every", "eval_every", "ckpt_every", "val_bytes", "bucket_mb", "fit_gb", "lr", "min_lr_frac", "global_batch", "rebalance_every", "rebalance_threshold", "engram_lr_mult", "init_std", "early_stop"]
 
 
 #: Devices a run may name: what `torch.device` accepts and dormouse runs on.

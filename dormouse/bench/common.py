@@ -182,7 +182,7 @@ def table(header, rows) -> str:
 
 
 def report(title: str, machine: list[str], body: str, notes: list[str]) -> str:
-    bullets = lambda lines: [f"- {line}" for line in lines]  # noqa: E731
+    bullets = lambda lines: [f"- {line}" for line in lines]
     return "\n".join([f"## {title}", "", *bullets(machine), "", body, "", *bullets(notes)]) + "\n"
 
 

@@ -28,6 +28,7 @@ moves with the batch: the forward's fixed part and the cache).
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import os
@@ -139,9 +140,10 @@ def _rank(rank: int, world: int, port: int, sets: list[str], preset: str, out: s
 
     import torch.distributed as dist
 
-    from ..config import apply_sets, preset as load
-    from ..train.step import Callbacks
+    from ..config import apply_sets
+    from ..config import preset as load
     from ..train.run import train_run
+    from ..train.step import Callbacks
 
     os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
                        "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank)})  # fmt: skip
@@ -211,7 +213,7 @@ def _walls(stamps: list[float], blocks: list[dict]) -> list[float | None]:
     """Step i's wall (i >= 1) from the end of step i-1, or from the end of the side-by-side
     block run right after it; None for step 0 (no start stamp)."""
     resume = {b["after"]: b["resume"] for b in blocks if b["resume"] is not None}
-    return [None] + [b - resume.get(i, a) for i, (a, b) in enumerate(zip(stamps, stamps[1:]), 1)]
+    return [None] + [b - resume.get(i, a) for i, (a, b) in enumerate(itertools.pairwise(stamps), 1)]
 
 
 def _fleet(args, capacity: str, every: int) -> dict:

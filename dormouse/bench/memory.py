@@ -16,10 +16,18 @@ import logging
 
 import torch
 
-
 from ..train.plan import fit
-from .common import BenchError, GiB, build, configure, machine_lines, report, resolve_device, table
-from .common import windows
+from .common import (
+    BenchError,
+    GiB,
+    build,
+    configure,
+    machine_lines,
+    report,
+    resolve_device,
+    table,
+    windows,
+)
 
 log = logging.getLogger(__name__)
 

@@ -28,13 +28,23 @@ import statistics
 
 import torch
 
-from .common import BenchError, compile_text, configure, harness, machine_lines, report
-from .common import resolve_device, shape_text, table, timed, windows
+from .common import (
+    BenchError,
+    compile_text,
+    configure,
+    harness,
+    machine_lines,
+    report,
+    resolve_device,
+    shape_text,
+    table,
+    timed,
+    windows,
+)
 
 log = logging.getLogger(__name__)
 
-HEADER = ("preset|batch x seq|compile|step ms (median)|tokens/s|GPU busy|kernels/step|"
-          "GPU ms/step|step ms (unprofiled)|GPU busy (unprofiled wall)").split("|")
+HEADER = ["preset", "batch x seq", "compile", "step ms (median)", "tokens/s", "GPU busy", "kernels/step", "GPU ms/step", "step ms (unprofiled)", "GPU busy (unprofiled wall)"]
 PHASE_HEADER = ["preset", "phase", "wall ms/step", "GPU ms/step", "kernels/step"]
 TOP_HEADER = ["preset", "op", "calls/step", "self GPU ms/step", "share of GPU time"]
 COMPILE_MODES = ("auto", "off", "default", "reduce-overhead", "max-autotune-no-cudagraphs")
@@ -82,20 +92,20 @@ def _phases(events, steps: int) -> list[tuple[str, float, float, float]]:
     """(phase, wall ms, GPU ms, kernels) per step: each kernel counts for the phase whose
     range (on the launching thread's clock) holds the start of the CPU op that launched it;
     the backward's ops run on autograd's threads inside the main thread's backward range."""
-    from ..train.step import PHASES
-
     from torch.autograd import DeviceType
+
+    from ..train.step import PHASES
 
     ranges = sorted((e.time_range.start, e.time_range.end, e.name.split(".", 1)[1])
                     for e in events if e.name.startswith("dormouse.")
                     and e.name.split(".", 1)[1] in PHASES
                     and getattr(e, "device_type", DeviceType.CPU) == DeviceType.CPU)  # fmt: skip
     starts = [r[0] for r in ranges]
-    wall = {p: 0.0 for p in PHASES}
+    wall = dict.fromkeys(PHASES, 0.0)
     for a, b, p in ranges:
         wall[p] += b - a
-    gpu = {p: 0.0 for p in [*PHASES, "other"]}
-    count = {p: 0 for p in [*PHASES, "other"]}
+    gpu = dict.fromkeys([*PHASES, "other"], 0.0)
+    count = dict.fromkeys([*PHASES, "other"], 0)
     for e in events:
         kernels = getattr(e, "kernels", None)
         if not kernels or _annotation(e):

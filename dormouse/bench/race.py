@@ -21,8 +21,17 @@ from pathlib import Path
 import torch
 
 from ..config import apply_sets, preset_names, validate
-from .common import BenchError, configure, harness, machine_lines, report, resolve_device, table
-from .common import timed, windows
+from .common import (
+    BenchError,
+    configure,
+    harness,
+    machine_lines,
+    report,
+    resolve_device,
+    table,
+    timed,
+    windows,
+)
 
 log = logging.getLogger(__name__)
 
@@ -47,13 +56,18 @@ def add_args(ap) -> None:
 
 def step_ms(run, device: torch.device) -> float:
     """The median ms of one training step of `run`, as train runs it, after two untimed."""
-    h = harness(run, device)
+    step, defer = _stepper(run, device)
     data = windows(run, TIMED_STEPS + 2)
-    ms = timed(lambda i: h.step(i, data[i]), TIMED_STEPS, 2, device, chain=h.defer)
-    del h
+    ms = timed(lambda i: step(i, data[i]), TIMED_STEPS, 2, device, chain=defer)
+    step = None  # the model and optimizer go before the run trains
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return statistics.median(ms)
+
+
+def _stepper(run, device: torch.device):
+    h = harness(run, device)
+    return h.step, h.defer
 
 
 def best_of(folder: Path) -> dict:

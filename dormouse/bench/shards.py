@@ -53,8 +53,8 @@ def measure_rank(run, rank: int, world: int, shard: str) -> dict:
     import torch.distributed as dist
 
     from ..train.context import DPContext, RankShape, local_shard
-    from ..train.optim.mix import MixOptimizer
     from ..train.fleet.parallelize import parallelize
+    from ..train.optim.mix import MixOptimizer
     from ..train.run import build_model
 
     t = run.train

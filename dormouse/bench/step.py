@@ -30,11 +30,22 @@ from dataclasses import replace
 
 import torch
 
-
 from ..config import RunConfig, apply_sets, preset, preset_names, validate
 from ..model import active_params as active_params_per_token
-from .common import BenchError, GiB, compile_text, configure, harness, machine_lines, report
-from .common import resolve_device, shape_text, table, timed, windows
+from .common import (
+    BenchError,
+    GiB,
+    compile_text,
+    configure,
+    harness,
+    machine_lines,
+    report,
+    resolve_device,
+    shape_text,
+    table,
+    timed,
+    windows,
+)
 
 log = logging.getLogger(__name__)
 
@@ -50,10 +61,7 @@ PEAK_TFLOPS: tuple[tuple[str, tuple[str, ...], dict[str, float]], ...] = (
     ("A100", (), {"bf16": 312.0, "fp32": 19.5}),
     ("RTX 4090", (), {"bf16": 165.0, "fp32": 82.6}),
 )
-HEADER = ("preset|params (M)|active params/token (M)|batch x seq|KDA arm|MoE arm|dtype|"
-          "compile|first step s|step ms (median)|step ms (min)|tokens/s|model TFLOP/s|MFU (datasheet)|"
-          "MFU (measured peak)|TFLOP/step: 6N + mixer + polar|HFU (measured peak)|"
-          "peak memory").split("|")
+HEADER = ["preset", "params (M)", "active params/token (M)", "batch x seq", "KDA arm", "MoE arm", "dtype", "compile", "first step s", "step ms (median)", "step ms (min)", "tokens/s", "model TFLOP/s", "MFU (datasheet)", "MFU (measured peak)", "TFLOP/step: 6N + mixer + polar", "HFU (measured peak)", "peak memory"]
 NOTES = (
     "Step = forward + backward + clip + MixOptimizer step + LFB update on random bytes, by wall "
     "clock with the device synchronised around each step; with the verdict on the device (the "

@@ -19,8 +19,17 @@ import logging
 import torch
 
 from ..config import preset_names
-from .common import BenchError, build, configure, machine_lines, report, resolve_device, table
-from .common import timed, windows
+from .common import (
+    BenchError,
+    build,
+    configure,
+    machine_lines,
+    report,
+    resolve_device,
+    table,
+    timed,
+    windows,
+)
 
 log = logging.getLogger(__name__)
 

@@ -75,7 +75,7 @@ class Card:
         return f"{self.type}{f' ({self.name}{sm})' if self.type == 'cuda' else ''}"
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _fla_missing(cuda: bool) -> str | None:
     if not cuda:  # no import off CUDA: importing Triton on a CPU box is slow and noisy
         installed = importlib.util.find_spec("fla") is not None

@@ -78,7 +78,7 @@ def _kernel():
             sg = tl.sigmoid(z)
             gs = gs + (d * sg * (1 + z * (1 - sg)),)
         acc = ()
-        for j in tl.static_range(W):
+        for _j in tl.static_range(W):
             acc = acc + (tl.zeros((BC,), dtype=tl.float32),)
         for i in range(SPAN):
             t = t0 + i

@@ -140,7 +140,7 @@ def engram_indices(x_bytes: torch.Tensor, cfg, prev: torch.Tensor | None = None)
         )
     p = max(cfg.engram_orders) - 1
     x = x_bytes.long()
-    b, t = x.shape
+    b, _t = x.shape
     if prev is None:
         prev = torch.full((b, p), PAD, dtype=torch.int64, device=x.device)
     xp = torch.cat([prev.long(), x], dim=1)  # [B, P + T]

@@ -82,7 +82,7 @@ class KeyedDropout:
     def __init__(self, keys: torch.Tensor, p: float):
         self.keys = keys.to(torch.int64)
         self.p = float(p)
-        self._threshold = int(round(self.p * 2**24))
+        self._threshold = round(self.p * 2**24)
 
     def __call__(self, t: torch.Tensor, site: int) -> torch.Tensor:
         b, n = t.shape[0], t[0].numel()

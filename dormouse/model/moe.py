@@ -53,7 +53,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -234,7 +234,7 @@ class MoE(nn.Module):
         is the flat order: position-major, then the k picks. seen = prior + this chunk's
         assignments per (row, expert).
         """
-        B, T, k = experts.shape
+        B, _T, _k = experts.shape
         E, dev = self.n_experts, experts.device
         grp = (torch.arange(B, device=dev).view(B, 1, 1) * E + experts).reshape(-1)
         # A stable sort by (row, expert) keeps each group in arrival order: rank = offset in it.
@@ -297,7 +297,7 @@ class MoE(nn.Module):
         rows, row_len = (shape[0], shape[1]) if h.dim() == 3 else (1, shape[0])
         x = h.reshape(-1, self.d_model)
         n, k, E = x.shape[0], self.topk, self.n_experts
-        s, experts, gates = self.route(x, key)
+        _s, experts, gates = self.route(x, key)
         flat_e = experts.reshape(-1)
         # bincount's length depends on the data (max(E, largest id + 1)) and splits a
         # compiled graph. Not an index_add either: under inductor an accumulating index_put,

@@ -100,7 +100,7 @@ class ShortConv(nn.Module):
         if tail is None:
             y = torch.ops.dormouse.conv_silu(x.contiguous(), w)
             keep = self.size - 1
-            new_tail = (x[:, T - keep:] if T >= keep else
+            new_tail = (x[:, T - keep:] if keep <= T else
                         torch.cat([x.new_zeros(B, keep - T, Ch), x], dim=1))  # fmt: skip
             return y, new_tail
         xt = torch.cat([tail.to(x.dtype), x], dim=1)

@@ -11,8 +11,8 @@ agreed stops, the fleet loss, the LFB counts' reduction, the host-RAM Engram row
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 import torch
 

@@ -50,9 +50,9 @@ import sys
 import sysconfig
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
 
 import numpy as np
 import torch
@@ -662,7 +662,7 @@ class DataSource:
         parts = []
         for s, k in zip(self.sources, _shares(n, [s.weight for s in self.sources])):
             L = len(s.val)
-            if k and L < window:
+            if k and window > L:
                 raise DataError(
                     f"{s.name!r}: the val split has {L} bytes, but one val batch needs "
                     f"{_window_text(batch, seq_len)}; raise --set val_bytes to >= {window}, "

@@ -10,6 +10,7 @@ points: the gates record runs through them.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import signal
@@ -188,7 +189,7 @@ class _Best:
                 "train_s": self.train_s}  # fmt: skip
 
     @classmethod
-    def load(cls, extra: dict | None) -> "_Best":
+    def load(cls, extra: dict | None) -> _Best:
         e = extra or {}
         loss = e.get("best_loss")
         return cls(step=e.get("best_step"), loss=math.inf if loss is None else float(loss),
@@ -207,7 +208,7 @@ class _Best:
         self.history = (self.history + [(step, val, train_loss)])[-(OVERFIT_EVALS + 1):]
         h = self.history
         if len(h) == OVERFIT_EVALS + 1 and self.warned != self.step and all(
-                b[1] > a[1] and b[2] < a[2] for a, b in zip(h, h[1:])):  # fmt: skip
+                b[1] > a[1] and b[2] < a[2] for a, b in itertools.pairwise(h)):  # fmt: skip
             self.warned = self.step
             return improved, (
                 f"overfitting: val up {OVERFIT_EVALS} evals in a row ({h[0][1]:.4f} -> "

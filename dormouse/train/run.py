@@ -267,8 +267,8 @@ def _train_fleet(run: RunConfig, *, resume, stop_at, model, callbacks, device_ty
                  timeout_s, close, folder, prepared) -> dict:  # fmt: skip
     import torch.distributed as dist
 
-    from .fleet import launch as fleet
     from .context import RefusedError
+    from .fleet import launch as fleet
     from .fleet.balance import FleetStream
     from .fleet.parallelize import parallelize
     from .fleet.watchdog import fleet_failure, short

@@ -14,9 +14,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 

@@ -26,8 +26,8 @@ import logging
 import math
 import statistics
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 

@@ -15,24 +15,33 @@
 from __future__ import annotations
 
 import dataclasses
-import logging
 import hashlib
+import logging
 import math
 import os
 import re
 import time
+from collections.abc import Mapping, Sequence
 from datetime import timedelta
-from typing import Mapping, Sequence
 
 import torch
 import torch.distributed as dist
 
 from ...config import RunConfig
 from ..context import (
-    DistError, DPContext, LaunchError, RankShape, RefusedError, accumulate, packed_split,
+    DistError,
+    DPContext,
+    LaunchError,
+    RankShape,
+    RefusedError,
+    accumulate,
+    packed_split,
 )  # fmt: skip
 from .watchdog import (
-    COLLECTIVE_TIMEOUT_FACTOR, FIRST_STEP_TIMEOUT_S, short, start_heartbeat,
+    COLLECTIVE_TIMEOUT_FACTOR,
+    FIRST_STEP_TIMEOUT_S,
+    short,
+    start_heartbeat,
 )
 
 log = logging.getLogger(__name__)
@@ -147,7 +156,7 @@ def split_by_rates(rates: Sequence[float], global_batch: int) -> list[int]:
     scaled = [r / top for r in rates]
     total = sum(scaled)
     ideal = [global_batch * r / total for r in scaled]
-    out = [max(1, int(math.floor(q))) for q in ideal]
+    out = [max(1, math.floor(q)) for q in ideal]
     while sum(out) > global_batch:
         i = max((i for i in range(n) if out[i] > 1), key=lambda i: (out[i] - ideal[i], -i))
         out[i] -= 1

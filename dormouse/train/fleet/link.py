@@ -9,7 +9,7 @@ Everything here is COMPUTED from a formula; a two-card run replaces it with a re
 from __future__ import annotations
 
 import argparse
-from typing import Callable
+from collections.abc import Callable
 
 MiB = 1 << 20
 
@@ -107,7 +107,7 @@ def _count_params(preset_name: str) -> tuple[int, str]:
         if count is None:
             from ...model.model import count_params as count
         return int(count(cfg.model)), f"preset {preset_name}, counted by count_params (meta device)"
-    except Exception as e:  # noqa: BLE001 - the model is young; any failure falls back loudly
+    except Exception as e:
         why = f"{type(e).__name__}: {e}".splitlines()[0]
         if preset_name in PRESET_PARAMS:
             n = int(PRESET_PARAMS[preset_name])
@@ -125,7 +125,7 @@ def _read_link(probe: Callable | None = None) -> tuple[int | None, int | None, s
         if probe is None:
             from ..plan.device import probe
         records = [r for r in probe(memory=False) if r.kind == "cuda"]
-    except Exception as e:  # noqa: BLE001 - a probe failure is reported, not fatal
+    except Exception as e:
         return None, None, f"the probe failed ({type(e).__name__}: {e})".splitlines()[0]
     if not records:
         return None, None, "no CUDA device visible"

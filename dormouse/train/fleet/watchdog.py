@@ -14,15 +14,14 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Callable, Mapping
 from datetime import timedelta
-from typing import Callable, Mapping
 
 import torch.distributed as dist
 
 from ...errors import UserError
-from ..store.folder import pid_alive
 from ..context import DistError
-
+from ..store.folder import pid_alive
 
 #: Exit code of a rank its watchdog ends (a stalled or dead peer, a lost store or launcher).
 WATCHDOG_EXIT = 3
@@ -134,7 +133,7 @@ class Heartbeat:
         def say():
             try:
                 self._beat_once(self._main if self._main is not None else self.connect())
-            except Exception:  # noqa: BLE001
+            except Exception:
                 pass
 
         t = threading.Thread(target=say, daemon=True)
@@ -179,7 +178,7 @@ class Heartbeat:
                     self._read_peers(store)
                     read_at = time.monotonic() + self.interval
                 self.last_io = time.monotonic()
-            except Exception:  # noqa: BLE001 - a missed round; the watch judges the silence
+            except Exception:
                 store = None
             if store is None:
                 self._halt.wait(self.interval)
@@ -209,7 +208,7 @@ class Heartbeat:
                 # this process itself was frozen (SIGSTOP, a suspended machine): its view of
                 # the peers is stale, not theirs; let the pulse read them again first
                 self.last_io = now
-                self.changed = {r: now for r in self.changed}
+                self.changed = dict.fromkeys(self.changed, now)
                 continue
             if self._launcher_gone():
                 self._end(f"the torchrun agent that launched it (pid {self.launcher_pid}) is "
@@ -249,7 +248,7 @@ class Heartbeat:
         for stream in (sys.stdout, sys.stderr):
             try:
                 stream.flush()
-            except Exception:  # noqa: BLE001
+            except Exception:
                 pass
         os.write(2, (line + "\n").encode("utf-8", "replace"))
         self.state, self.why = "ended", reason[:300]

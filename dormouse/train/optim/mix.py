@@ -41,8 +41,8 @@ from ...config import ConfigError
 from ...model.engram import HostTables, touched_rows
 from ..context import local_shard
 from .muon import DTYPES, muon_step_
-from .routing import Route, route_params, strip_name
 from .quant import BLOCK
+from .routing import Route, route_params, strip_name
 from .rowadam import moments, row_adam_, row_adam_dense_, row_state
 
 log = logging.getLogger(__name__)
@@ -101,8 +101,8 @@ def _refuse_sharded_int8(named: list, muon_state_dtype: str, engram_state_dtype:
     """int8 state is kept per process in blocks of the local elements; an FSDP2 shard's would
     have to be resharded through fp32 whenever the world size changes (nothing does that)."""
     on = [r.name for r, p in named if hasattr(p, "placements")
-          and (r.owner == "muon" and muon_state_dtype == "int8"
-               or r.owner == "engram" and engram_state_dtype == "int8")]  # fmt: skip
+          and ((r.owner == "muon" and muon_state_dtype == "int8")
+               or (r.owner == "engram" and engram_state_dtype == "int8"))]  # fmt: skip
     if on:
         raise ConfigError(
             f"muon_state_dtype={muon_state_dtype}, engram_state_dtype={engram_state_dtype}: "

@@ -139,7 +139,7 @@ def _probe_cuda(index: int, memory: bool = True) -> DeviceRecord:
     if memory:
         try:
             free, total = (int(v) for v in torch.cuda.mem_get_info(index))
-        except Exception as e:  # noqa: BLE001 - any failure means "unknown", never a guess
+        except Exception as e:
             # Measured: while another process holds the card the driver refuses a second
             # context; get_device_properties still answers, mem_get_info does not.
             notes.append(f"free memory unreadable ({type(e).__name__}: {_first_line(e)})")
@@ -179,7 +179,7 @@ def _nvml_link(props) -> tuple[int | None, int | None, str]:
         return None, None, "PCIe unread: nvidia-ml-py (pynvml) is not installed"
     try:
         pynvml.nvmlInit()
-    except Exception as e:  # noqa: BLE001 - NVMLError has many subclasses
+    except Exception as e:
         return None, None, f"PCIe unread: nvmlInit failed ({_first_line(e)})"
     try:
         handle, how = _nvml_handle(pynvml, props)
@@ -188,12 +188,12 @@ def _nvml_link(props) -> tuple[int | None, int | None, str]:
         gen = int(pynvml.nvmlDeviceGetMaxPcieLinkGeneration(handle))
         width = int(pynvml.nvmlDeviceGetMaxPcieLinkWidth(handle))
         return gen, width, ""
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         return None, None, f"PCIe unread: NVML said {_first_line(e)}"
     finally:
         try:
             pynvml.nvmlShutdown()
-        except Exception:  # noqa: BLE001 - shutdown failing changes nothing we report
+        except Exception:
             pass
 
 
@@ -206,9 +206,7 @@ def _nvml_handle(pynvml, props):
     dev = getattr(props, "pci_device_id", None)
     if None not in (dom, bus, dev):
         address = f"{int(dom):08X}:{int(bus):02X}:{int(dev):02X}.0"
-        get = getattr(pynvml, "nvmlDeviceGetHandleByPciBusId_v2", None) or getattr(
-            pynvml, "nvmlDeviceGetHandleByPciBusId"
-        )
+        get = getattr(pynvml, "nvmlDeviceGetHandleByPciBusId_v2", None) or pynvml.nvmlDeviceGetHandleByPciBusId
         return get(address), f"pci {address}"
     uuid = getattr(props, "uuid", None)
     if uuid is not None:

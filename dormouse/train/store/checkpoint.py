@@ -55,7 +55,10 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions, get_model_state_dict, get_optimizer_state_dict, set_model_state_dict,
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
     set_optimizer_state_dict,
 )  # fmt: skip
 
@@ -618,7 +621,7 @@ class _Reader(FileSystemReader):
                 super().read_data(dataclasses.replace(plan, items=items), planner).wait()
             except UserError:
                 raise
-            except Exception as e:  # noqa: BLE001 - a damaged file, said in one line
+            except Exception as e:
                 raise CheckpointError(
                     f"the shard {where} could not be read ({_one_line(e)}): the checkpoint is "
                     f"damaged, and no code from it ran; resume from another checkpoint, or "

@@ -475,7 +475,7 @@ def _orphan(manifest: Path, shards: str) -> bool:
         return True
     try:
         ck = torch.load(manifest, map_location="cpu", weights_only=True, mmap=True)
-    except Exception:  # noqa: BLE001 - not readable: keep what it might name
+    except Exception:
         return False
     return not (isinstance(ck, dict) and ck.get("shards") == shards)
 
