@@ -10,6 +10,7 @@ docs/reliability.md (the run folder, round 3) lists every case with the test tha
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -655,6 +656,7 @@ class Fleet:
                *[x for s in sets for x in ("--set", s)]]  # fmt: skip
         self.p = subprocess.Popen(cmd, cwd=tmp, env=_env(), stdout=subprocess.DEVNULL,
                                   stderr=subprocess.DEVNULL, start_new_session=True)
+        self.pids: list[int] = []
 
     def log(self, rank: int, name: str) -> str:
         found = sorted(self.logs.glob(f"*/attempt_0/{rank}/{name}.log"))
@@ -669,14 +671,16 @@ class Fleet:
             assert self.p.poll() is None, self.log(0, "stderr")[-3000:]
             assert time.monotonic() - t0 < limit, "the fleet never reached the step"
             time.sleep(0.05)
-        return sorted(_children(self.p.pid), key=_rank_of)
+        self.pids = sorted(_children(self.p.pid), key=_rank_of)
+        return self.pids
 
     def close(self) -> None:
-        try:
-            os.killpg(self.p.pid, signal.SIGCONT)
-            os.killpg(self.p.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        # the workers too, one by one: torchrun may start them in sessions of their own, and
+        # a SIGSTOPped one outlived the agent's group (left stopped after the suite)
+        for pid in [self.p.pid, *self.pids]:
+            for sig in (signal.SIGCONT, signal.SIGKILL):
+                with contextlib.suppress(ProcessLookupError):
+                    (os.killpg if pid == self.p.pid else os.kill)(pid, sig)
         self.p.wait(timeout=60)
 
 
