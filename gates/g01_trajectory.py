@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from gates.harness import (
-    DDP_RUN, SPREAD_K, Record, fleet, fleet_env, fmt, max_abs_diff, max_rel_diff, on, rel_err,
-    single, tol_on, update_rel_err,
-)
+from gates.compare import SPREAD_K, fmt, max_abs_diff, max_rel_diff, rel_err, tol_on, update_rel_err
+from gates.fixtures import DDP_RUN, on
+from gates.reference import single
+from gates.spawn import fleet
+from gates.status import Record, fleet_env
 
 CLAIM = "2-rank DDP reproduces the single-process trajectory at the global batch"
 INSTRUMENT = ("tiny (dropless MoE, Muon), 2x2 windows vs 1x4, 20 steps, fp32 reduce, no clip: "

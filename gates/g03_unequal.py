@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
-from gates.harness import (
-    UNEQUAL_RUNS, Record, batches_of, corpus_path, exact_fp32, fixture_run, fleet, fleet_env,
-    fmt, judge, on, rel_err, update_rel_err, work_dir, worlds,
+from gates.cache import work_dir
+from gates.compare import fmt, judge, rel_err, update_rel_err
+from gates.fixtures import (
+    UNEQUAL_RUNS, batches_of, corpus_path, exact_fp32, fixture_run, on, worlds,
 )
+from gates.spawn import fleet
+from gates.status import Record, fleet_env
 
 CLAIM = "unequal batches equal the token-weighted mean"
 INSTRUMENT = ("capacity 4,2 (world 2) and 4,2,3 (world 3), no clip, adam_eps=1e-5: the "
@@ -22,7 +25,7 @@ INSTRUMENT = ("capacity 4,2 (world 2) and 4,2,3 (world 3), no clip, adam_eps=1e-
 #: each with the code before and after the KDA mixer's projections were fused into two
 #: matmuls (a change of matmul round-off only), 12 runs a world: world 2 1.4e-6 .. 7.8e-6
 #: (seed 8, the code before: already over the old 5e-6), world 3 1.3e-6 .. 1.7e-5 (the default
-#: seed after). The world-3 tail, isolated 2026-12-03 (harness.STEADY_ADAM): AdamW's first
+#: seed after). The world-3 tail, isolated 2026-12-03 (fixtures.STEADY_ADAM): AdamW's first
 #: step lr * g / (|g| + eps) on elements whose gradient sits near eps = 1e-8 amplifies the
 #: gradient's fp32 round-off. The fixture now runs Adam at eps = 1e-5; re-measured over the
 #: default seed and seeds 8-12 (AMD EPYC): world 2 2.7e-6 .. 9.1e-6 (seed 11; unchanged: that

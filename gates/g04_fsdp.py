@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from gates.harness import (
-    FSDP_RUN, SPREAD_K, Record, fleet, fleet_env, judge, max_abs_diff, max_rel_diff, on,
-    rel_err, single,
-)
+from gates.compare import SPREAD_K, judge, max_abs_diff, max_rel_diff, rel_err
+from gates.fixtures import FSDP_RUN, on
+from gates.reference import single
+from gates.spawn import fleet
+from gates.status import Record, fleet_env
 
 CLAIM = "FSDP2 + AdamW: gathered parameters identical across ranks, trajectory = one process"
 INSTRUMENT = ("tiny, opt=adamw, dist_shard=fsdp, 2x2 windows vs 1x4, 20 steps, no clip: SHA-256 "

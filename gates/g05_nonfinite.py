@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from gates.harness import (
-    DEVICE_VERDICT_RUNS, FAULT_RUNS, SPREAD_K, Record, fleet, fleet_env, fmt, judge, max_abs_diff, on, rank_errors, rel_err,
-    single, worlds,
-)
+from gates.compare import SPREAD_K, fmt, judge, max_abs_diff, rel_err
+from gates.fixtures import DEVICE_VERDICT_RUNS, FAULT_RUNS, on, worlds
+from gates.reference import single
+from gates.spawn import fleet, rank_errors
+from gates.status import Record, fleet_env
 
 CLAIM = ("non-finite agreement: a NaN on any rank makes every rank skip that step, the skip "
          "leaves no trace, and the run continues as if that batch had never been read")  # fmt: skip
@@ -22,7 +23,7 @@ INSTRUMENT = ("a NaN loss with a finite gradient at step 3 of 5 on rank 0, on ra
 #: After the skip the fleet and the reference train 2 more steps: gate 1's fp32 round-off of
 #: the summation order (losses; measured up to 4.8e-7 here) ...
 TOL_LOSS = 5e-6
-#: ... and on the final parameters. The fixture runs Adam at eps = 1e-5 (harness.STEADY_ADAM:
+#: ... and on the final parameters. The fixture runs Adam at eps = 1e-5 (fixtures.STEADY_ADAM:
 #: at torch's 1e-8 the small gradients near eps amplify fp32 round-off; measured 2026-12-03 at
 #: world 3, the default seed: parameters 7.2e-8, host tables 6.7e-5 of the 1e-4 then allowed).
 #: At 1e-5, over the default seed and seeds 8-12, world 2 (NaN on rank 0) and world 3 (on

@@ -11,9 +11,11 @@ from pathlib import Path
 
 import torch
 
-from gates.harness import (
-    Record, child_env, corpus_path, fleet_env, fmt, max_abs_diff, threads, work_dir,
-)
+from gates.cache import work_dir
+from gates.compare import fmt, max_abs_diff
+from gates.fixtures import corpus_path, threads
+from gates.spawn import child_env
+from gates.status import Record, fleet_env
 
 CLAIM = "end to end: torchrun 2 ranks, 20 steps, exit 0; rank 0's loss= is the fleet's token-weighted mean"
 INSTRUMENT = ("`torchrun --standalone --nproc_per_node=2 -m dormouse train tiny --dist --device "
@@ -38,7 +40,7 @@ def reference(data: Path, device: str) -> dict:
     """One process, tiny preset at the global batch 8; the probe records rank 0's own loss."""
     from dormouse.config import apply_sets, preset, validate
     from dormouse.train.data import open_data
-    from gates.harness import Recorder, no_plot
+    from gates.recorder import Recorder, no_plot
     from references.single import global_run, run_single
 
     out = work_dir("torchrun-ref")
@@ -67,7 +69,7 @@ def reference(data: Path, device: str) -> dict:
         return out
 
     if device == "cuda":
-        from gates.harness import exact_fp32
+        from gates.fixtures import exact_fp32
 
         exact_fp32()
     recorder = Recorder(probe=rank_losses)
@@ -89,7 +91,7 @@ def run(cuda: bool = False) -> Record:
     cmd = _torchrun() + ["--standalone", "--nproc_per_node=2", "-m", "dormouse", "train", "tiny",
                          "--dist", "--device", device, "--data", str(data), "--steps", "20",
                          "--capacity", ",".join(map(str, BATCHES)),
-                         # the fixture's deterministic pins (harness.fixture_run says why)
+                         # the fixture's deterministic pins (fixtures.fixture_run says why)
                          "--set", "ns_dtype=fp32", "--set", "kda_impl=torch"]  # fmt: skip
     p = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
     lines = p.stdout.splitlines()

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
-from gates.harness import LFB_RUNS, Record, fleet, fleet_env, fmt, on, single, worlds
+from gates.compare import fmt
+from gates.fixtures import LFB_RUNS, on, worlds
+from gates.reference import single
+from gates.spawn import fleet
+from gates.status import Record, fleet_env
 
 CLAIM = "LFB controller on a fleet: every rank's lfb_bias equals the single process's"
 INSTRUMENT = ("moe_lb_coef=0.01, capacity auto split 3,1 (world 2) and 3,1,2 (world 3), 8 steps "

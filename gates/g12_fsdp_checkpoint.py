@@ -5,10 +5,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from gates.harness import (
-    FSDP_RUN, SPREAD_K, Record, flat_tensors, fleet, fleet_env, judge, max_abs_diff, on,
-    rel_err, single, update_rel_err,
-)
+from gates.compare import SPREAD_K, flat_tensors, judge, max_abs_diff, rel_err, update_rel_err
+from gates.fixtures import FSDP_RUN, on
+from gates.reference import single
+from gates.spawn import fleet
+from gates.status import Record, fleet_env
 
 CLAIM = ("FSDP2 checkpoint: the sharded checkpoint resumes on the fleet; its export (one file) "
          "reloads in one process and resumes there")  # fmt: skip

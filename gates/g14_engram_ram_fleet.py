@@ -9,10 +9,11 @@ same bytes after every step.
 
 from __future__ import annotations
 
-from gates.harness import (
-    SPREAD_K, STEADY_ADAM, FleetSpec, Record, batches_of, fleet, fleet_env, fmt, judge,
-    max_abs_diff, max_rel_diff, on, rel_err, single, update_rel_err, worlds,
-)
+from gates.compare import SPREAD_K, fmt, judge, max_abs_diff, max_rel_diff, rel_err, update_rel_err
+from gates.fixtures import STEADY_ADAM, FleetSpec, batches_of, on, worlds
+from gates.reference import single
+from gates.spawn import fleet
+from gates.status import Record, fleet_env
 
 CLAIM = ("host-RAM Engram tables (engram_ram) stay fleet-correct: every rank's table is the "
          "single process's")  # fmt: skip
@@ -22,7 +23,7 @@ INSTRUMENT = ("tiny, engram_ram=true, adam_eps=1e-5, DDP, capacity 3,1 / 3,1,2 /
               "host-table relative error and table-UPDATE relative error after the run; SHA-256 "
               "of each rank's host table after every step")  # fmt: skip
 
-#: Adam at eps = 1e-5 (harness.STEADY_ADAM, whose comment gives the mechanism). Measured on
+#: Adam at eps = 1e-5 (fixtures.STEADY_ADAM, whose comment gives the mechanism). Measured on
 #: this fixture at torch's 1e-8: the world-3 fleet's table differed from the reference from
 #: the first step that moved it (5.4e-5 on one element, update 3.8e-4 relative), and after 16
 #: steps by table 8.4e-5 / update 1.3e-4 relative (AMD EPYC) and 1.03e-4 / 1.6e-4 (Intel

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from gates.harness import SIGNAL_RUNS, Record, fleet, fleet_env, fmt, max_abs_diff, on, single, worlds
+from gates.compare import fmt, max_abs_diff
+from gates.fixtures import SIGNAL_RUNS, on, worlds
+from gates.reference import single
+from gates.spawn import fleet
+from gates.status import Record, fleet_env
 
 CLAIM = ("a SIGTERM reaching one rank mid-step stops every rank after the same step with one "
          "checkpoint; the fleet resumes it onto the uninterrupted trajectory")  # fmt: skip

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from gates.harness import (
-    SPREAD_K, FleetSpec, Record, fleet, fleet_env, fmt, judge, max_abs_diff, max_rel_diff, on,
-    single,
-)
+from gates.compare import SPREAD_K, fmt, judge, max_abs_diff, max_rel_diff
+from gates.fixtures import FleetSpec, on
+from gates.reference import single
+from gates.spawn import fleet
+from gates.status import Record, fleet_env
 
 CLAIM = "the clip sees the global batch: every step's pre-clip norm equals the single process's"
 INSTRUMENT = ("grad_clip=1.0 (it engages: the fixture's norms are 1.4-4.0), 10 steps: DDP with "

@@ -5,7 +5,11 @@ from __future__ import annotations
 
 import torch
 
-from gates.harness import FleetSpec, Record, fleet, fleet_env, fmt, on, rel_err, single
+from gates.compare import fmt, rel_err
+from gates.fixtures import FleetSpec, on
+from gates.reference import single
+from gates.spawn import fleet
+from gates.status import Record, fleet_env
 
 CLAIM = ("the bf16 reduce (dist_reduce=bf16, the comm hook auto picks on bf16 fleets) gives the "
          "global-batch gradient up to bf16 rounding")  # fmt: skip

@@ -18,7 +18,9 @@ import math
 import torch
 import torch.nn.functional as F
 
-from gates.harness import Record, environment, fmt, threads
+from gates.compare import fmt
+from gates.fixtures import threads
+from gates.status import Record, environment
 
 CUDA = False
 SINGLE_CUDA = True

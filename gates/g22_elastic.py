@@ -12,10 +12,12 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
-from gates.harness import (
-    Record, cli_reference, corpus_path, fleet_env, fmt, launch_env, max_abs_diff,
-    metrics_losses, torchrun, work_dir,
-)
+from gates.cache import work_dir
+from gates.compare import fmt, max_abs_diff
+from gates.fixtures import corpus_path
+from gates.reference import cli_reference
+from gates.spawn import launch_env, metrics_losses, torchrun
+from gates.status import Record, fleet_env
 
 CLAIM = ("elastic restart: a rank killed once mid-run, the fleet restarts and resumes by itself "
          "to the uninterrupted run's exact parameters; a 2-rank run resumes on 1 rank at the "

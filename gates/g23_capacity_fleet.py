@@ -3,10 +3,11 @@ is per row, so splitting the global batch across ranks cannot change a drop)."""
 
 from __future__ import annotations
 
-from gates.harness import (
-    SPREAD_K, FleetSpec, Record, batches_of, fleet, fleet_env, fmt, judge, max_abs_diff,
-    max_rel_diff, on, rel_err, single, worlds,
-)
+from gates.compare import SPREAD_K, fmt, judge, max_abs_diff, max_rel_diff, rel_err
+from gates.fixtures import FleetSpec, batches_of, on, worlds
+from gates.reference import single
+from gates.spawn import fleet
+from gates.status import Record, fleet_env
 
 CLAIM = ("capacity-padded MoE on a fleet: the trajectory and the gradient equal one process at "
          "the global batch, with assignments actually dropped")  # fmt: skip
@@ -28,7 +29,8 @@ TOL = {"dloss": 5e-6, "gradient": 2e-6, "norms": 1e-6}
 def _drops(spec, inputs) -> int:
     import torch
 
-    from gates.harness import fixture_run, work_dir
+    from gates.cache import work_dir
+    from gates.fixtures import fixture_run
     from references.single import build_model
 
     model = build_model(fixture_run(spec, work_dir("capdrops"), dist=False))

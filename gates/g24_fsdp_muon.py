@@ -15,10 +15,11 @@ from __future__ import annotations
 
 from gates.g01_trajectory import FP32_TOL, measure
 from gates.g14_engram_ram_fleet import ENGRAM_SETS, _one as engram_one
-from gates.harness import (
-    SPREAD_K, FleetSpec, Record, fleet, fleet_env, fmt, judge, max_abs_diff, on, single, tol_on,
-    worlds,
-)
+from gates.compare import SPREAD_K, fmt, judge, max_abs_diff, tol_on
+from gates.fixtures import FleetSpec, on, worlds
+from gates.reference import single
+from gates.spawn import fleet
+from gates.status import Record, fleet_env
 
 CLAIM = ("FSDP2 + Muon (opt=mix) and FSDP2 + engram_ram reproduce one process at the global "
          "batch; gathered parameters and host tables identical across ranks")  # fmt: skip

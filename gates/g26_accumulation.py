@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import dataclasses
 
-from gates.harness import (
-    SPREAD_K, FleetSpec, Record, fleet, fleet_env, fmt, max_abs_diff, max_rel_diff, on, rel_err,
-    single, tol_on,
-)
+from gates.compare import SPREAD_K, fmt, max_abs_diff, max_rel_diff, rel_err, tol_on
+from gates.fixtures import FleetSpec, on
+from gates.reference import single
+from gates.spawn import fleet
+from gates.status import Record, fleet_env
 
 CLAIM = ("global_batch and accumulation: any split of 8 windows over ranks and micro-batches "
          "trains one process's trajectory at batch 8; a run resumes on another number of ranks "
@@ -82,7 +83,7 @@ def run(cuda: bool = False) -> Record:
         label = f"{world} ranks " + (cap or f"{batch}x2 each") + (" fsdp" if sets else "")
         runs[label] = fleet(spec)[0]["rec"]
     # on a card the same mathematics rounds differently when a matmul's shape changes: the
-    # reference against itself with each batch run as forwards of 2 windows (harness.SPREAD_K)
+    # reference against itself with each batch run as forwards of 2 windows (compare.SPREAD_K)
     spread = _figures(single(base, [2, 2, 2, 2], split_rows=True)["rec"], ref) if cuda else {}
     tol = {k: tol_on(cuda, t, spread.get(k, 0.0)) for k, t in _TOL.items()}
     notes, ok = [], True

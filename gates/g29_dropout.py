@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from gates.harness import (
-    FleetSpec, Record, batches_of, corpus_path, fleet, fleet_env, fmt, max_abs_diff,
-    max_rel_diff, on, single, worlds,
-)
+from gates.compare import fmt, max_abs_diff, max_rel_diff
+from gates.fixtures import FleetSpec, batches_of, corpus_path, on, worlds
+from gates.reference import single
+from gates.spawn import fleet
+from gates.status import Record, fleet_env
 
 CLAIM = ("dropout masks and each pass's random phase are the fleet's, not a rank's: with "
          "dropout 0.3 over 3.4 passes of a short corpus, the fleet reads the single process's "

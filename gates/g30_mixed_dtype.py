@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from gates.harness import (
-    FleetSpec, Record, fleet, fleet_env, fmt, max_abs_diff, max_rel_diff, on, rank_errors,
-    rel_err, single,
-)
+from gates.compare import fmt, max_abs_diff, max_rel_diff, rel_err
+from gates.fixtures import FleetSpec, on
+from gates.reference import single
+from gates.spawn import fleet, rank_errors
+from gates.status import Record, fleet_env
 
 CLAIM = ("a mixed-dtype fleet trains as one process: a bf16 rank beside an fp16 rank carry one "
          "loss scale, skip together on a non-finite step, and stay within the sum of each "
@@ -28,7 +29,7 @@ SPEC = FleetSpec("mixed-dtype", steps=20, dtypes=("bf16", "fp16"), nan_ranks=(1,
 #: 4.3e-4 (on the whole run; the gate measures both on the fleet's own skipped steps, where
 #: the fleet sat at 1.4e-3, 2.9e-3, 1.5e-3 against sums of 2.0e-3, 6.4e-3, 3.2e-3). The bugs
 #: are far out: the fp16 rank forgetting to unscale, |dloss| 1.7e-2 and the ranks 3.1e-3
-#: apart; only the fp16 rank carrying the scale, |dloss| 0.12 (gates/mutations.py).
+#: apart; only the fp16 rank carrying the scale, |dloss| 0.12 (gates/mutation_list/).
 FIGURES = ("dloss", "norms", "params")
 
 

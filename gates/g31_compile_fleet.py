@@ -22,9 +22,11 @@ from __future__ import annotations
 
 import dataclasses
 
-from gates.harness import (
-    FleetSpec, Record, fleet, fleet_env, fmt, max_abs_diff, max_rel_diff, on, rel_err, single,
-)
+from gates.compare import fmt, max_abs_diff, max_rel_diff, rel_err
+from gates.fixtures import FleetSpec, on
+from gates.reference import single
+from gates.spawn import fleet
+from gates.status import Record, fleet_env
 
 CLAIM = ("compile=true on a DDP fleet and on an FSDP2 fleet (compile_mode=default) reproduces "
          "the eager single process at the global batch, with unequal shares and with "

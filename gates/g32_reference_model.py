@@ -25,7 +25,8 @@ import math
 
 import torch
 
-from gates.harness import Record, environment, fmt
+from gates.compare import fmt
+from gates.status import Record, environment
 
 CUDA = False
 SINGLE_CUDA = True

@@ -31,7 +31,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from gates.harness import Record, corpus_path, environment, fmt, no_plot
+from gates.compare import fmt
+from gates.fixtures import corpus_path
+from gates.recorder import no_plot
+from gates.status import Record, environment
 
 CUDA = False
 
@@ -95,7 +98,7 @@ TOL = {
 
 
 def write_corpus(where: Path) -> Path:
-    """The harness corpus's first TRAIN_BYTES, then 264 random bytes >= 128, which the text
+    """The gates' fixture corpus's first TRAIN_BYTES, then 264 random bytes >= 128, which the text
     never holds: the val split, whose loss rises as the model learns the text."""
     text = corpus_path().read_bytes()[:TRAIN_BYTES]
     noise = np.random.default_rng(51).integers(128, 256, 264, dtype=np.uint8).tobytes()

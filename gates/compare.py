@@ -1,0 +1,95 @@
+"""How a gate compares a fleet's figures with its reference's, and the tolerance rule on CUDA."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def max_abs_diff(a: list[float], b: list[float]) -> float:
+    if len(a) != len(b):
+        return float("inf")
+    return max((abs(x - y) for x, y in zip(a, b)), default=0.0)
+
+
+def max_rel_diff(a: list[float], b: list[float]) -> float:
+    """max |a_i - b_i| / |b_i| (inf on a length mismatch or a non-finite entry)."""
+    if len(a) != len(b) or not a:
+        return float("inf")
+    out = 0.0
+    for x, y in zip(a, b):
+        if not (math.isfinite(x) and math.isfinite(y)):
+            return float("inf")
+        out = max(out, abs(x - y) / max(abs(y), 1e-30))
+    return out
+
+
+def rel_err(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    """||a - b|| / ||b|| over all tensors together (fp64)."""
+    if set(a) != set(b):
+        return float("inf")
+    num = sum(float((a[k].double() - b[k].double()).pow(2).sum()) for k in b)
+    den = sum(float(b[k].double().pow(2).sum()) for k in b)
+    return (num / max(den, 1e-300)) ** 0.5
+
+
+def update_rel_err(after: dict, ref_after: dict, before: dict) -> float:
+    """Relative error of the UPDATE: ||(a - p0) - (r - p0)|| / ||r - p0||. Far more sensitive
+    than the parameter error, whose denominator is the (large) parameters themselves."""
+    du = {k: after[k].double() - before[k].double() for k in before}
+    dr = {k: ref_after[k].double() - before[k].double() for k in before}
+    return rel_err(du, dr)
+
+
+def flat_tensors(obj, prefix: str = "") -> dict[str, torch.Tensor]:
+    """{path: tensor} of every floating-point tensor in a nested state (an optimizer's)."""
+    out: dict[str, torch.Tensor] = {}
+    if torch.is_tensor(obj):
+        if obj.is_floating_point():
+            t = obj.detach()
+            out[prefix] = (t.to_local() if hasattr(t, "to_local") else t).to("cpu")  # a DTensor
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            out.update(flat_tensors(v, f"{prefix}/{k}"))
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            out.update(flat_tensors(v, f"{prefix}/{i}"))
+    return out
+
+
+#: On CUDA a tolerance is this multiple of the reference's own round-off spread on the card,
+#: never less than the CPU's fp32 tolerance. The spread: the one-process reference against
+#: itself run with each global batch cut into the fleet's per-rank pieces (forwards of 3 and
+#: 1 windows instead of one of 4, in one process, no communication): the same mathematics,
+#: but GPU kernels pick their blocking by shape, so the pieces round differently, by more
+#: than the CPU's kernels do, and Adam's elementwise normalisation turns that round-off on
+#: near-zero gradient entries into visible update differences. Measured on the card in the
+#: same run, both numbers in the record. 4x, like the CPU tolerances. (Reversing the windows
+#: was tried first and under-measures it: a row permutation leaves every matmul's shape, and
+#: so its blocking, unchanged; measured 17x below the fleet's update error on an H200.)
+SPREAD_K = 4.0
+
+
+def tol_on(cuda: bool, fp32_tol: float, spread: float) -> float:
+    """The tolerance a gate applies: the fp32 one on the CPU; on CUDA at least SPREAD_K x
+    the reference's measured spread."""
+    return max(fp32_tol, SPREAD_K * spread) if cuda else fp32_tol
+
+
+def judge(cuda: bool, figures: dict[str, float], fp32_tol: dict[str, float],
+          spread: dict[str, float] | None = None) -> tuple[bool, str, str]:
+    """(every figure within its tolerance, "name figure, ..." text, "name <= tol, ..." text).
+    On CUDA each tolerance is tol_on(...) of the reference's spread of the same figure."""
+    spread = spread or {}
+    tol = {k: tol_on(cuda, t, spread.get(k, 0.0)) for k, t in fp32_tol.items()}
+    ok = all(figures[k] <= tol[k] for k in tol)
+    text = ", ".join(f"{k} {fmt(figures[k])}" for k in tol)
+    if cuda and spread:
+        text += " (the reference's own spread: " + ", ".join(
+            f"{k} {fmt(spread[k])}" for k in tol if k in spread) + ")"
+    return ok, text, ", ".join(f"{k} <= {fmt(v)}" for k, v in tol.items())
+
+
+def fmt(x: float) -> str:
+    return f"{x:.2e}" if x != 0 else "0"
