@@ -58,6 +58,23 @@ def flat_tensors(obj, prefix: str = "") -> dict[str, torch.Tensor]:
     return out
 
 
+def rel_to_peak(a: torch.Tensor, ref: torch.Tensor) -> float:
+    """max |a - ref| / max |ref| in fp64 on the CPU: the error relative to the largest entry."""
+    a, ref = a.detach().double().cpu(), ref.detach().double().cpu()
+    return float((a - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
+
+
+def routing_margin(moe, x: torch.Tensor) -> float:
+    """The smallest gap between a token's k-th and (k+1)-th routing score (sigmoid affinity
+    plus LFB bias, fp64 on the CPU) for input x: how far `moe`'s picks are from a flip. Well
+    above fp32's ~1e-7, fp32 and an fp64 reference pick the same experts."""
+    w, k = moe.router.weight.detach().double().cpu(), moe.topk
+    with torch.no_grad():
+        s = torch.sigmoid(x.detach().reshape(-1, w.shape[1]).double().cpu() @ w.t())
+        top = torch.topk(s + moe.lfb_bias.detach().double().cpu(), k + 1, dim=-1).values
+    return float((top[:, k - 1] - top[:, k]).min())
+
+
 #: On CUDA a tolerance is this multiple of the reference's own round-off spread on the card,
 #: never less than the CPU's fp32 tolerance. The spread: the one-process reference against
 #: itself run with each global batch cut into the fleet's per-rank pieces (forwards of 3 and

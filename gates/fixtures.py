@@ -1,4 +1,5 @@
-"""The fixture every fleet gate runs, and the named fleet runs that several gates share.
+"""The fixture every fleet gate runs, the named fleet runs that several gates share, and the
+kernels' random inputs.
 
 The fixture: the `tiny` preset (dropless MoE, fp32) on a deterministic text corpus, exact fp32
 gradient reduce, log every step (`fixture_run`); a `FleetSpec` names one fleet run of it (world,
@@ -11,12 +12,14 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
+import math
 import os
 import random
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from gates.cache import base_dir
 
@@ -224,3 +227,24 @@ def worlds(cuda: bool, *available: int) -> tuple[int, ...]:
 
 def on(spec: FleetSpec, cuda: bool) -> FleetSpec:
     return dataclasses.replace(spec, cuda=True) if cuda else spec
+
+
+# ---- the kernels' inputs ---------------------------------------------------------------------
+
+
+def kda_inputs(B, T, H, K, V, dtype=torch.float32, decay=1.0, seed=0) -> list[torch.Tensor]:
+    """[q, k, v, g, beta, S0] shaped like the KDA mixer's: unit-norm q, k; the log decay
+    g = -decay * exp(A) * softplus(.); drawn in fp64 from `seed`, then cast to `dtype`."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def randn(*s):
+        return torch.randn(*s, generator=gen, dtype=torch.float64)
+
+    q = F.normalize(randn(B, T, H, K), dim=-1)
+    k = F.normalize(randn(B, T, H, K), dim=-1)
+    v = randn(B, T, H, V)
+    A_log = torch.rand(H, K, generator=gen, dtype=torch.float64) * math.log(16.0)
+    g = -decay * A_log.exp() * F.softplus(randn(B, T, H, K) - 3.0)
+    beta = torch.rand(B, T, H, generator=gen, dtype=torch.float64)
+    S0 = randn(B, H, K, V)
+    return [x.to(dtype) for x in (q, k, v, g, beta, S0)]

@@ -16,10 +16,9 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 
-from gates.compare import fmt
-from gates.fixtures import threads
+from gates.compare import fmt, rel_to_peak, routing_margin
+from gates.fixtures import kda_inputs, threads
 from gates.status import Record, environment
 
 CUDA = False
@@ -57,23 +56,6 @@ TOLERANCE = (f"KDA torch arm fp32 <= {fmt(KDA_FP32_TOL)} (round-off, measured ~2
 
 
 # ---- KDA -----------------------------------------------------------------------------------
-
-
-def kda_inputs(B, T, H, Kd, V, dtype=torch.float32, seed=0):
-    """Inputs shaped like the mixer's: unit-norm q, k; g = -exp(A) * softplus(.) (as test_kda)."""
-    gen = torch.Generator().manual_seed(seed)
-
-    def randn(*s):
-        return torch.randn(*s, generator=gen, dtype=torch.float64)
-
-    q = F.normalize(randn(B, T, H, Kd), dim=-1)
-    k = F.normalize(randn(B, T, H, Kd), dim=-1)
-    v = randn(B, T, H, V)
-    A_log = torch.rand(H, Kd, generator=gen, dtype=torch.float64) * math.log(16.0)
-    g = -A_log.exp() * F.softplus(randn(B, T, H, Kd) - 3.0)
-    beta = torch.rand(B, T, H, generator=gen, dtype=torch.float64)
-    S0 = randn(B, H, Kd, V)
-    return [x.to(dtype) for x in (q, k, v, g, beta, S0)]
 
 
 def kda_forward_err(fn, device, shape, seed, **kw) -> tuple[float, float]:
@@ -115,11 +97,6 @@ CONV_SHAPES = ((2, 100, 96, 4), (3, 2, 130, 4), (1, 300, 64, 3), (2, 77, 600, 5)
 NORM_SHAPES = ((2, 100, 3, 64), (1, 33, 2, 24), (1, 20, 12, 128))
 
 
-def _rel(a: torch.Tensor, ref: torch.Tensor) -> float:
-    a, ref = a.detach().double().cpu(), ref.detach()
-    return ((a - ref).abs().max() / ref.abs().max()).item()
-
-
 def conv_errors(op, device, shape, seed: int) -> dict:
     """op(x, w) (silu of the short conv, with gradients) in fp32 on `device` vs the fp64
     reference on the CPU: the output, dx and dw, relative to each one's largest entry."""
@@ -136,7 +113,8 @@ def conv_errors(op, device, shape, seed: int) -> dict:
     x64, w64 = x.double().requires_grad_(True), w.double().requires_grad_(True)
     ref = short_conv_silu(x64, w64)
     (ref * dy.double()).sum().backward()
-    return {"y": _rel(y, ref), "dx": _rel(x32.grad, x64.grad), "dw": _rel(w32.grad, w64.grad)}
+    return {"y": rel_to_peak(y, ref), "dx": rel_to_peak(x32.grad, x64.grad),
+            "dw": rel_to_peak(w32.grad, w64.grad)}
 
 
 def norm_errors(op, device, shape, seed: int) -> dict:
@@ -157,9 +135,9 @@ def norm_errors(op, device, shape, seed: int) -> dict:
     sum((o * d.double()).sum() for o, d in zip(refs, dys)).backward()
     v = x[..., 2 * H * Dh :].reshape(B, T, H, Dh)
     return {
-        "q": _rel(outs[0], refs[0]),
-        "k": _rel(outs[1], refs[1]),
-        "dx": _rel(x32.grad, x64.grad),
+        "q": rel_to_peak(outs[0], refs[0]),
+        "k": rel_to_peak(outs[1], refs[1]),
+        "dx": rel_to_peak(x32.grad, x64.grad),
         "v_exact": torch.equal(outs[2].detach().cpu(), v),
     }
 
@@ -199,14 +177,6 @@ def make_moe(arm: str, capacity: float, seed: int):
     with torch.no_grad():  # the bias steers some picks, so its path is held too
         m.lfb_bias.copy_(torch.tensor([0.0, 0.1, -0.05, 0.02]))
     return m
-
-
-def routing_margin(m, x) -> float:
-    """Smallest gap between a token's k-th and (k+1)-th score: fp32 and fp64 must pick alike."""
-    with torch.no_grad():
-        s = torch.sigmoid(x.reshape(-1, D).double() @ m.router.weight.double().cpu().t())
-        top = torch.topk(s + m.lfb_bias.double().cpu(), K + 1, dim=-1).values
-    return float((top[:, K - 1] - top[:, K]).min())
 
 
 def moe_errors(arm: str, capacity: float, device: str, seed: int = 13) -> dict:

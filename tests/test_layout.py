@@ -126,9 +126,8 @@ def test_one_trainer_no_seams():
     assert "train_dist" not in text and "class Seams" not in text
 
 
-def test_a_single_process_run_never_imports_the_fleet_modules(tmp_path):
-    corpus = tmp_path / "c.txt"
-    corpus.write_bytes(b"".join(p.read_bytes() for p in sorted(PKG.rglob("*.py")))[:40_000])
+def test_a_single_process_run_never_imports_the_fleet_modules(tmp_path, source_corpus):
+    corpus = source_corpus(tmp_path, 40_000)
     code = (
         "import sys\n"
         "from dormouse.config import apply_sets, preset\n"
