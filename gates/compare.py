@@ -75,22 +75,17 @@ def routing_margin(moe, x: torch.Tensor) -> float:
     return float((top[:, k - 1] - top[:, k]).min())
 
 
-#: On CUDA a tolerance is this multiple of the reference's own round-off spread on the card,
-#: never less than the CPU's fp32 tolerance. The spread: the one-process reference against
-#: itself run with each global batch cut into the fleet's per-rank pieces (forwards of 3 and
-#: 1 windows instead of one of 4, in one process, no communication): the same mathematics,
-#: but GPU kernels pick their blocking by shape, so the pieces round differently, by more
-#: than the CPU's kernels do, and Adam's elementwise normalisation turns that round-off on
-#: near-zero gradient entries into visible update differences. Measured on the card in the
-#: same run, both numbers in the record. 4x, like the CPU tolerances. (Reversing the windows
-#: was tried first and under-measures it: a row permutation leaves every matmul's shape, and
-#: so its blocking, unchanged; measured 17x below the fleet's update error on an H200.)
+#: On CUDA a tolerance is at least this many times the reference's spread on the card (as on CPU).
 SPREAD_K = 4.0
 
 
 def tol_on(cuda: bool, fp32_tol: float, spread: float) -> float:
     """The tolerance a gate applies: the fp32 one on the CPU; on CUDA at least SPREAD_K x
-    the reference's measured spread."""
+    the reference's spread. The spread: the one-process reference against itself with each
+    global batch cut into the fleet's per-rank pieces (no communication). GPU kernels pick
+    their blocking by shape, so the pieces round differently, which Adam's normalisation turns
+    into visible update differences on near-zero gradients; a row permutation of the batch
+    keeps every shape and under-measures it (17x below the fleet's update error on an H200)."""
     return max(fp32_tol, SPREAD_K * spread) if cuda else fp32_tol
 
 

@@ -155,16 +155,11 @@ def threads(n: int):
 
 # ---- the shared fleet runs (one run feeds several claims) ---------------------------------------
 
-#: Adam's eps for the fixtures whose figures read small gradients through Adam (gates 2, 3, 5,
-#: 14, 24; torch's default is 1e-8). Why, isolated 2026-12-03 on gate 14: the Engram conv
-#: starts at zero, so in a short fixture the tables' gradients are 1e-9 .. 1e-6, many within
-#: 0.1-10x of eps = 1e-8. There Adam's first step lr * g / (|g| + eps) has the slope lr / eps
-#: (5e3 at the Engram lr 5e-3), so an fp32 round-off of 1e-10 in a gradient sum (a fleet sums
-#: per rank, then over the ranks) moves that element's update by ~5e-5; the dense AdamW
-#: groups' near-zero entries do the same. World 3 shows it most: its loss weights 3/2, 1/2, 1
-#: and DDP's division by 3 round where world 2 and 4's (powers of two) are exact. At 1e-5 the
-#: fixtures' gradients sit below eps, each update is near-linear in its gradient, and
-#: round-off stays round-off (each gate's comment has its figures before and after).
+#: Adam's eps where a gate reads small gradients through Adam (gates 2, 3, 5, 14, 24). A short
+#: fixture's Engram gradients are 1e-9 .. 1e-6, near torch's eps = 1e-8, where Adam's first step
+#: lr * g / (|g| + eps) has the slope lr / eps: a 1e-10 round-off of a fleet's gradient sum
+#: moved an update by ~5e-5 (worst at world 3, whose weights do not round exactly). At 1e-5 the
+#: step is near-linear in the gradient and round-off stays round-off.
 STEADY_ADAM = "adam_eps=1e-5"
 #: 2 ranks x 2 windows, DDP, Muon, 20 steps; eval and checkpoints every 10 steps; each rank
 #: gets its own out_dir so the gate can see which rank wrote what. Gates 1, 2, 8.
@@ -173,8 +168,7 @@ DDP_RUN = FleetSpec("ddp", steps=20, per_rank_out=True, plot=True,
 #: Unequal capacity, two steps (the step-1 state is recorded inside step 2). Blocks in file
 #: order (shuffle off), so the hand-written gradient reference reads step 0's block from byte
 #: 0 without re-implementing the data module's block order. Gate 3, at world 2 and 3 (rank
-#: order shows only from world 3 on). STEADY_ADAM (the update's world-3 tail at eps = 1e-8
-#: was AdamW's first step on gradients near eps: 2.1e-5 -> 1.7e-6).
+#: order shows only from world 3 on), with STEADY_ADAM.
 UNEQUAL_RUNS = {
     2: FleetSpec("unequal", steps=2, capacity="4,2", sets=("shuffle=false", STEADY_ADAM)),
     3: FleetSpec("unequal3", world=3, steps=2, capacity="4,2,3",
@@ -182,8 +176,7 @@ UNEQUAL_RUNS = {
 }
 #: Faults: a NaN loss (finite gradient) at step index 2 on each rank in turn and on two at
 #: once, unequal capacity, host-RAM Engram tables and the LFB controller on, so a skipped step
-#: has every kind of state to leave untouched. STEADY_ADAM (measured at world 3: host tables
-#: 6.7e-5 at eps = 1e-8 -> 2.1e-7). Gates 5 and 2.
+#: has every kind of state to leave untouched; STEADY_ADAM. Gates 5 and 2.
 _FAULT_SETS = ("engram_ram=true", "moe_lb_coef=0.01", STEADY_ADAM)
 FAULT_RUNS = [
     FleetSpec(f"fault-w{len(cap.split(','))}-nan{''.join(map(str, nan))}",

@@ -20,9 +20,7 @@ INSTRUMENT = ("tiny, 2 windows per rank, 20 steps, world 2 and 3; the last rank 
 #: The ranks agree on a stop every 10 steps (one small all-reduce), so a signal during step 4
 #: must stop both after step 10, not 4 (only rank 1 saw it) and not 20 (the stop was lost).
 STOP_AT = 10
-#: Gate 1's tolerance and reason: the fleet and one process sum the same per-token losses in
-#: another order (fp32 round-off, ~2 ulp). A resume that lost the optimizer moments, the data
-#: position or the step count is >= 1e-3 off from step 11 on.
+#: Gate 1's: ~2 ulp of fp32 summation order, ~4x. A resume that lost any state: >= 1e-3.
 TOL_LOSS = 5e-6
 
 

@@ -19,10 +19,7 @@ INSTRUMENT = ("tiny, fp32 compute, DDP with dist_reduce=bf16, 2x2 windows vs one
               "sent through a bf16 round trip")  # fmt: skip
 
 BF16_RUN = FleetSpec("bf16-reduce", steps=2, sets=("dist_reduce=bf16",))
-#: The hook rounds twice: each rank's g_r / world to bf16, then the bf16 sum. Each rounding
-#: costs about what one bf16 round trip of the gradient costs (measured below as `unit`), so
-#: the path may be off by 2 units; the tolerance is 3x the unit (one unit of margin for the
-#: sum's own accumulation order). A sum without the division is an error of ~1.0.
+#: In bf16 round trips (`unit`, measured): the hook rounds twice (g_r / world, the sum), +1 spare.
 UNITS = 3.0
 
 

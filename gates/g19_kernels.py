@@ -24,23 +24,15 @@ from gates.status import Record, environment
 CUDA = False
 SINGLE_CUDA = True
 
-# tests/test_kda.py: fp32 round-off of the chunked reassociation, measured ~2e-7; a wrong
-# mask, decay or ordering shows at 1e-2 or more.
+# tests/test_kda.py: the chunked form's fp32 round-off measured ~2e-7; ~50x. Bugs: >= 1e-2.
 KDA_FP32_TOL = 1e-5
 # tests/test_kda.py: fp64 on both sides, only the algorithm differs.
 KDA_FP64_GRAD_TOL = 1e-9
-# tests/test_kda.py, measured on an H200: fla's fp32 dots run in TF32; o 2.6e-4, S 1.5e-3
-# (o ~0.3, S ~3); the bounds leave ~8x headroom, a wrong scale or decay order is off by >0.1.
+# tests/test_kda.py, H200: fla's TF32 dots measured o 2.6e-4, S 1.5e-3; ~8x. Bugs: > 0.1.
 FLA_FP32_TOL_O, FLA_FP32_TOL_S = 2e-3, 1e-2
-# The fla arm's mixer ops in fp32 against references/short_conv.py in fp64, relative to the
-# largest entry. Conv + SiLU (fla's forward, our backward kernel): tests/test_kda.py measured
-# y 7.9e-8, dx 5.4e-8..7.6e-8, dw 5.7e-8..1.5e-7 against the torch arm's fp32 chain on an H200
-# (fp32 sums in another order, Triton's sigmoid); a tap on the wrong step, a flipped tap
-# order or a lost SiLU term moves them by O(1). q/k norm: q/k 1.2e-7..1.8e-7, d(q|k|v)
-# 1.8e-8..3.5e-8 there; a missing eps, the wrong axis or a dropped y (y . dy) term is O(1).
+# fla's mixer ops vs fp64 (tests/test_kda.py, H200): conv+SiLU 1.5e-7, q/k norm 1.8e-7; 60x, 5x.
 CONV_FP32_TOL, NORM_FP32_TOL = 1e-5, 1e-6
-# tests/test_moe.py: fp32 module vs fp64 reference, dot products of length <= 32 over O(1)
-# values: round-off ~1e-6; a routing or gating mistake moves outputs by O(0.1).
+# tests/test_moe.py: fp32 vs fp64, dots of length <= 32: round-off ~1e-6; ~20x. Bugs: O(0.1).
 MOE_ATOL, MOE_RTOL = 2e-5, 1e-4
 # tests/test_moe.py's MoE shape (the tolerance above was measured for it).
 D, FF, E, K, R = 16, 32, 4, 2, 8

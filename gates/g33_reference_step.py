@@ -77,8 +77,7 @@ CASES = (
                    "engram_lr_mult=4", "eval_every=5")),
 )
 
-#: Each figure's tolerance, fp32 (the trainer) against fp64 (the reference). Measured over
-#: the four cases (torch 2.13, CPU), about 5x the worst:
+#: fp32 trainer vs fp64 reference, worst of the four cases (torch 2.13, CPU); each about 5x:
 TOL = {
     # logged loss (nats, a mean of 128 tokens of ~5.5): measured <= 1.3e-6
     "loss": 1e-5,
@@ -86,9 +85,7 @@ TOL = {
     "eval": 1e-5,
     # pre-clip norm, relative: measured <= 3.8e-6 (after 16 steps of fp32 trajectory)
     "gnorm": 2e-5,
-    # per tensor ||update - reference update|| / ||reference update||, the worst tensor:
-    # measured <= 9.6e-5 (1-D AdamW tensors such as dt_bias, whose small gradients' round-off
-    # Adam divides by sqrt(v)); a wrong lr, decay or bias correction of one tensor is >= 1e-2
+    # the worst tensor's update, relative: measured <= 9.6e-5 (1-D AdamW tensors); bugs 1e-2
     "update": 5e-4,
     # optimizer moments and momenta, per tensor relative: measured <= 3.2e-5
     "state": 2e-4,
@@ -352,6 +349,5 @@ def run(cuda: bool = False) -> Record:
                   environment("none", "cpu"), details={"mismatches": bad})
 
 
-#: Below this the fp32 trainer and the fp64 reference may route a token differently (fp32
-#: round-off of the affinities is ~1e-7); the woken routers keep it well above.
+#: Below this, fp32 affinities (exact to ~1e-7) may route unlike fp64; woken routers stay above.
 MARGIN = 1e-5
