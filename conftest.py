@@ -114,3 +114,71 @@ def one_rank_group():
         yield
     finally:
         dist.destroy_process_group()
+
+
+# ---- builders the tests share (one version each) ------------------------------------------
+# Plain functions behind session fixtures: a test takes the fixture; a rank it spawns is handed
+# the function itself (it pickles by reference, as conftest.NAME).
+
+
+def _tiny_model(seed: int = 0, cfg=None, **fields):
+    """The `tiny` preset's model (`fields` replace ModelConfig fields, or `cfg` whole), seeded,
+    its Engram conv opened: at its zero init the tables get no gradient."""
+    from dataclasses import replace
+
+    import torch
+
+    from dormouse.config import preset
+    from dormouse.model import DormouseModel
+
+    torch.manual_seed(seed)
+    model = DormouseModel(cfg if cfg is not None else replace(preset("tiny").model, **fields))
+    with torch.no_grad():
+        model.engram.conv.weight.normal_(0, 0.05)
+    return model
+
+
+def _tiny_run(*sets: str):
+    """The `tiny` preset's RunConfig with these --set values (not validated)."""
+    from dormouse.config import apply_sets, preset
+
+    return apply_sets(preset("tiny"), list(sets))
+
+
+def _source_corpus(folder, n: int, salt: bytes = b""):
+    """folder/corpus.txt: `salt`, then this repository's own sources (real text, not noise),
+    repeated to n bytes; left as it is when it already holds them."""
+    from pathlib import Path
+
+    text = salt + b"".join(p.read_bytes() for p in sorted(Path(ROOT, "dormouse").rglob("*.py")))
+    data = (text * (n // len(text) + 1))[:n]
+    path = Path(folder) / "corpus.txt"
+    if not (path.exists() and path.read_bytes() == data):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_model():
+    """tiny_model(seed=0, cfg=None, **fields) -> the tiny DormouseModel, Engram conv opened."""
+    return _tiny_model
+
+
+@pytest.fixture(scope="session")
+def tiny_run():
+    """tiny_run(*sets) -> the tiny preset's RunConfig with these --set values."""
+    return _tiny_run
+
+
+@pytest.fixture(scope="session")
+def source_corpus():
+    """source_corpus(folder, n, salt=b"") -> folder/corpus.txt of this repository's sources."""
+    return _source_corpus
+
+
+@pytest.fixture
+def corpus(tmp_path, source_corpus):
+    """tmp_path/corpus.txt, 60,000 bytes of this repository's sources: what a test's runs train
+    on (a module whose runs need another length defines its own `corpus`)."""
+    return source_corpus(tmp_path, 60_000)

@@ -6,7 +6,7 @@ gate lines (between its status markers, from the same records), exit 1 on a FAIL
     python -m gates --cuda              the one-card gates on CUDA (causality with the fla arm,
                                         the kernel arms vs their references)
     python -m gates g03_unequal g05_nonfinite     a subset (the table is not written)
-    python -m gates --mutations         plant every bug of gates/mutations.py, run the gates
+    python -m gates --mutations         plant every bug of gates/mutation_list/, run the gates
                                         that must catch it, write docs/mutations.md
     python -m gates --mutations NAME..  only these mutations (the table is not written)
     python -m gates --mutations --jobs 2    the pairs in 2 worker processes
@@ -24,7 +24,7 @@ BEGIN, END = "<!-- status:begin -->", "<!-- status:end -->"
 
 
 def embed_in_readme(lines: list[str], readme: Path) -> None:
-    """Put the gates' lines (harness.gate_lines) between the README's status markers."""
+    """Put the gates' lines (status.gate_lines) between the README's status markers."""
     text = readme.read_text()
     if BEGIN not in text or END not in text:
         print(f"README has no {BEGIN} ... {END} markers; gate lines not written", file=sys.stderr)
@@ -39,11 +39,12 @@ def embed_in_readme(lines: list[str], readme: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     import os
 
-    # Deterministic cuBLAS for the CUDA gates (harness.exact_fp32); read once, when cuBLAS
+    # Deterministic cuBLAS for the CUDA gates (fixtures.exact_fp32); read once, when cuBLAS
     # starts, so before anything touches a GPU.
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    from gates.harness import (
-        GATES, ROOT, gate_lines, load, load_cuda_records, save_cuda_records, timed, write_status,
+    from gates import ROOT
+    from gates.status import (
+        GATES, gate_lines, load, load_cuda_records, save_cuda_records, timed, write_status,
     )
 
     p = argparse.ArgumentParser(prog="python -m gates", description=__doc__.splitlines()[0])
@@ -121,7 +122,8 @@ def run_mutations(only: list[str], out: Path, jobs: int = 1) -> int:
     import os
     import tempfile
 
-    from gates.mutations import BY_NAME, MUTATIONS, run_named, run_one, write_table
+    from gates.mutation_list import BY_NAME, MUTATIONS
+    from gates.mutations import run_named, run_one, write_table
 
     unknown = [n for n in only if n not in BY_NAME]
     if unknown:

@@ -1,4 +1,4 @@
-"""Imported last by the gates' forkserver (harness._context): everything the server preloaded
+"""Imported last by the gates' forkserver (spawn._context): everything the server preloaded
 moves to the permanent generation (gc.freeze), so a forked rank's collections never walk the
 inherited objects. Each such walk in a fresh fork touched ~300k inherited objects and wrote
 their headers, copying their pages: measured on the 2-core box, 10 one-step 2-rank fleets took

@@ -1,11 +1,19 @@
-"""Gate 1: a 2-rank DDP fleet reproduces one process at the global batch, step for step."""
+"""Gate 1: a 2-rank DDP fleet reproduces one process at the global batch, step for step.
+
+The fleet and the reference sum the same per-token losses in another order (two means of 2
+windows averaged by the reducer vs one mean of 4), so they part by fp32 round-off, which 20 Muon
+steps carry along without a routing flip; each tolerance is a few times that round-off, measured
+on torch 2.13, CPU/gloo. The fixture must also learn, or agreeing with the reference proves
+nothing (a bug both share, such as a clip that zeroes every gradient, trains neither).
+"""
 
 from __future__ import annotations
 
-from gates.harness import (
-    DDP_RUN, SPREAD_K, Record, fleet, fleet_env, fmt, max_abs_diff, max_rel_diff, on, rel_err,
-    single, tol_on, update_rel_err,
-)
+from gates.compare import SPREAD_K, fmt, max_abs_diff, max_rel_diff, rel_err, tol_on, update_rel_err
+from gates.fixtures import DDP_RUN, on
+from gates.reference import single
+from gates.spawn import fleet
+from gates.status import Record, fleet_env
 
 CLAIM = "2-rank DDP reproduces the single-process trajectory at the global batch"
 INSTRUMENT = ("tiny (dropless MoE, Muon), 2x2 windows vs 1x4, 20 steps, fp32 reduce, no clip: "
@@ -13,22 +21,12 @@ INSTRUMENT = ("tiny (dropless MoE, Muon), 2x2 windows vs 1x4, 20 steps, fp32 red
               "(relative errors); the pre-clip gradient norm of every step (max relative error); "
               "how far the loss falls (the first step's to the mean of the last 5)")  # fmt: skip
 
-#: Measured 1.2e-6 over 20 steps (torch 2.13, CPU/gloo, 2 ranks): about 2 ulp of a loss
-#: near 5.5 in fp32. The fleet and the reference sum the same per-token losses in another
-#: order (two means of 2 windows averaged by the reducer vs one mean of 4), so they part by
-#: fp32 round-off, which 20 Muon steps carry along without a routing flip at this lr.
-#: About 4x the measurement. (A data-layout, loss-scale or fleet-loss bug moves it >= 1e-2.)
+#: max |dloss| over 20 steps: measured 1.2e-6 (~2 ulp of a loss near 5.5); ~4x. Layout bugs: 1e-2.
 TOL_LOSS = 5e-6
-#: Step 1, measured 4.5e-9 relative on the parameters and 1.4e-6 on the update (the
-#: update is the sensitive one: its denominator is lr-sized, not parameter-sized).
-#: About 4x the measurements; a wrong gradient weighting is ~1e-1 in the update.
+#: Step 1, relative: parameters measured 4.5e-9, update 1.4e-6; ~4x each. Wrong weights: 1e-1.
 TOL_PARAM = 2e-8
 TOL_UPDATE = 5e-6
-#: The reduced gradient of step 1 and every step's pre-clip norm: measured 5.8e-8 and 1.8e-7
-#: (worst of 20 steps) relative: fp32 summation order (two half-batch means averaged vs one
-#: mean of four). About 3x the worse.
-#: Muon and Adam are blind to a uniform gradient scale (the polar and m/sqrt(v) normalise it
-#: away), so this is the instrument that sees one: a 2x scale is an error of 1.0.
+#: Step-1 gradient and pre-clip norms, relative: measured 5.8e-8 and 1.8e-7 (worst of 20); ~3x.
 TOL_GRAD = 5e-7
 
 
@@ -36,6 +34,7 @@ def measure(got: dict, ref: dict) -> dict[str, float]:
     """Gate 1's instrument: every figure of `got` against `ref` (two recorded runs)."""
     return {
         "dloss": max_abs_diff(got["losses"], ref["losses"]),
+        # Muon's polar and Adam's m/sqrt(v) hide a uniform gradient scale; this sees it (2x: 1.0)
         "gradient": rel_err(got["grads"][0], ref["grads"][0]),
         "norms": max_rel_diff(got["gnorms"], ref["gnorms"]),
         "params": rel_err(got["params"][1], ref["params"][1]),
@@ -43,10 +42,7 @@ def measure(got: dict, ref: dict) -> dict[str, float]:
     }
 
 
-#: The fixture must learn, or agreeing with the reference proves nothing (a bug in code both
-#: share, such as a clip that zeroes every gradient, trains neither): the loss falls by 0.40
-#: from the first step to the mean of the last 5 (measured, both runs); a run that learns
-#: nothing moves it by ~0.004. Half the measured fall.
+#: The loss's fall (first step to the mean of the last 5): measured 0.40, 0.004 unlearned; half.
 LEARNS = 0.2
 
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from gates.harness import DDP_RUN, FAULT_RUNS, Record, fleet, fleet_env, on, rank_errors, worlds
+from gates.fixtures import DDP_RUN, FAULT_RUNS, on, worlds
+from gates.spawn import fleet, rank_errors
+from gates.status import Record, fleet_env
 
 CLAIM = "ranks stay identical, also through a step that one rank found non-finite"
 INSTRUMENT = ("SHA-256 of every parameter on each rank before step 1 and after every step: the "

@@ -1,11 +1,20 @@
-"""Gate 3: with unequal per-rank batches the fleet steps with the token-weighted gradient."""
+"""Gate 3: with unequal per-rank batches the fleet steps with the token-weighted gradient.
+
+The fleet and the hand-formed sum differ by fp32 round-off of the summation order, which the
+first Newton-Schulz polar magnifies along the gradient's small singular directions (the
+update is the noisy figure, measured over the default seed and seeds 8-12, torch 2.13, CPU).
+The update cannot see a uniform scale error (the polar normalises it away); the gradient can.
+"""
 
 from __future__ import annotations
 
-from gates.harness import (
-    UNEQUAL_RUNS, Record, batches_of, corpus_path, exact_fp32, fixture_run, fleet, fleet_env,
-    fmt, judge, on, rel_err, update_rel_err, work_dir, worlds,
+from gates.cache import work_dir
+from gates.compare import fmt, judge, rel_err, update_rel_err
+from gates.fixtures import (
+    UNEQUAL_RUNS, batches_of, corpus_path, exact_fp32, fixture_run, on, worlds,
 )
+from gates.spawn import fleet
+from gates.status import Record, fleet_env
 
 CLAIM = "unequal batches equal the token-weighted mean"
 INSTRUMENT = ("capacity 4,2 (world 2) and 4,2,3 (world 3), no clip, adam_eps=1e-5: the "
@@ -13,28 +22,9 @@ INSTRUMENT = ("capacity 4,2 (world 2) and 4,2,3 (world 3), no clip, adam_eps=1e-
               "g_r computed by hand (references/gradref.py) and applied by the same "
               "MixOptimizer")  # fmt: skip
 
-#: Relative error of the update, by world size. World 2 measured 1.5e-6 (torch 2.13,
-#: CPU/gloo; earlier runs 1.7e-6): fp32 round-off of the summation order, through
-#: Newton-Schulz; about 3x. World 3 measured 3.7e-6: one more rank's mean in the reducer's
-#: sum, the same round-off with more terms; about 4x. The unweighted step is 0.43-0.45 away,
-#: four orders of magnitude outside either.
-#: Those were one seed's figures. Re-measured 2026-12-02 over the default seed and seeds 8-12,
-#: each with the code before and after the KDA mixer's projections were fused into two
-#: matmuls (a change of matmul round-off only), 12 runs a world: world 2 1.4e-6 .. 7.8e-6
-#: (seed 8, the code before: already over the old 5e-6), world 3 1.3e-6 .. 1.7e-5 (the default
-#: seed after). The world-3 tail, isolated 2026-12-03 (harness.STEADY_ADAM): AdamW's first
-#: step lr * g / (|g| + eps) on elements whose gradient sits near eps = 1e-8 amplifies the
-#: gradient's fp32 round-off. The fixture now runs Adam at eps = 1e-5; re-measured over the
-#: default seed and seeds 8-12 (AMD EPYC): world 2 2.7e-6 .. 9.1e-6 (seed 11; unchanged: that
-#: tail is Muon's polar, which magnifies round-off along small singular directions), world 3
-#: 1.7e-6 .. 2.8e-6 (was up to 2.1e-5). World 2 keeps its 2e-5 (2.2x its worst), world 3
-#: 1.2e-5 (4x); the unweighted step is 0.31-0.49 away, > 10x outside both.
+#: Update by world, 6 seeds: measured <= 9.1e-6 (w2), 2.8e-6 (w3); 2.2x, 4x. Unweighted: >= 0.31.
 TOL_UPDATE = {2: 2e-5, 3: 1.2e-5}
-#: The reduced gradient itself vs the hand-formed sum_r w_r g_r, measured 4.5e-7 (world 2) and
-#: 3.4e-7 (world 3) relative: fp32 order of the weighted sum (the reference adds w_r g_r per
-#: rank; the fleet scales each rank's loss, then the reducer averages). About 4x. The update
-#: alone cannot see a uniform scale error (Muon's polar normalises it away); the gradient can
-#: (2x = an error of 1.0).
+#: Reduced gradient vs sum_r w_r g_r, relative: measured 4.5e-7 (w2), 3.4e-7 (w3); ~4x. 2x: 1.0.
 TOL_GRAD = 2e-6
 
 

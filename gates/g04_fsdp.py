@@ -1,24 +1,27 @@
-"""Gate 4: FSDP2 + AdamW on 2 ranks reproduces one process at the global batch."""
+"""Gate 4: FSDP2 + AdamW on 2 ranks reproduces one process at the global batch.
+
+Gate 1's instrument and numerics: fp32 round-off of the summation order (two half-batch means
+averaged by the reduce-scatter vs one mean; the sharded norm adds per-shard partial sums in
+another order), measured on torch 2.13, CPU/gloo. AdamW, like Muon, is blind to a uniform
+gradient scale; the gradient is not.
+"""
 
 from __future__ import annotations
 
-from gates.harness import (
-    FSDP_RUN, SPREAD_K, Record, fleet, fleet_env, judge, max_abs_diff, max_rel_diff, on,
-    rel_err, single,
-)
+from gates.compare import SPREAD_K, judge, max_abs_diff, max_rel_diff, rel_err
+from gates.fixtures import FSDP_RUN, on
+from gates.reference import single
+from gates.spawn import fleet
+from gates.status import Record, fleet_env
 
 CLAIM = "FSDP2 + AdamW: gathered parameters identical across ranks, trajectory = one process"
 INSTRUMENT = ("tiny, opt=adamw, dist_shard=fsdp, 2x2 windows vs 1x4, 20 steps, no clip: SHA-256 "
               "of the gathered parameters on each rank after every step; max |dloss|; the "
               "gathered step-1 gradient and every step's pre-clip norm (relative)")  # fmt: skip
 
-#: Measured 9.5e-7 with the clip on, 1.2e-6 without (torch 2.13, CPU/gloo): 2 ulp of the
-#: loss, fp32 round-off of the summation order (two half-batch means averaged by the
-#: reduce-scatter vs one mean). About 4x; a missing gradient reduce moves the loss by ~1e-1.
+#: max |dloss| over 20 steps: measured 1.2e-6 (9.5e-7 clipped); ~4x. A missing reduce: ~1e-1.
 TOL_LOSS = 5e-6
-#: Gradient and norms: gate 1's instrument (AdamW, like Muon, is blind to a uniform gradient
-#: scale; the gradient is not). Measured 5.8e-8 (gradient) and 3.0e-7 (norms, worst of 20
-#: steps; the sharded norm adds per-shard partial sums in another order). About 3x the worse.
+#: Step-1 gradient and pre-clip norms, relative: measured 5.8e-8 and 3.0e-7 (worst of 20); ~3x.
 TOL_GRAD = 1e-6
 
 

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from gates.harness import (
-    DEVICE_VERDICT_RUNS, FAULT_RUNS, SPREAD_K, Record, fleet, fleet_env, fmt, judge, max_abs_diff, on, rank_errors, rel_err,
-    single, worlds,
-)
+from gates.compare import SPREAD_K, fmt, judge, max_abs_diff, rel_err
+from gates.fixtures import DEVICE_VERDICT_RUNS, FAULT_RUNS, on, worlds
+from gates.reference import single
+from gates.spawn import fleet, rank_errors
+from gates.status import Record, fleet_env
 
 CLAIM = ("non-finite agreement: a NaN on any rank makes every rank skip that step, the skip "
          "leaves no trace, and the run continues as if that batch had never been read")  # fmt: skip
@@ -19,20 +20,11 @@ INSTRUMENT = ("a NaN loss with a finite gradient at step 3 of 5 on rank 0, on ra
               "trains on that batch; and with verdict=device (no host tables), world 3, NaN "
               "on rank 0 and on rank 2")  # fmt: skip
 
-#: After the skip the fleet and the reference train 2 more steps: gate 1's fp32 round-off of
-#: the summation order (losses; measured up to 4.8e-7 here) ...
+#: |dloss| over the 2 steps after the skip: measured <= 4.8e-7; gate 1's tolerance, ~10x.
 TOL_LOSS = 5e-6
-#: ... and on the final parameters. The fixture runs Adam at eps = 1e-5 (harness.STEADY_ADAM:
-#: at torch's 1e-8 the small gradients near eps amplify fp32 round-off; measured 2026-12-03 at
-#: world 3, the default seed: parameters 7.2e-8, host tables 6.7e-5 of the 1e-4 then allowed).
-#: At 1e-5, over the default seed and seeds 8-12, world 2 (NaN on rank 0) and world 3 (on
-#: rank 0, on rank 2), and the verdict=device runs (24 runs, AMD EPYC): parameters 7.8e-9 ..
-#: 3.5e-8 relative (gate 1's step-1 error carried 4 steps). About 4x the worst; a leaked
-#: gradient (mutation skip_keeps_gradient) ~1e-3.
+#: Final parameters, 24 runs (6 seeds): measured <= 3.5e-8 relative; ~4x. A leaked gradient: 1e-3.
 TOL_PARAM = 1.5e-7
-#: Host tables (and the VRAM tables of the verdict=device runs), the same 24 runs: 4.8e-8 ..
-#: 2.1e-7 relative (row Adam's fp32 round-off). About 5x the worst; the leaked gradient
-#: 6.9e-2 (at eps = 1e-8).
+#: Engram tables, the same 24 runs: measured <= 2.1e-7 relative (row Adam); ~5x. Leak: 6.9e-2.
 TOL_TABLE = 1e-6
 #: LFB biases move in steps of coef = 1e-2 from integer counts: any disagreement is >= 1e-2.
 TOL_LFB = 1e-6

@@ -5,7 +5,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from gates.harness import FleetSpec, Record, environment, fixture_run, work_dir
+from gates.cache import work_dir
+from gates.fixtures import FleetSpec, fixture_run
+from gates.status import Record, environment
 
 #: Not a fleet claim: `python -m gates --cuda-fleet` runs it as it is.
 CUDA = False

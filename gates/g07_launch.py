@@ -5,7 +5,10 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from gates.harness import Record, corpus_path, environment, launch_env, work_dir
+from gates.cache import work_dir
+from gates.fixtures import corpus_path
+from gates.spawn import launch_env
+from gates.status import Record, environment
 
 #: Not a fleet claim: `python -m gates --cuda-fleet` runs it as it is.
 CUDA = False

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from gates.harness import DDP_RUN, Record, fleet, fleet_env, on
+from gates.fixtures import DDP_RUN, on
+from gates.spawn import fleet
+from gates.status import Record, fleet_env
 
 CLAIM = "rank-0 duties: only rank 0 writes checkpoints, metrics and eval lines"
 INSTRUMENT = ("the DDP run of gate 1 with a separate out_dir per rank, eval and checkpoint every "

@@ -6,7 +6,9 @@ import itertools
 import math
 from fractions import Fraction
 
-from gates.harness import LFB_RUNS, Record, fleet, fleet_env, on, worlds
+from gates.fixtures import LFB_RUNS, on, worlds
+from gates.spawn import fleet
+from gates.status import Record, fleet_env
 
 CLAIM = ("capacity: auto splits by rates (total exact, min 1; under global_batch into shares that "
          "run in few full micro-batches); parse_capacity is total or refuses")

@@ -11,9 +11,11 @@ from pathlib import Path
 
 import torch
 
-from gates.harness import (
-    Record, child_env, corpus_path, fleet_env, fmt, max_abs_diff, threads, work_dir,
-)
+from gates.cache import work_dir
+from gates.compare import fmt, max_abs_diff
+from gates.fixtures import corpus_path, threads
+from gates.spawn import child_env
+from gates.status import Record, fleet_env
 
 CLAIM = "end to end: torchrun 2 ranks, 20 steps, exit 0; rank 0's loss= is the fleet's token-weighted mean"
 INSTRUMENT = ("`torchrun --standalone --nproc_per_node=2 -m dormouse train tiny --dist --device "
@@ -23,9 +25,7 @@ INSTRUMENT = ("`torchrun --standalone --nproc_per_node=2 -m dormouse train tiny 
 #: Unequal micro-batches, so the token-weighted mean differs from the unweighted one.
 BATCHES = [5, 3]
 
-#: Same numerics as gate 1 (fp32 round-off of a different summation order over 20 Muon
-#: steps), measured 4.8e-7 here (1 ulp); gate 1's tolerance. Rank 0's own-window loss is
-#: 3e-2 away from the fleet's, so logging it instead would fail by three orders of magnitude.
+#: Logged loss vs one process, 20 steps: measured 4.8e-7 (1 ulp); gate 1's, ~10x. Rank 0's: 3e-2.
 TOL_LOSS = 5e-6
 
 
@@ -38,7 +38,7 @@ def reference(data: Path, device: str) -> dict:
     """One process, tiny preset at the global batch 8; the probe records rank 0's own loss."""
     from dormouse.config import apply_sets, preset, validate
     from dormouse.train.data import open_data
-    from gates.harness import Recorder, no_plot
+    from gates.recorder import Recorder, no_plot
     from references.single import global_run, run_single
 
     out = work_dir("torchrun-ref")
@@ -67,7 +67,7 @@ def reference(data: Path, device: str) -> dict:
         return out
 
     if device == "cuda":
-        from gates.harness import exact_fp32
+        from gates.fixtures import exact_fp32
 
         exact_fp32()
     recorder = Recorder(probe=rank_losses)
@@ -89,7 +89,7 @@ def run(cuda: bool = False) -> Record:
     cmd = _torchrun() + ["--standalone", "--nproc_per_node=2", "-m", "dormouse", "train", "tiny",
                          "--dist", "--device", device, "--data", str(data), "--steps", "20",
                          "--capacity", ",".join(map(str, BATCHES)),
-                         # the fixture's deterministic pins (harness.fixture_run says why)
+                         # the fixture's deterministic pins (fixtures.fixture_run says why)
                          "--set", "ns_dtype=fp32", "--set", "kda_impl=torch"]  # fmt: skip
     p = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
     lines = p.stdout.splitlines()

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
-from gates.harness import LFB_RUNS, Record, fleet, fleet_env, fmt, on, single, worlds
+from gates.compare import fmt
+from gates.fixtures import LFB_RUNS, on, worlds
+from gates.reference import single
+from gates.spawn import fleet
+from gates.status import Record, fleet_env
 
 CLAIM = "LFB controller on a fleet: every rank's lfb_bias equals the single process's"
 INSTRUMENT = ("moe_lb_coef=0.01, capacity auto split 3,1 (world 2) and 3,1,2 (world 3), 8 steps "
@@ -11,8 +15,7 @@ INSTRUMENT = ("moe_lb_coef=0.01, capacity auto split 3,1 (world 2) and 3,1,2 (wo
 #: The split each fleet must have chosen (injected rates 3:1 and 3:1:2), written by hand.
 BATCHES = {2: [3, 1], 3: [3, 1, 2]}
 
-#: The bias moves in steps of +-coef, +0: any disagreement in the fleet's counts shows up as a
-#: difference of at least coef = 1e-2. Measured 0: the counts are integers, summed exactly.
+#: Measured 0 (integer counts, summed exactly); a count that disagrees moves a bias by coef = 1e-2.
 TOL = 1e-6
 
 

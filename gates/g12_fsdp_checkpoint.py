@@ -5,10 +5,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from gates.harness import (
-    FSDP_RUN, SPREAD_K, Record, flat_tensors, fleet, fleet_env, judge, max_abs_diff, on,
-    rel_err, single, update_rel_err,
-)
+from gates.compare import SPREAD_K, flat_tensors, judge, max_abs_diff, rel_err, update_rel_err
+from gates.fixtures import FSDP_RUN, on
+from gates.reference import single
+from gates.spawn import fleet
+from gates.status import Record, fleet_env
 
 CLAIM = ("FSDP2 checkpoint: the sharded checkpoint resumes on the fleet; its export (one file) "
          "reloads in one process and resumes there")  # fmt: skip
@@ -17,14 +18,9 @@ INSTRUMENT = ("the FSDP2 + AdamW run of gate 4: its step-20 checkpoint exported 
               "process: max |dloss| over steps 21-25; the parameter update over those 5 steps "
               "and the gathered optimizer state at step 25 (relative errors)")  # fmt: skip
 
-#: The two resumes start from the same file; they then differ by fp32 round-off of the
-#: summation order (gate 4's numerics over 5 steps), measured 4.8e-7 (1 ulp). Gate 4's
-#: tolerance; a resume that lost the optimizer moments or the data position is >= 1e-3 off.
+#: |dloss| of the two resumes over 5 steps: measured 4.8e-7 (1 ulp); gate 4's. Lost state: 1e-3.
 TOL_LOSS = 5e-6
-#: The update over the 5 resumed steps, measured 3.7e-7 relative, and the Adam moments at
-#: step 25 (all of them together), 4.3e-10: fp32 round-off of the summation order through 5
-#: AdamW steps (most moment entries agree bitwise). About 4x each. One rank's gradient 1% off
-#: (a 1.6e-5 loss change, which the loss alone used to miss) moves them 9.8e-4 and 2.2e-5.
+#: 5-step update and step-25 Adam moments, relative: measured 3.7e-7, 4.3e-10; ~4x. 1% off: 9.8e-4.
 TOL_UPDATE = 1.5e-6
 TOL_OPT = 2e-9
 

@@ -14,7 +14,8 @@ import dataclasses
 
 import torch
 
-from gates.harness import Record, environment, log_lines
+from gates.recorder import log_lines
+from gates.status import Record, environment
 from references.policy_table import CPU_ROW, ERAS, EXTRA_ROWS, ROWS, Row, era_of, rule
 
 #: Not a fleet claim: `python -m gates --cuda-fleet` runs it as it is (the real probe already

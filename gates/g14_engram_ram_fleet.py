@@ -9,10 +9,11 @@ same bytes after every step.
 
 from __future__ import annotations
 
-from gates.harness import (
-    SPREAD_K, STEADY_ADAM, FleetSpec, Record, batches_of, fleet, fleet_env, fmt, judge,
-    max_abs_diff, max_rel_diff, on, rel_err, single, update_rel_err, worlds,
-)
+from gates.compare import SPREAD_K, fmt, judge, max_abs_diff, max_rel_diff, rel_err, update_rel_err
+from gates.fixtures import STEADY_ADAM, FleetSpec, batches_of, on, worlds
+from gates.reference import single
+from gates.spawn import fleet
+from gates.status import Record, fleet_env
 
 CLAIM = ("host-RAM Engram tables (engram_ram) stay fleet-correct: every rank's table is the "
          "single process's")  # fmt: skip
@@ -22,14 +23,8 @@ INSTRUMENT = ("tiny, engram_ram=true, adam_eps=1e-5, DDP, capacity 3,1 / 3,1,2 /
               "host-table relative error and table-UPDATE relative error after the run; SHA-256 "
               "of each rank's host table after every step")  # fmt: skip
 
-#: Adam at eps = 1e-5 (harness.STEADY_ADAM, whose comment gives the mechanism). Measured on
-#: this fixture at torch's 1e-8: the world-3 fleet's table differed from the reference from
-#: the first step that moved it (5.4e-5 on one element, update 3.8e-4 relative), and after 16
-#: steps by table 8.4e-5 / update 1.3e-4 relative (AMD EPYC) and 1.03e-4 / 1.6e-4 (Intel
-#: Xeon, CI), past the 1e-4 this gate then allowed; the dense AdamW groups fed the same
-#: amplification into the loss (world 3, seed 9: |dloss| 4.1e-6, norms 1.5e-5). The claim
-#: (the rows reduced and stepped alike) does not depend on eps; a gradient-scale error shows
-#: MORE at 1e-5 (a linear step keeps the factor Adam's sign-like step cancels).
+#: Adam at eps = 1e-5 (fixtures.STEADY_ADAM says why): the claim does not depend on eps, and a
+#: gradient-scale error shows more there (a near-linear step keeps the factor).
 ENGRAM_SETS = ("engram_ram=true", STEADY_ADAM)
 #: Unequal capacity: each rank's rows carry the weight world * t_r / sum(t), so a mean taken
 #: without that weighting (or a rank's own rows alone) shows; from world 3 on, a summation
@@ -40,20 +35,13 @@ ENGRAM_RUNS = {
     for w, cap in ((2, "3,1"), (3, "3,1,2"), (4, "3,1,2,2"))
 }
 
-#: Measured at eps = 1e-5 (torch 2.13, CPU/gloo, AMD EPYC; the default seed 7 and seeds 8-12,
-#: worlds 2-4, 18 runs): |dloss| <= 1.19e-6 (~2 ulp of a loss near 5.5 in fp32, the
-#: reordering g01 sees: per-rank means averaged by the reducer vs one mean of the global
-#: batch); the pre-clip norms (host rows included) <= 7.1e-7; the host table after 16 steps
-#: <= 1.28e-6 relative and its update (final - initial) <= 4.1e-6 (a row's gradient summed per
-#: rank and then over the ranks instead of in one pass over the global batch, carried by Adam
-#: for 16 steps). World 3 is no longer the outlier (at eps = 1e-8 it was, above). Each
-#: tolerance is about 4x the worst. Broken (the mutation list, world 2, table / update):
-#: every gradient world_size times too large 0.11 / 0.55 (at eps = 1e-8: 7.1e-3 / 1.1e-2,
-#: Adam's sign-like step cancelling the factor); no reduction (each rank steps its own
-#: rows) 0.11 / 0.51; the ranks' losses unweighted 0.16 / 0.77.
+#: Worst of 18 runs (worlds 2-4, 6 seeds), each tolerance ~4x: |dloss| 1.19e-6 (gate 1's order).
 TOL_LOSS = 5e-6
+#: Pre-clip norms, host rows included: measured 7.1e-7 relative.
 TOL_NORM = 3e-6
+#: Host table after 16 steps: measured 1.28e-6 relative. Bugs (the mutation list): >= 0.11.
 TOL_TABLE = 5e-6
+#: The table's update (final - initial): measured 4.1e-6 relative. Bugs: >= 0.51.
 TOL_UPDATE = 1.6e-5
 
 

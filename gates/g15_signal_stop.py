@@ -4,7 +4,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from gates.harness import SIGNAL_RUNS, Record, fleet, fleet_env, fmt, max_abs_diff, on, single, worlds
+from gates.compare import fmt, max_abs_diff
+from gates.fixtures import SIGNAL_RUNS, on, worlds
+from gates.reference import single
+from gates.spawn import fleet
+from gates.status import Record, fleet_env
 
 CLAIM = ("a SIGTERM reaching one rank mid-step stops every rank after the same step with one "
          "checkpoint; the fleet resumes it onto the uninterrupted trajectory")  # fmt: skip
@@ -16,9 +20,7 @@ INSTRUMENT = ("tiny, 2 windows per rank, 20 steps, world 2 and 3; the last rank 
 #: The ranks agree on a stop every 10 steps (one small all-reduce), so a signal during step 4
 #: must stop both after step 10, not 4 (only rank 1 saw it) and not 20 (the stop was lost).
 STOP_AT = 10
-#: Gate 1's tolerance and reason: the fleet and one process sum the same per-token losses in
-#: another order (fp32 round-off, ~2 ulp). A resume that lost the optimizer moments, the data
-#: position or the step count is >= 1e-3 off from step 11 on.
+#: Gate 1's: ~2 ulp of fp32 summation order, ~4x. A resume that lost any state: >= 1e-3.
 TOL_LOSS = 5e-6
 
 

@@ -5,7 +5,11 @@ from __future__ import annotations
 
 import torch
 
-from gates.harness import FleetSpec, Record, fleet, fleet_env, fmt, on, rel_err, single
+from gates.compare import fmt, rel_err
+from gates.fixtures import FleetSpec, on
+from gates.reference import single
+from gates.spawn import fleet
+from gates.status import Record, fleet_env
 
 CLAIM = ("the bf16 reduce (dist_reduce=bf16, the comm hook auto picks on bf16 fleets) gives the "
          "global-batch gradient up to bf16 rounding")  # fmt: skip
@@ -15,10 +19,7 @@ INSTRUMENT = ("tiny, fp32 compute, DDP with dist_reduce=bf16, 2x2 windows vs one
               "sent through a bf16 round trip")  # fmt: skip
 
 BF16_RUN = FleetSpec("bf16-reduce", steps=2, sets=("dist_reduce=bf16",))
-#: The hook rounds twice: each rank's g_r / world to bf16, then the bf16 sum. Each rounding
-#: costs about what one bf16 round trip of the gradient costs (measured below as `unit`), so
-#: the path may be off by 2 units; the tolerance is 3x the unit (one unit of margin for the
-#: sum's own accumulation order). A sum without the division is an error of ~1.0.
+#: In bf16 round trips (`unit`, measured): the hook rounds twice (g_r / world, the sum), +1 spare.
 UNITS = 3.0
 
 

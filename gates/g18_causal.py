@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import torch
 
-from gates.harness import Record, environment, fmt, threads
+from gates.compare import fmt
+from gates.fixtures import threads
+from gates.status import Record, environment
 
 #: Not a fleet claim: `--cuda-fleet` runs it as it is.
 CUDA = False

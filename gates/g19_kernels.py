@@ -16,30 +16,23 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 
-from gates.harness import Record, environment, fmt, threads
+from gates.compare import fmt, rel_to_peak, routing_margin
+from gates.fixtures import kda_inputs, threads
+from gates.status import Record, environment
 
 CUDA = False
 SINGLE_CUDA = True
 
-# tests/test_kda.py: fp32 round-off of the chunked reassociation, measured ~2e-7; a wrong
-# mask, decay or ordering shows at 1e-2 or more.
+# tests/test_kda.py: the chunked form's fp32 round-off measured ~2e-7; ~50x. Bugs: >= 1e-2.
 KDA_FP32_TOL = 1e-5
 # tests/test_kda.py: fp64 on both sides, only the algorithm differs.
 KDA_FP64_GRAD_TOL = 1e-9
-# tests/test_kda.py, measured on an H200: fla's fp32 dots run in TF32; o 2.6e-4, S 1.5e-3
-# (o ~0.3, S ~3); the bounds leave ~8x headroom, a wrong scale or decay order is off by >0.1.
+# tests/test_kda.py, H200: fla's TF32 dots measured o 2.6e-4, S 1.5e-3; ~8x. Bugs: > 0.1.
 FLA_FP32_TOL_O, FLA_FP32_TOL_S = 2e-3, 1e-2
-# The fla arm's mixer ops in fp32 against references/short_conv.py in fp64, relative to the
-# largest entry. Conv + SiLU (fla's forward, our backward kernel): tests/test_kda.py measured
-# y 7.9e-8, dx 5.4e-8..7.6e-8, dw 5.7e-8..1.5e-7 against the torch arm's fp32 chain on an H200
-# (fp32 sums in another order, Triton's sigmoid); a tap on the wrong step, a flipped tap
-# order or a lost SiLU term moves them by O(1). q/k norm: q/k 1.2e-7..1.8e-7, d(q|k|v)
-# 1.8e-8..3.5e-8 there; a missing eps, the wrong axis or a dropped y (y . dy) term is O(1).
+# fla's mixer ops vs fp64 (tests/test_kda.py, H200): conv+SiLU 1.5e-7, q/k norm 1.8e-7; 60x, 5x.
 CONV_FP32_TOL, NORM_FP32_TOL = 1e-5, 1e-6
-# tests/test_moe.py: fp32 module vs fp64 reference, dot products of length <= 32 over O(1)
-# values: round-off ~1e-6; a routing or gating mistake moves outputs by O(0.1).
+# tests/test_moe.py: fp32 vs fp64, dots of length <= 32: round-off ~1e-6; ~20x. Bugs: O(0.1).
 MOE_ATOL, MOE_RTOL = 2e-5, 1e-4
 # tests/test_moe.py's MoE shape (the tolerance above was measured for it).
 D, FF, E, K, R = 16, 32, 4, 2, 8
@@ -55,23 +48,6 @@ TOLERANCE = (f"KDA torch arm fp32 <= {fmt(KDA_FP32_TOL)} (round-off, measured ~2
 
 
 # ---- KDA -----------------------------------------------------------------------------------
-
-
-def kda_inputs(B, T, H, Kd, V, dtype=torch.float32, seed=0):
-    """Inputs shaped like the mixer's: unit-norm q, k; g = -exp(A) * softplus(.) (as test_kda)."""
-    gen = torch.Generator().manual_seed(seed)
-
-    def randn(*s):
-        return torch.randn(*s, generator=gen, dtype=torch.float64)
-
-    q = F.normalize(randn(B, T, H, Kd), dim=-1)
-    k = F.normalize(randn(B, T, H, Kd), dim=-1)
-    v = randn(B, T, H, V)
-    A_log = torch.rand(H, Kd, generator=gen, dtype=torch.float64) * math.log(16.0)
-    g = -A_log.exp() * F.softplus(randn(B, T, H, Kd) - 3.0)
-    beta = torch.rand(B, T, H, generator=gen, dtype=torch.float64)
-    S0 = randn(B, H, Kd, V)
-    return [x.to(dtype) for x in (q, k, v, g, beta, S0)]
 
 
 def kda_forward_err(fn, device, shape, seed, **kw) -> tuple[float, float]:
@@ -113,11 +89,6 @@ CONV_SHAPES = ((2, 100, 96, 4), (3, 2, 130, 4), (1, 300, 64, 3), (2, 77, 600, 5)
 NORM_SHAPES = ((2, 100, 3, 64), (1, 33, 2, 24), (1, 20, 12, 128))
 
 
-def _rel(a: torch.Tensor, ref: torch.Tensor) -> float:
-    a, ref = a.detach().double().cpu(), ref.detach()
-    return ((a - ref).abs().max() / ref.abs().max()).item()
-
-
 def conv_errors(op, device, shape, seed: int) -> dict:
     """op(x, w) (silu of the short conv, with gradients) in fp32 on `device` vs the fp64
     reference on the CPU: the output, dx and dw, relative to each one's largest entry."""
@@ -134,7 +105,8 @@ def conv_errors(op, device, shape, seed: int) -> dict:
     x64, w64 = x.double().requires_grad_(True), w.double().requires_grad_(True)
     ref = short_conv_silu(x64, w64)
     (ref * dy.double()).sum().backward()
-    return {"y": _rel(y, ref), "dx": _rel(x32.grad, x64.grad), "dw": _rel(w32.grad, w64.grad)}
+    return {"y": rel_to_peak(y, ref), "dx": rel_to_peak(x32.grad, x64.grad),
+            "dw": rel_to_peak(w32.grad, w64.grad)}
 
 
 def norm_errors(op, device, shape, seed: int) -> dict:
@@ -155,9 +127,9 @@ def norm_errors(op, device, shape, seed: int) -> dict:
     sum((o * d.double()).sum() for o, d in zip(refs, dys)).backward()
     v = x[..., 2 * H * Dh :].reshape(B, T, H, Dh)
     return {
-        "q": _rel(outs[0], refs[0]),
-        "k": _rel(outs[1], refs[1]),
-        "dx": _rel(x32.grad, x64.grad),
+        "q": rel_to_peak(outs[0], refs[0]),
+        "k": rel_to_peak(outs[1], refs[1]),
+        "dx": rel_to_peak(x32.grad, x64.grad),
         "v_exact": torch.equal(outs[2].detach().cpu(), v),
     }
 
@@ -197,14 +169,6 @@ def make_moe(arm: str, capacity: float, seed: int):
     with torch.no_grad():  # the bias steers some picks, so its path is held too
         m.lfb_bias.copy_(torch.tensor([0.0, 0.1, -0.05, 0.02]))
     return m
-
-
-def routing_margin(m, x) -> float:
-    """Smallest gap between a token's k-th and (k+1)-th score: fp32 and fp64 must pick alike."""
-    with torch.no_grad():
-        s = torch.sigmoid(x.reshape(-1, D).double() @ m.router.weight.double().cpu().t())
-        top = torch.topk(s + m.lfb_bias.double().cpu(), K + 1, dim=-1).values
-    return float((top[:, K - 1] - top[:, K]).min())
 
 
 def moe_errors(arm: str, capacity: float, device: str, seed: int = 13) -> dict:

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from gates.harness import (
-    FleetSpec, Record, batches_of, corpus_path, fleet, fleet_env, on, second_corpus_path, single,
-    worlds,
-)
+from gates.fixtures import FleetSpec, batches_of, corpus_path, on, second_corpus_path, worlds
+from gates.reference import single
+from gates.spawn import fleet
+from gates.status import Record, fleet_env
 
 CLAIM = ("the fleet reads the same bytes as one process: at every step the ranks' windows, in "
          "rank order, are the single process's batch, also from a weighted data mixture")  # fmt: skip

@@ -3,10 +3,11 @@ is per row, so splitting the global batch across ranks cannot change a drop)."""
 
 from __future__ import annotations
 
-from gates.harness import (
-    SPREAD_K, FleetSpec, Record, batches_of, fleet, fleet_env, fmt, judge, max_abs_diff,
-    max_rel_diff, on, rel_err, single, worlds,
-)
+from gates.compare import SPREAD_K, fmt, judge, max_abs_diff, max_rel_diff, rel_err
+from gates.fixtures import FleetSpec, batches_of, on, worlds
+from gates.reference import single
+from gates.spawn import fleet
+from gates.status import Record, fleet_env
 
 CLAIM = ("capacity-padded MoE on a fleet: the trajectory and the gradient equal one process at "
          "the global batch, with assignments actually dropped")  # fmt: skip
@@ -18,17 +19,15 @@ INSTRUMENT = ("tiny, moe_capacity=1.0 and 0.5, DDP, capacity 3,1 (world 2) and 3
 RUNS = [FleetSpec(f"capfleet-{cap}-w{len(b.split(','))}", world=len(b.split(",")), steps=10,
                   capacity=b, sets=(f"moe_capacity={cap}",))
         for cap in ("1.0", "0.5") for b in ("3,1", "3,1,2")]  # fmt: skip
-#: Gate 1's instrument, fp32 round-off of the summation order; measured over the four runs:
-#: dloss <= 8.7e-7, gradient <= 4.9e-7 (world 3; 1.9e-7 at world 2), norms <= 2.5e-7. About
-#: 4x each. The window-wide rule the per-row one replaced moved logits by 0.357 under
-#: splitting.
+#: Gate 1's figures, worst of 4 runs: dloss 8.7e-7, gradient 4.9e-7, norms 2.5e-7; 4-6x each.
 TOL = {"dloss": 5e-6, "gradient": 2e-6, "norms": 1e-6}
 
 
 def _drops(spec, inputs) -> int:
     import torch
 
-    from gates.harness import fixture_run, work_dir
+    from gates.cache import work_dir
+    from gates.fixtures import fixture_run
     from references.single import build_model
 
     model = build_model(fixture_run(spec, work_dir("capdrops"), dist=False))

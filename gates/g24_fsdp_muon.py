@@ -8,17 +8,21 @@ every dim 0 of 64 splits 22, 22, 20 and of 8 (f_down, the deltas' A) 3, 3, 2, an
 [4, 64], b_proj [4, 64], expert stacks [4, 64, 128] / [4, 128, 64] and the Engram table
 [4, 64, 8] split 2, 2, 0, so rank 2 holds empty shards and still takes part in every group's
 all-gather (a hang there fails the fleet, and the gate). Capacity is unequal (3,1 and 3,1,2),
-so each rank's gradient carries the loss-scale weighting.
+so each rank's gradient carries the loss-scale weighting. The tolerances were measured over
+seeds 7-11 (torch 2.13, CPU/gloo), where DDP at the same split measures the same figures: at
+world 3 the first polar magnifies the gradient's round-off along its smallest singular
+directions (the update is the noisy figure), and a polar of a rank's own rows moves it by O(1).
 """
 
 from __future__ import annotations
 
 from gates.g01_trajectory import FP32_TOL, measure
 from gates.g14_engram_ram_fleet import ENGRAM_SETS, _one as engram_one
-from gates.harness import (
-    SPREAD_K, FleetSpec, Record, fleet, fleet_env, fmt, judge, max_abs_diff, on, single, tol_on,
-    worlds,
-)
+from gates.compare import SPREAD_K, fmt, judge, max_abs_diff, tol_on
+from gates.fixtures import FleetSpec, on, worlds
+from gates.reference import single
+from gates.spawn import fleet
+from gates.status import Record, fleet_env
 
 CLAIM = ("FSDP2 + Muon (opt=mix) and FSDP2 + engram_ram reproduce one process at the global "
          "batch; gathered parameters and host tables identical across ranks")  # fmt: skip
@@ -33,28 +37,15 @@ INSTRUMENT = ("tiny, dist_shard=fsdp, opt=mix, capacity 3,1 / 3,1,2 (world 2, 3)
 _FSDP = ("dist_shard=fsdp",)
 MUON_RUNS = {w: FleetSpec(f"fsdp_muon{w}", world=w, steps=20, capacity=cap, sets=_FSDP)
              for w, cap in ((2, "3,1"), (3, "3,1,2"))}  # fmt: skip
+#: Gate 14's fixture and tolerances: FSDP2 measured table 3.9e-7, update 1.5e-6 (w3), as DDP.
 RAM_RUNS = {w: FleetSpec(f"fsdp_ram{w}", world=w, steps=16, capacity=cap,
                          sets=_FSDP + ENGRAM_SETS)
             for w, cap in ((2, "3,1"), (3, "3,1,2"))}  # fmt: skip
 BF16_RUN = FleetSpec("fsdp_muon_bf16", steps=20, capacity="3,1", sets=_FSDP + ("ns_dtype=bf16",))
 
-#: World 2 (3,1): gate 1's tolerances. Measured over seeds 7-11 (torch 2.13, CPU/gloo): dloss
-#: <= 1.2e-6, gradient <= 1.8e-7, norms <= 3.2e-7, params <= 1.2e-8, update <= 3.6e-6; DDP at
-#: the same split measures the same to 2 digits (the reduce's fp32 summation order).
-#: World 3 (3,1,2): DDP itself leaves gate 1's gradient, params and update tolerances there:
-#: gradient 4.3e-7 .. 5.0e-7, params 5.6e-9 .. 1.2e-7, update 1.7e-6 .. 3.4e-5 (seeds 7-11; the
-#: first polar magnifies the gradient's round-off along its smallest singular directions, so
-#: the update is the noisy figure), and FSDP2 matches it (4.3e-7 .. 5.0e-7, 5.9e-9 .. 1.1e-7,
-#: 1.8e-6 .. 3.0e-5). These three are 4x DDP's worst; a polar taken on a rank's own rows moves
-#: the update by O(1).
+#: w2: gate 1's. w3: 4x DDP's worst (gradient 5.0e-7, params 1.2e-7, update 3.4e-5); FSDP2 alike.
 MUON_TOL = {2: FP32_TOL, 3: {**FP32_TOL, "gradient": 2e-6, "params": 5e-7, "update": 1.5e-4}}
-#: engram_ram: gate 14's fixture (adam_eps=1e-5, its comment says why) and tolerances. FSDP2
-#: measured on the default seed: table 2.4e-7 / update 1.2e-6 at world 2, 3.9e-7 / 1.5e-6 at
-#: world 3, as DDP (at eps = 1e-8 seeds 7-11 reached 2.0e-5 at world 3, FSDP2 and DDP alike).
-#: The bf16 polar (ns_dtype=bf16) against one process's bf16 polar, world 2: max |dloss|
-#: measured 5.0e-5 .. 1.9e-4 over seeds 7-11, and DDP the same bits (seeds 7, 8). The bf16
-#: iterations (unit round-off 3.9e-3) turn the fleet's fp32 gradient round-off (1.8e-7) into
-#: different roundings: step-1 update 1.7e-3 .. 2.5e-3 relative. About 5x the worst.
+#: bf16 polar vs one process's, w2: max |dloss| measured <= 1.9e-4 (DDP: the same bits); ~5x.
 TOL_BF16_LOSS = 1e-3
 
 

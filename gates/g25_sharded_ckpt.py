@@ -20,8 +20,12 @@ from pathlib import Path
 
 import torch
 
-from gates import harness
-from gates.harness import FleetSpec, Record, fixture_run, fleet_env, fmt, max_abs_diff, work_dir
+from gates import mutations, spawn
+from gates.cache import work_dir
+from gates.compare import fmt, max_abs_diff
+from gates.fixtures import FleetSpec, fixture_run
+from gates.recorder import Recorder, no_plot
+from gates.status import Record, fleet_env
 
 CLAIM = ("FSDP2 sharded checkpoint: every rank writes its shards; resume 10 + 10 == 20; resumed "
          "on 1 and on 3 ranks (and back from 1 to 2) at the same global batch the run continues "
@@ -44,13 +48,9 @@ CUDA = False
 
 STEPS, HALF = 20, 10
 SETS = ("dist_shard=fsdp", "opt=adamw", "moe_lb_coef=0.01", "eval_batches=2")
-#: Each resume at another world size vs the uninterrupted 2-rank run: fp32 round-off of the
-#: summation order (other per-rank batches), gate 1's trajectory tolerance (gate 12 measured a
-#: resume that lost the optimizer moments or the data position >= 1e-3 off).
+#: A resume at another world size vs the uninterrupted run: fp32 summation order; gate 1's.
 TOL_LOSS = 5e-6
-#: The exported file's eval (one process, the gathered parameters) vs the fleet's eval of the
-#: same parameters on its FSDP2 ranks: the same forward on the same batches; fp32 round-off
-#: at most (measured 0).
+#: The exported file's eval in one process vs the fleet's on the same batches: measured 0.
 TOL_EVAL = 1e-6
 
 
@@ -92,9 +92,7 @@ def _rank(rank: int, job: dict, out: str, port: int) -> None:
                            "LOCAL_WORLD_SIZE": str(world), **NCCL_SAFE_ENV})  # fmt: skip
     torch.set_num_threads(1)
     if job["mutation"]:
-        from gates.mutations import apply
-
-        apply(job["mutation"])
+        mutations.apply(job["mutation"])
     if rank == job.get("kill_rank", -1):
         _kill_in_save(job["kill_save"])
     result = {"rank": rank, "error": ""}
@@ -102,9 +100,9 @@ def _rank(rank: int, job: dict, out: str, port: int) -> None:
         run = fixture_run(_spec(world), Path(job["dir"]), dist=world > 1)
         run = dataclasses.replace(run, train=dataclasses.replace(
             run.train, ckpt_every=job.get("ckpt_every", 0)))
-        recorder = harness.Recorder()
-        timeout = harness.MUTANT_TIMEOUT_S if job["mutation"] else harness.COLLECTIVE_TIMEOUT_S
-        with harness.no_plot():
+        recorder = Recorder()
+        timeout = spawn.MUTANT_TIMEOUT_S if job["mutation"] else spawn.COLLECTIVE_TIMEOUT_S
+        with no_plot():
             train_run(run, model=build_model(run), resume=job["resume"], stop_at=job["stop_at"],
                       callbacks=recorder.callbacks(), device_type="cpu", close=False,
                       timeout_s=timeout)  # fmt: skip
@@ -129,12 +127,12 @@ def _launch(name: str, world: int, run_dir: Path, *, resume: bool = False,
     """One run; rank 0's result (its record, or the error of whichever rank failed)."""
     out = work_dir(f"sharded-{name}")
     job = {"world": world, "dir": str(run_dir), "resume": resume, "stop_at": stop_at,
-           "mutation": harness.ACTIVE_MUTATION, **fault}  # fmt: skip
+           "mutation": mutations.ACTIVE_MUTATION, **fault}  # fmt: skip
     died = ""
     try:
-        harness.spawn(_rank, (job, str(out), harness.free_port()), world,
-                      harness.MUTANT_DEADLINE_S if job["mutation"] else harness.SPAWN_DEADLINE_S)
-    except harness.FleetFailed as e:
+        spawn.spawn(_rank, (job, str(out), spawn.free_port()), world,
+                      spawn.MUTANT_DEADLINE_S if job["mutation"] else spawn.SPAWN_DEADLINE_S)
+    except spawn.FleetFailed as e:
         died = str(e)
     results = []
     for r in range(world):
@@ -176,7 +174,7 @@ def _exported_eval(run_dir: Path) -> tuple[float, float, str]:
 
     dest = run_dir.parent / "model.pt"
     p = subprocess.run([sys.executable, "-m", "dormouse", "export", str(run_dir), "--to",
-                        str(dest)], env=harness.launch_env(), capture_output=True, text=True,
+                        str(dest)], env=spawn.launch_env(), capture_output=True, text=True,
                        timeout=300)  # fmt: skip
     if p.returncode != 0:
         raise RuntimeError(f"dormouse export exit {p.returncode}: {p.stderr.strip()[-300:]}")

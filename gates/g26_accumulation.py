@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import dataclasses
 
-from gates.harness import (
-    SPREAD_K, FleetSpec, Record, fleet, fleet_env, fmt, max_abs_diff, max_rel_diff, on, rel_err,
-    single, tol_on,
-)
+from gates.compare import SPREAD_K, fmt, max_abs_diff, max_rel_diff, rel_err, tol_on
+from gates.fixtures import FleetSpec, on
+from gates.reference import single
+from gates.spawn import fleet
+from gates.status import Record, fleet_env
 
 CLAIM = ("global_batch and accumulation: any split of 8 windows over ranks and micro-batches "
          "trains one process's trajectory at batch 8; a run resumes on another number of ranks "
@@ -29,16 +30,12 @@ INSTRUMENT = ("tiny, global_batch=8, 12 steps, no clip, LFB (coef 0.01) and engr
               "steps, its checkpoint resumed by one process batch 3 x 2 micro-batches to 20 vs "
               "one uninterrupted process at batch 6: max |dloss|")  # fmt: skip
 
-#: Gate 1's tolerances (fp32 round-off of another summation order: here the micro-batch means
-#: are summed by autograd and the ranks' by the reducer instead of one mean of 8 windows;
-#: measured 1.4e-6 worst loss, 2.0e-7 worst norm). A micro-batch scaled as a whole rank
-#: (the loss scale without the micro-batch's share) is a 2-4x gradient: an error of 1 or more.
+#: Gate 1's: measured 1.4e-6 (loss), 2.0e-7 (norms); ~4x, ~2.5x. A whole-rank scale: >= 1.
 TOL_LOSS = 5e-6
 TOL_GRAD = 5e-7
-#: Host tables: gate 14's (row-sparse Adam divides by sqrt(v) of small row gradients, which
-#: amplifies round-off; measured 3.1e-6). LFB biases move in steps of lr*coef = 1e-5 per expert
-#: and step: a counting error moves one by a whole step; equal counts give 0.
+#: Host tables: measured 3.1e-6 relative (row Adam amplifies round-off); ~5x, gate 14's.
 TOL_TABLE = 1.5e-5
+#: LFB biases move by lr * coef = 1e-5 per step: a miscount is a whole step; equal counts give 0.
 TOL_LFB = 1e-6
 
 _SETS = ("global_batch=8", "moe_lb_coef=0.01", "engram_ram=true")
@@ -82,7 +79,7 @@ def run(cuda: bool = False) -> Record:
         label = f"{world} ranks " + (cap or f"{batch}x2 each") + (" fsdp" if sets else "")
         runs[label] = fleet(spec)[0]["rec"]
     # on a card the same mathematics rounds differently when a matmul's shape changes: the
-    # reference against itself with each batch run as forwards of 2 windows (harness.SPREAD_K)
+    # reference against itself with each batch run as forwards of 2 windows (compare.SPREAD_K)
     spread = _figures(single(base, [2, 2, 2, 2], split_rows=True)["rec"], ref) if cuda else {}
     tol = {k: tol_on(cuda, t, spread.get(k, 0.0)) for k, t in _TOL.items()}
     notes, ok = [], True

@@ -6,9 +6,11 @@ from __future__ import annotations
 import dataclasses
 
 from gates.g01_trajectory import TOL_GRAD, TOL_LOSS
-from gates.harness import (
-    FleetSpec, Record, fleet, fleet_env, fmt, max_abs_diff, max_rel_diff, single, worlds,
-)
+from gates.compare import fmt, max_abs_diff, max_rel_diff
+from gates.fixtures import FleetSpec, worlds
+from gates.reference import single
+from gates.spawn import fleet
+from gates.status import Record, fleet_env
 
 CLAIM = ("a split that changes mid-run (forced re-splits, unequal shares) reproduces one process "
          "at the global batch, and a resume across a re-split continues the run exactly")  # fmt: skip

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import random
 
-from gates.harness import Record, environment
+from gates.status import Record, environment
 
 CLAIM = ("re-balancing: with rank 1 at 2x the per-window time (+-20% noise) the split reaches the "
          "rate-proportional one +-1 window within 3 periods and then holds for 20 periods")  # fmt: skip

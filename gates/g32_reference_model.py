@@ -25,7 +25,8 @@ import math
 
 import torch
 
-from gates.harness import Record, environment, fmt
+from gates.compare import fmt
+from gates.status import Record, environment
 
 CUDA = False
 SINGLE_CUDA = True
@@ -49,26 +50,18 @@ CPU_CASES = (
 #: Windows x bytes of each case's input.
 B, T = 3, 32
 
-#: fp64 on both sides: measured <= 7e-15 (logits) and 2.2e-14 (a gradient, relative to its
-#: largest entry); a wrong eps, scale, tap or index is >= 1e-6.
+#: fp64 both sides: measured 7e-15 (logits), 2.2e-14 (gradients, to their peak). Bugs: >= 1e-6.
 TOL_FP64 = 1e-10
-#: fp32 model against the fp64 reference: measured <= 2.6e-6 (logits, absolute; they are
-#: O(1)) and 3.9e-6 (gradients, relative): fp32 round-off through 2 iterations. ~10x.
+#: fp32 model vs fp64: measured 2.6e-6 (logits, absolute), 3.9e-6 (gradients, relative); ~10x.
 TOL_FP32 = 5e-5
-#: The fla arm's dots run in TF32 whatever torch's flags say: gate 19 measured its kernel
-#: 2.6e-4 absolute on outputs ~0.3 (~1e-3 relative) on an H200. Through the mixer's output
-#: norm and two iterations, 20x that: not yet measured on this gate (the record says the
-#: figure: a GPU run that passes near the bound must tighten it).
+#: Not yet measured here: 20x fla's TF32 kernel error (gate 19: ~1e-3 relative on an H200).
 TOL_FLA = 2e-2
-#: fp32 affinities are exact to ~1e-7: a smaller routing margin than this could send a token
-#: to another expert in the model than in the fp64 reference (the fla cases pick every expert)
+#: Below these, fp32 affinities (exact to ~1e-7) may route unlike fp64; fla picks every expert.
 MARGIN = {"fp64": 1e-9, "fp32": 1e-5, "fla": 0.0}
 
 # ---- the sampler -------------------------------------------------------------------------------
 
-#: Draws per sampling case; the chi-square statistic's critical value is taken at p = 1e-6
-#: (Wilson-Hilferty), so a correct sampler fails with a fixed generator seed never, and with
-#: any seed about once in a million runs; T applied wrongly (x T instead of / T) is ~1e4 over.
+#: Draws per case; the chi-square bound sits at p = 1e-6 (Wilson-Hilferty); x T for / T: 1e4 over.
 DRAWS = 20000
 Z_1E6 = 4.753  # the one-sided normal quantile of 1 - 1e-6
 SAMPLE_CASES = ((0.7, 0), (1.3, 0), (0.8, 8))

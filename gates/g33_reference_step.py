@@ -31,7 +31,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from gates.harness import Record, corpus_path, environment, fmt, no_plot
+from gates.compare import fmt
+from gates.fixtures import corpus_path
+from gates.recorder import no_plot
+from gates.status import Record, environment
 
 CUDA = False
 
@@ -74,8 +77,7 @@ CASES = (
                    "engram_lr_mult=4", "eval_every=5")),
 )
 
-#: Each figure's tolerance, fp32 (the trainer) against fp64 (the reference). Measured over
-#: the four cases (torch 2.13, CPU), about 5x the worst:
+#: fp32 trainer vs fp64 reference, worst of the four cases (torch 2.13, CPU); each about 5x:
 TOL = {
     # logged loss (nats, a mean of 128 tokens of ~5.5): measured <= 1.3e-6
     "loss": 1e-5,
@@ -83,9 +85,7 @@ TOL = {
     "eval": 1e-5,
     # pre-clip norm, relative: measured <= 3.8e-6 (after 16 steps of fp32 trajectory)
     "gnorm": 2e-5,
-    # per tensor ||update - reference update|| / ||reference update||, the worst tensor:
-    # measured <= 9.6e-5 (1-D AdamW tensors such as dt_bias, whose small gradients' round-off
-    # Adam divides by sqrt(v)); a wrong lr, decay or bias correction of one tensor is >= 1e-2
+    # the worst tensor's update, relative: measured <= 9.6e-5 (1-D AdamW tensors); bugs 1e-2
     "update": 5e-4,
     # optimizer moments and momenta, per tensor relative: measured <= 3.2e-5
     "state": 2e-4,
@@ -95,7 +95,7 @@ TOL = {
 
 
 def write_corpus(where: Path) -> Path:
-    """The harness corpus's first TRAIN_BYTES, then 264 random bytes >= 128, which the text
+    """The gates' fixture corpus's first TRAIN_BYTES, then 264 random bytes >= 128, which the text
     never holds: the val split, whose loss rises as the model learns the text."""
     text = corpus_path().read_bytes()[:TRAIN_BYTES]
     noise = np.random.default_rng(51).integers(128, 256, 264, dtype=np.uint8).tobytes()
@@ -349,6 +349,5 @@ def run(cuda: bool = False) -> Record:
                   environment("none", "cpu"), details={"mismatches": bad})
 
 
-#: Below this the fp32 trainer and the fp64 reference may route a token differently (fp32
-#: round-off of the affinities is ~1e-7); the woken routers keep it well above.
+#: Below this, fp32 affinities (exact to ~1e-7) may route unlike fp64; woken routers stay above.
 MARGIN = 1e-5

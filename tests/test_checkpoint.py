@@ -8,7 +8,6 @@ from __future__ import annotations
 import io
 import os
 import re
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -122,16 +121,6 @@ def test_a_truncated_checkpoint_is_refused(tmp_path):
 # ---- the state functions: format 1, a plain module, DDP, FSDP2 ------------------------------
 
 
-def _tiny(ram: bool = False, seed: int = 0) -> DormouseModel:
-    """The tiny preset (host-RAM tables with `ram`), its conv opened so that the Engram rows get
-    a gradient from the first step."""
-    torch.manual_seed(seed)
-    model = DormouseModel(replace(preset("tiny").model, engram_ram=ram))
-    with torch.no_grad():
-        model.engram.conv.weight.normal_(0, 0.05)
-    return model
-
-
 def _step(net, opt, seed: int = 0) -> None:
     x = torch.randint(0, 256, (2, 17), generator=torch.Generator().manual_seed(seed))
     net(x[:, :-1], x[:, 1:])[1].backward()
@@ -180,28 +169,28 @@ def test_a_format_1_optimizer_state_is_refused_and_its_model_still_loads(tmp_pat
         ckpt.load_optimizer_state(fresh, MixOptimizer(fresh, lr=1e-3), old, path)
 
 
-def test_a_state_with_other_keys_is_refused():
-    model = _tiny()
+def test_a_state_with_other_keys_is_refused(tiny_model):
+    model = tiny_model()
     state = ckpt.model_state(model)
     del state["head.weight"]
     state["head.bias"] = torch.zeros(1)
     with pytest.raises(ckpt.CheckpointError, match=r"missing \['head.weight'\], unexpected "
                                                     r"\['head.bias'\]"):  # fmt: skip
-        ckpt.load_model_state(_tiny(), state)
+        ckpt.load_model_state(tiny_model(), state)
 
 
 @pytest.mark.parametrize("state", ["fp32", "int8"])
 @pytest.mark.parametrize("ram", [False, True])
-def test_one_process_round_trip_needs_no_process_group(ram, state):
+def test_one_process_round_trip_needs_no_process_group(ram, state, tiny_model):
     import torch.distributed as dist
 
     assert not dist.is_initialized()
     kw = dict(lr=0.01, opt="mix", muon_state_dtype=state, engram_state_dtype=state)
-    model = _tiny(ram)
+    model = tiny_model(engram_ram=ram)
     opt = MixOptimizer(model, **kw)
     _step(model, opt)
     saved = _snapshot(model, opt)
-    fresh = _tiny(ram, seed=1)
+    fresh = tiny_model(1, engram_ram=ram)
     opt2 = MixOptimizer(fresh, **kw)
     ckpt.load_model_state(fresh, saved["model"])
     ckpt.load_optimizer_state(fresh, opt2, saved["optimizer"])
@@ -211,24 +200,24 @@ def test_one_process_round_trip_needs_no_process_group(ram, state):
     _assert_same(_snapshot(fresh, opt2), _snapshot(model, opt))
 
 
-def test_ddp_wrapped_model_uses_the_same_functions_and_names(one_rank_group):
+def test_ddp_wrapped_model_uses_the_same_functions_and_names(one_rank_group, tiny_model):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    model = _tiny(ram=True)
+    model = tiny_model(engram_ram=True)
     net = DDP(model)
     opt = MixOptimizer(net, lr=0.01, opt="mix")
     _step(net, opt)
     saved = _snapshot(net, opt)
     assert saved["model"].keys() == model.state_dict().keys()  # no `module.` prefix
     assert "engram.store.table" in saved["model"] and "engram.store.table" in saved["optimizer"]["state"]
-    fresh = _tiny(ram=True, seed=1)
+    fresh = tiny_model(1, engram_ram=True)
     net2 = DDP(fresh)
     opt2 = MixOptimizer(net2, lr=0.01, opt="mix")
     ckpt.load_model_state(net2, saved["model"])
     ckpt.load_optimizer_state(net2, opt2, saved["optimizer"])
     _assert_same(_snapshot(net2, opt2), saved)
     # and into one plain process
-    plain = _tiny(ram=True, seed=2)
+    plain = tiny_model(2, engram_ram=True)
     opt3 = MixOptimizer(plain, lr=0.01, opt="mix")
     ckpt.load_model_state(plain, saved["model"])
     ckpt.load_optimizer_state(plain, opt3, saved["optimizer"])
@@ -257,7 +246,7 @@ def _fleet_work(work) -> None:
         gc.collect()
 
 
-def _fsdp_rank(rank: int, tmp: str) -> None:
+def _fsdp_rank(rank: int, tmp: str, tiny_model) -> None:
     """One rank of a 2-rank gloo fleet: FSDP2 (per block, then the root, as the trainer wraps),
     AdamW (FSDP2 runs no Muon), one step on this rank's bytes; rank 0 saves the full state;
     then a fresh fleet loads that file on every rank and rank 0 saves what it gathers again."""
@@ -274,7 +263,7 @@ def _fsdp_rank(rank: int, tmp: str) -> None:
         for ram in (False, True):
 
             def build(seed):
-                model = _tiny(ram, seed)
+                model = tiny_model(seed, engram_ram=ram)
                 for block in model.blocks:
                     fully_shard(block, mesh=mesh)
                 fully_shard(model, mesh=mesh)
@@ -302,15 +291,16 @@ def _fsdp_rank(rank: int, tmp: str) -> None:
 
 @pytest.mark.slow
 @pytest.mark.skipif(not torch.distributed.is_available(), reason="torch built without distributed")
-def test_fsdp2_full_state_loads_into_one_process(tmp_path):
+def test_fsdp2_full_state_loads_into_one_process(tmp_path, tiny_model):
     import torch.multiprocessing as mp
 
-    mp.start_processes(_fsdp_rank, args=(str(tmp_path),), nprocs=2, start_method="spawn")
+    mp.start_processes(_fsdp_rank, args=(str(tmp_path), tiny_model), nprocs=2,
+                       start_method="spawn")  # fmt: skip
     for ram in (False, True):
         full = torch.load(tmp_path / f"full-{ram}.pt", weights_only=True)
         # the fleet reloads its own file: what it gathers again is the file
         _assert_same(torch.load(tmp_path / f"again-{ram}.pt", weights_only=True), full)
-        model = _tiny(ram, seed=2)
+        model = tiny_model(2, engram_ram=ram)
         opt = MixOptimizer(model, lr=0.01, opt="adamw")
         ckpt.load_model_state(model, full["model"])
         ckpt.load_optimizer_state(model, opt, full["optimizer"])
@@ -322,9 +312,8 @@ def test_fsdp2_full_state_loads_into_one_process(tmp_path):
 # ---- the sharded format (FSDP2): atomic, safe, resharding, export -------------------------
 
 
-def _sharded(tmp_path, model=None, opt=None, step=1):
+def _sharded(tmp_path, model, opt=None, step=1):
     """A sharded checkpoint written by one process (no process group): the same writer."""
-    model = model if model is not None else _tiny()
     opt = opt if opt is not None else MixOptimizer(model, lr=0.01, opt="adamw")
     path = tmp_path / "ckpt.pt"
     ckpt.save_sharded(path, model, opt, run=preset("tiny"), step=step,
@@ -332,8 +321,8 @@ def _sharded(tmp_path, model=None, opt=None, step=1):
     return path, model, opt
 
 
-def test_sharded_round_trip_in_one_process(tmp_path):
-    model = _tiny()
+def test_sharded_round_trip_in_one_process(tmp_path, tiny_model):
+    model = tiny_model()
     opt = MixOptimizer(model, lr=0.01, opt="adamw")
     _step(model, opt)
     path, *_ = _sharded(tmp_path, model, opt, step=1)
@@ -345,16 +334,16 @@ def test_sharded_round_trip_in_one_process(tmp_path):
     assert ck["data"] == {"kind": "stream", "step": 2} and len(ck["rng"]) == ck["world"] == 1
     # the step-1 directory went with the commit of step 2
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["ckpt.pt", ck["shards"]])
-    fresh = _tiny(seed=1)
+    fresh = tiny_model(1)
     opt2 = MixOptimizer(fresh, lr=0.01, opt="adamw")
     ckpt.load_train_state(fresh, opt2, ck, path, fresh.cfg)
     _assert_same(_snapshot(fresh, opt2), saved)
 
 
-def test_a_failed_sharded_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
+def test_a_failed_sharded_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch, tiny_model):
     from torch.distributed.checkpoint import FileSystemWriter
 
-    path, model, opt = _sharded(tmp_path)
+    path, model, opt = _sharded(tmp_path, tiny_model())
     before = {p.name for p in tmp_path.iterdir()}
     real = FileSystemWriter.write_data
 
@@ -388,13 +377,13 @@ def test_a_failed_sharded_save_keeps_the_previous_checkpoint(tmp_path, monkeypat
     assert {p.name for p in tmp_path.iterdir()} == before
     ck = ckpt.read_checkpoint(path)
     assert ck["step"] == 1
-    ckpt.load_model(_tiny(seed=3), ck, path)
+    ckpt.load_model(tiny_model(3), ck, path)
 
 
-def test_what_a_killed_sharded_save_leaves_is_cleaned_at_start(tmp_path):
+def test_what_a_killed_sharded_save_leaves_is_cleaned_at_start(tmp_path, tiny_model):
     import shutil
 
-    path, *_ = _sharded(tmp_path)
+    path, *_ = _sharded(tmp_path, tiny_model())
     live = ckpt.read_checkpoint(path)["shards"]
     orphan = tmp_path / "ckpt.000002.x1.shards"  # renamed, never committed (killed between)
     shutil.copytree(tmp_path / live, orphan)
@@ -406,15 +395,15 @@ def test_what_a_killed_sharded_save_leaves_is_cleaned_at_start(tmp_path):
     assert sorted(removed) == [dead.name, orphan.name]
     assert (tmp_path / live).is_dir() and mine.is_dir()
     # a single file that replaced a sharded checkpoint drops its directory
-    ckpt.save_checkpoint(path, run=preset("tiny"), model=_tiny(), step=3)
+    ckpt.save_checkpoint(path, run=preset("tiny"), model=tiny_model(), step=3)
     assert not (tmp_path / live).exists()
 
 
-def test_sharded_metadata_with_code_is_refused(tmp_path):
+def test_sharded_metadata_with_code_is_refused(tmp_path, tiny_model):
     """DCP's .metadata is a pickle: ours is read by an unpickler that builds DCP's records only."""
     import pickle
 
-    path, *_ = _sharded(tmp_path)
+    path, *_ = _sharded(tmp_path, tiny_model())
     ck = ckpt.read_checkpoint(path)
     marker = tmp_path / "pwned"
 
@@ -424,17 +413,17 @@ def test_sharded_metadata_with_code_is_refused(tmp_path):
 
     (ck["shards_dir"] / ".metadata").write_bytes(pickle.dumps(Evil()))
     with pytest.raises(ckpt.CheckpointError, match="could not be read as DCP metadata.*no code"):
-        ckpt.load_model(_tiny(), ck, path)
+        ckpt.load_model(tiny_model(), ck, path)
     with pytest.raises(ckpt.CheckpointError, match="no code"):
         ckpt.export_checkpoint(path, tmp_path / "x.pt")
     assert not marker.exists()
 
 
-def test_a_non_tensor_entry_in_the_shards_is_refused(tmp_path):
+def test_a_non_tensor_entry_in_the_shards_is_refused(tmp_path, tiny_model):
     """DCP unpickles a non-tensor entry with weights_only=False; a sharded checkpoint holds none."""
     import torch.distributed.checkpoint as dcp
 
-    path, model, opt = _sharded(tmp_path)
+    path, model, opt = _sharded(tmp_path, tiny_model())
     ck = ckpt.read_checkpoint(path)
     mstate, ostate = ckpt._sharded_targets(model, opt)
     mstate["head.weight"] = "a string, pickled"
@@ -442,17 +431,17 @@ def test_a_non_tensor_entry_in_the_shards_is_refused(tmp_path):
         dcp.save({"model": mstate, "optimizer": ostate["state"]}, checkpoint_id=ck["shards_dir"],
                  no_dist=True)  # fmt: skip
     with pytest.raises(ckpt.CheckpointError, match="'model.head.weight' is no tensor"):
-        ckpt.load_model(_tiny(), ck, path)  # the whole state, built from the metadata
-    fresh = _tiny()
+        ckpt.load_model(tiny_model(), ck, path)  # the whole state, built from the metadata
+    fresh = tiny_model()
     with pytest.raises(ckpt.CheckpointError, match="non-tensor entry 'model.head.weight'"):
         ckpt.load_train_state(fresh, MixOptimizer(fresh, lr=0.01, opt="adamw"), ck, path,
                               fresh.cfg)  # fmt: skip
 
 
-def test_a_sharded_checkpoint_without_its_directory_is_refused(tmp_path):
+def test_a_sharded_checkpoint_without_its_directory_is_refused(tmp_path, tiny_model):
     import shutil
 
-    path, *_ = _sharded(tmp_path)
+    path, *_ = _sharded(tmp_path, tiny_model())
     elsewhere = tmp_path / "copy"
     elsewhere.mkdir()
     shutil.copy(path, elsewhere / "ckpt.pt")  # the manifest copied without its directory
@@ -460,10 +449,10 @@ def test_a_sharded_checkpoint_without_its_directory_is_refused(tmp_path):
         ckpt.read_checkpoint(elsewhere / "ckpt.pt")
 
 
-def test_export_writes_one_file_that_loads_anywhere(tmp_path):
+def test_export_writes_one_file_that_loads_anywhere(tmp_path, tiny_model):
     from dormouse.cli import main
 
-    path, model, opt = _sharded(tmp_path, step=4)
+    path, model, opt = _sharded(tmp_path, tiny_model(), step=4)
     assert main(["export", str(tmp_path), "--to", str(tmp_path / "model.pt")]) == 0
     one = ckpt.read_checkpoint(tmp_path / "model.pt")  # weights_only=True
     assert one["format"] == ckpt.FORMAT and one["step"] == 4
@@ -485,7 +474,7 @@ def test_export_to_a_path_under_a_file_names_to(tmp_path):
     assert afile.read_text() == "x"
 
 
-def _sharded_fleet_rank(rank: int, world: int, tmp: str, mode: str) -> None:
+def _sharded_fleet_rank(rank: int, world: int, tmp: str, mode: str, tiny_model) -> None:
     """FSDP2 on `world` gloo ranks, per block and root as the trainer wraps; AdamW, and the
     default optimizer (Muon) with the host-RAM tables. save: two steps, a sharded save after
     each; load: a fresh fleet (another seed) loads it. Rank 0 saves the gathered full state."""
@@ -500,7 +489,7 @@ def _sharded_fleet_rank(rank: int, world: int, tmp: str, mode: str) -> None:
     def work() -> None:
         mesh = init_device_mesh("cpu", (world,))
         for kind, ram in (("adamw", False), ("mix", True)):
-            model = _tiny(ram, 0 if mode == "save" else 5)
+            model = tiny_model(0 if mode == "save" else 5, engram_ram=ram)
             for block in model.blocks:
                 fully_shard(block, mesh=mesh)
             fully_shard(model, mesh=mesh)
@@ -527,20 +516,21 @@ def _sharded_fleet_rank(rank: int, world: int, tmp: str, mode: str) -> None:
 
 @pytest.mark.slow
 @pytest.mark.skipif(not torch.distributed.is_available(), reason="torch built without distributed")
-def test_a_2_rank_sharded_checkpoint_reshards_to_3_ranks_and_to_one_process(tmp_path):
+def test_a_2_rank_sharded_checkpoint_reshards_to_3_ranks_and_to_one_process(tmp_path,
+                                                                            tiny_model):
     import torch.multiprocessing as mp
 
-    mp.start_processes(_sharded_fleet_rank, args=(2, str(tmp_path), "save"), nprocs=2,
-                       start_method="spawn")  # fmt: skip
-    mp.start_processes(_sharded_fleet_rank, args=(3, str(tmp_path), "load"), nprocs=3,
-                       start_method="spawn")  # fmt: skip
+    mp.start_processes(_sharded_fleet_rank, args=(2, str(tmp_path), "save", tiny_model),
+                       nprocs=2, start_method="spawn")  # fmt: skip
+    mp.start_processes(_sharded_fleet_rank, args=(3, str(tmp_path), "load", tiny_model),
+                       nprocs=3, start_method="spawn")  # fmt: skip
     for kind, ram in (("adamw", False), ("mix", True)):
         full = torch.load(tmp_path / f"{kind}-save2.pt", weights_only=True)
         path = tmp_path / f"run-{kind}" / "ckpt.pt"
         ck = ckpt.read_checkpoint(path)
         assert ck["world"] == 2 and len(list(path.parent.glob("*.shards"))) == 1
         _assert_same(torch.load(tmp_path / f"{kind}-load3.pt", weights_only=True), full)
-        model = _tiny(ram, seed=7)
+        model = tiny_model(7, engram_ram=ram)
         opt = MixOptimizer(model, lr=0.01, opt=kind)
         ckpt.load_train_state(model, opt, ck, path, model.cfg)
         _assert_same(_snapshot(model, opt), full)

@@ -14,7 +14,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dormouse.config import apply_sets, preset
+from dormouse.config import preset
 from dormouse.train.context import DPContext, RankShape
 from dormouse.train.fleet.launch import (
     NCCL_SAFE_ENV,
@@ -245,10 +245,6 @@ def test_nccl_safety_env():
 # ---- refusals ---------------------------------------------------------------------------------
 
 
-def _tiny(*sets):
-    return apply_sets(preset("tiny"), list(sets))
-
-
 @pytest.mark.parametrize(
     "sets, cause, escape",
     [
@@ -261,25 +257,25 @@ def _tiny(*sets):
          "compile_mode=default"),
     ],
 )
-def test_refusals_name_cause_and_escape(sets, cause, escape):
+def test_refusals_name_cause_and_escape(sets, cause, escape, tiny_run):
     with pytest.raises(RefusedError) as e:
-        refuse_incompatible(_tiny(*sets), 2)
+        refuse_incompatible(tiny_run(*sets), 2)
     assert cause in str(e.value) and escape in str(e.value)
-    refuse_incompatible(_tiny(*sets), 1)  # one process: nothing to refuse
+    refuse_incompatible(tiny_run(*sets), 1)  # one process: nothing to refuse
 
 
-def test_fleet_correct_features_are_allowed():
-    refuse_incompatible(_tiny("moe_lb_coef=0.01"), 2)  # LFB: counts reduced (gate g11)
-    refuse_incompatible(_tiny("dist_shard=fsdp", "opt=adamw"), 2)  # FSDP2 + AdamW (gate g04)
-    refuse_incompatible(_tiny("dist_shard=fsdp"), 2)  # FSDP2 + Muon (gate g24)
-    refuse_incompatible(_tiny("dist_shard=fsdp", "muon_state_dtype=bf16"), 2)  # elementwise
-    refuse_incompatible(_tiny("muon_state_dtype=int8", "engram_state_dtype=int8"), 2)  # DDP
-    refuse_incompatible(_tiny("dist_shard=fsdp", "engram_ram=true"), 3)  # (gate g24)
-    refuse_incompatible(_tiny("engram_ram=true"), 2)  # host rows reduced by hand (gate g14)
-    refuse_incompatible(_tiny("moe_capacity=1.0"), 2)  # per-row drops (gate g23)
-    refuse_incompatible(_tiny("compile=true"), 2)  # DDP, compile_mode=default (gate g31)
-    refuse_incompatible(_tiny("compile=true", "dist_shard=fsdp"), 2)  # FSDP2 too (gate g31)
-    refuse_incompatible(_tiny("data=a.bin,b.bin", "data_weights=1,3"), 4)  # mixture, below
+def test_fleet_correct_features_are_allowed(tiny_run):
+    refuse_incompatible(tiny_run("moe_lb_coef=0.01"), 2)  # LFB: counts reduced (gate g11)
+    refuse_incompatible(tiny_run("dist_shard=fsdp", "opt=adamw"), 2)  # FSDP2 + AdamW (gate g04)
+    refuse_incompatible(tiny_run("dist_shard=fsdp"), 2)  # FSDP2 + Muon (gate g24)
+    refuse_incompatible(tiny_run("dist_shard=fsdp", "muon_state_dtype=bf16"), 2)  # elementwise
+    refuse_incompatible(tiny_run("muon_state_dtype=int8", "engram_state_dtype=int8"), 2)  # DDP
+    refuse_incompatible(tiny_run("dist_shard=fsdp", "engram_ram=true"), 3)  # (gate g24)
+    refuse_incompatible(tiny_run("engram_ram=true"), 2)  # host rows reduced by hand (gate g14)
+    refuse_incompatible(tiny_run("moe_capacity=1.0"), 2)  # per-row drops (gate g23)
+    refuse_incompatible(tiny_run("compile=true"), 2)  # DDP, compile_mode=default (gate g31)
+    refuse_incompatible(tiny_run("compile=true", "dist_shard=fsdp"), 2)  # FSDP2 too (gate g31)
+    refuse_incompatible(tiny_run("data=a.bin,b.bin", "data_weights=1,3"), 4)  # mixture, below
 
 
 def test_the_mixture_is_rank_consistent():

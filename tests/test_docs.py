@@ -113,7 +113,7 @@ def test_the_readme_has_one_generated_line_per_gate_of_the_status_table():
 
 
 def test_gate_lines_say_both_verdicts():
-    from gates.harness import Record, gate_lines
+    from gates.status import Record, gate_lines
 
     cpu = Record("g01_x", "a claim", "", "", "", True, env={"backend": "gloo", "device": "cpu"})
     gpu = Record("g01_x", "a claim", "", "", "", False,

@@ -20,6 +20,7 @@ from dormouse.model.engram import HostTables, VramTables
 from dormouse.train.store import checkpoint as ckpt
 from dormouse.train.optim.mix import MixOptimizer
 from dormouse.train.optim.rowadam import row_adam_
+from gates.compare import rel_to_peak
 
 TINY = preset("tiny")
 KW = dict(lr=0.02, wd=0.1, ns_dtype="fp32", engram_lr_mult=5.0)  # lr large: a wrong row shows
@@ -99,11 +100,6 @@ def _state(model, opt) -> dict[str, torch.Tensor]:
     return out
 
 
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
-
-
 # ---- (a) exactness: engram_ram on == off ------------------------------------------------
 
 
@@ -120,15 +116,15 @@ def test_host_tables_train_exactly_like_vram_tables(micro, clip):
         gv, tv = _cycle(vram, ov, step, micro, clip)
         gh, th = _cycle(host, oh, step, micro, clip)
         assert gv.keys() == gh.keys() and len(gv) > 10
-        worst_grad = max([worst_grad] + [_rel(gh[n], gv[n]) for n in gv])
+        worst_grad = max([worst_grad] + [rel_to_peak(gh[n], gv[n]) for n in gv])
         assert tv.keys() == th.keys(), f"step {step}: the stores' touched rows differ"
-        worst_table_grad = max([worst_table_grad] + [_rel(th[r], tv[r]) for r in tv])
+        worst_table_grad = max([worst_table_grad] + [rel_to_peak(th[r], tv[r]) for r in tv])
         moved_rows += len(tv)
     # Step 0 touches no row (the Engram conv starts at zero); later steps must, or the
     # comparison would prove nothing about the table.
     assert moved_rows > 50
     sv, sh = _state(vram, ov), _state(host, oh)
-    worst_param = max(_rel(sh[n], sv[n]) for n in sv)
+    worst_param = max(rel_to_peak(sh[n], sv[n]) for n in sv)
     print(f"micro={micro} clip={clip}: max rel diff grads {worst_grad:.1e}, "
           f"table grads {worst_table_grad:.1e}, params+table+moments after 5 steps "
           f"{worst_param:.1e}")  # fmt: skip

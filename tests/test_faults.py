@@ -42,11 +42,13 @@ SMALL = ["--device", "cpu", "--set", "batch=2", "--set", "seq_len=32"]
 LIMIT = 400_000
 
 
-def _corpus(d: Path, n: int = 50_000) -> Path:
-    text = b"".join(p.read_bytes() for p in sorted((ROOT / "dormouse").rglob("*.py")))
-    path = d / "corpus.txt"
-    path.write_bytes((text * (n // len(text) + 1))[:n])
-    return path
+#: The corpus every run here trains on: this repository's sources, repeated to this length.
+CORPUS_BYTES = 50_000
+
+
+@pytest.fixture
+def corpus(tmp_path, source_corpus) -> Path:
+    return source_corpus(tmp_path, CORPUS_BYTES)
 
 
 def _env(**extra: str) -> dict:
@@ -138,10 +140,10 @@ def digest(path: Path) -> str:
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory) -> tuple[Path, Path]:
+def trained(tmp_path_factory, source_corpus) -> tuple[Path, Path]:
     """(a run folder of 2 steps with best.pt, its corpus): tests copy it."""
     d = tmp_path_factory.mktemp("trained")
-    data = _corpus(d)
+    data = source_corpus(d, CORPUS_BYTES)
     ok(dm("train", "tiny", "--data", data, "--steps", 2, "--out", d / "run", *SMALL, "--set",
           "eval_every=1", cwd=d))  # fmt: skip
     return d / "run", data
@@ -217,14 +219,13 @@ def test_export_never_replaces_a_file_it_did_not_write(tmp_path, trained):
 # ---- one writer a folder ----------------------------------------------------------------------
 
 
-def test_two_trains_into_one_folder_at_once_one_is_refused(tmp_path):
+def test_two_trains_into_one_folder_at_once_one_is_refused(tmp_path, corpus):
     """Two `train --out runs/cc` started at the same moment (the second with another lr) both
     exited 0: ckpt.pt was the second's while the first reported it as its own, and
     metrics.jsonl held interleaved rows with repeated steps."""
-    data = _corpus(tmp_path)
     out = tmp_path / "runs" / "cc"
     before = hashes(tmp_path, out)
-    argv = train_args(data, out, 40, "--set", "eval_every=0", "--set", "log_every=1")
+    argv = train_args(corpus, out, 40, "--set", "eval_every=0", "--set", "log_every=1")
     a = start(*argv, cwd=tmp_path)
     b = start(*argv, "--set", "lr=5e-4", cwd=tmp_path)
     for p in (a, b):
@@ -264,12 +265,11 @@ def test_a_second_writer_is_refused_naming_the_live_holder(tmp_path, trained):
     assert hashes(tmp_path, out) == before
 
 
-def test_a_refused_run_leaves_no_folder_behind(tmp_path):
+def test_a_refused_run_leaves_no_folder_behind(tmp_path, corpus):
     """The lock is taken before anything is read: a new folder a refusal left would be one
     more folder the user never asked for."""
-    data = _corpus(tmp_path)
     out = tmp_path / "new"
-    one_line(dm(*train_args(data, out, 2, "--resume"), cwd=tmp_path), "no checkpoint")
+    one_line(dm(*train_args(corpus, out, 2, "--resume"), cwd=tmp_path), "no checkpoint")
     assert not out.exists()
 
 
@@ -486,11 +486,10 @@ def test_a_full_disk_at_loss_png_warns_and_the_run_is_complete(tmp_path, trained
     assert hashes(tmp_path, out) == before
 
 
-def test_a_full_disk_at_config_json_is_one_line(tmp_path):
-    data = _corpus(tmp_path)
+def test_a_full_disk_at_config_json_is_one_line(tmp_path, corpus):
     out = tmp_path / "run"
     before = hashes(tmp_path, out)
-    p = dm(*train_args(data, out, 2), cwd=tmp_path, limit=1000)  # config.json is ~2 KB
+    p = dm(*train_args(corpus, out, 2), cwd=tmp_path, limit=1000)  # config.json is ~2 KB
     one_line(p, f"could not write {out / 'config.json'} (File too large", "nothing was trained")
     assert hashes(tmp_path, out) == before
 
@@ -550,15 +549,14 @@ def _tamper(shard: Path, how: str, tmp: Path) -> None:
 
 
 @pytest.mark.parametrize("how", ["bytes", "truncated", "link"])
-def test_a_damaged_shard_is_one_line_naming_it(tmp_path, how):
+def test_a_damaged_shard_is_one_line_naming_it(tmp_path, corpus, how):
     """A tampered, truncated or symlinked .distcp shard: a 22-line refusal embedding torch's
     traceback and its advice to re-run with weights_only=False."""
     path = _sharded_run(tmp_path / "run")
     shard = min(ckpt.read_checkpoint(path)["shards_dir"].glob("*.distcp"))
     _tamper(shard, how, tmp_path)
-    data = _corpus(tmp_path)
     before = hashes(tmp_path, tmp_path / "run")
-    for argv in (["eval", path, "--device", "cpu", "--data", data],
+    for argv in (["eval", path, "--device", "cpu", "--data", corpus],
                  ["export", tmp_path / "run", "--to", tmp_path / "one.pt"]):  # fmt: skip
         line = one_line(dm(*argv, cwd=tmp_path), f"the shard {shard}", "damaged")
         assert len(line) < 600, line
@@ -647,11 +645,11 @@ class Fleet:
     """`torchrun --nproc_per_node=2 -m dormouse train tiny --dist` with each worker's output in
     its own file, in its own session."""
 
-    def __init__(self, tmp: Path, out: Path, *sets: str):
+    def __init__(self, tmp: Path, data: Path, out: Path, *sets: str):
         self.logs = tmp / "logs"
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                "--nproc_per_node=2", "--log-dir", str(self.logs), "--redirects", "3",
-               "-m", "dormouse", *map(str, train_args(_corpus(tmp), out, 100000)), "--dist",
+               "-m", "dormouse", *map(str, train_args(data, out, 100000)), "--dist",
                "--set", "eval_every=0", "--set", "ckpt_every=5", "--set", "log_every=1",
                *[x for s in sets for x in ("--set", s)]]  # fmt: skip
         self.p = subprocess.Popen(cmd, cwd=tmp, env=_env(), stdout=subprocess.DEVNULL,
@@ -684,14 +682,14 @@ class Fleet:
         self.p.wait(timeout=60)
 
 
-def test_under_torchrun_rank_0_alone_holds_the_folder(tmp_path):
+def test_under_torchrun_rank_0_alone_holds_the_folder(tmp_path, corpus):
     """Both ranks run the CLI on one --out; rank 0 holds the lock (rank 1 would be refused if
     it took it too), and a second writer is refused naming rank 0."""
     out = tmp_path / "run"
-    fleet = Fleet(tmp_path, out)
+    fleet = Fleet(tmp_path, corpus, out)
     try:
         rank0, _ = fleet.workers(5)
-        one_line(dm(*train_args(tmp_path / "corpus.txt", out, 10, "--set", "lr=5e-4"),
+        one_line(dm(*train_args(corpus, out, 10, "--set", "lr=5e-4"),
                     cwd=tmp_path), f"pid {rank0} on host {HOST}")  # fmt: skip
     finally:
         fleet.close()
@@ -702,10 +700,10 @@ def test_under_torchrun_rank_0_alone_holds_the_folder(tmp_path):
 STOP_TIMEOUT_S = 10
 
 
-def test_the_watchdog_names_the_peers_real_last_step(tmp_path):
+def test_the_watchdog_names_the_peers_real_last_step(tmp_path, corpus):
     """One rank SIGSTOPped: the survivor's line named the peer's last heartbeat as step 0/1
     while it was at step 5/6 (a pulse every min(2 s, dist_timeout/10) said an old step)."""
-    fleet = Fleet(tmp_path, tmp_path / "run", f"dist_timeout={STOP_TIMEOUT_S}")
+    fleet = Fleet(tmp_path, corpus, tmp_path / "run", f"dist_timeout={STOP_TIMEOUT_S}")
     try:
         _, rank1 = fleet.workers(30)
         os.kill(rank1, signal.SIGSTOP)

@@ -14,7 +14,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -30,6 +29,7 @@ from dormouse.train.fleet.launch import (
     PER_RANK_FIELDS, agreement_fields, disagreement, disagreement_message,
 )  # fmt: skip
 from dormouse.train.fleet.watchdog import WATCHDOG_EXIT
+from gates.spawn import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 #: The hang cases' dist_timeout: short, yet far above a heartbeat interval (0.4 s) on a
@@ -40,18 +40,8 @@ TIMEOUT_S = 4
 BOUND_S = TIMEOUT_S + 8
 
 
-def _corpus(d: Path, n: int = 200_000, salt: bytes = b"") -> Path:
-    text = b"".join(p.read_bytes() for p in sorted((ROOT / "dormouse").rglob("*.py")))
-    text = salt + text
-    path = d / "corpus.txt"
-    path.write_bytes((text * (n // len(text) + 1))[:n])
-    return path
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+#: Each fleet's corpus: this repository's sources, repeated to this length.
+CORPUS_BYTES = 200_000
 
 
 # ---- torchrun and the CLI -----------------------------------------------------------------
@@ -89,7 +79,7 @@ class Torchrun:
     """`torchrun --nproc_per_node=2 -m dormouse train tiny --dist` in its own session, each
     worker's stdout and stderr in its own file (torchrun's own traceback stays apart)."""
 
-    def __init__(self, tmp: Path):
+    def __init__(self, tmp: Path, data: Path):
         self.tmp, self.logs, self.out = tmp, tmp / "logs", tmp / "run"
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
         for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
@@ -98,7 +88,7 @@ class Torchrun:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                "--nproc_per_node=2", "--log-dir", str(self.logs), "--redirects", "3",
                "-m", "dormouse", "train", "tiny", "--dist", "--device", "cpu",
-               "--data", str(_corpus(tmp)), "--steps", "100000", "--out", str(self.out),
+               "--data", str(data), "--steps", "100000", "--out", str(self.out),
                "--set", "batch=2", "--set", "seq_len=32", "--set", "ckpt_every=5",
                "--set", "log_every=5", "--set", "eval_every=0",
                "--set", f"dist_timeout={TIMEOUT_S}"]  # fmt: skip
@@ -139,11 +129,11 @@ class Torchrun:
 
 
 @pytest.fixture
-def torchrun(tmp_path):
+def torchrun(tmp_path, source_corpus):
     runs = []
 
     def start():
-        runs.append(Torchrun(tmp_path))
+        runs.append(Torchrun(tmp_path, source_corpus(tmp_path, CORPUS_BYTES)))
         return runs[-1]
 
     yield start
@@ -258,7 +248,8 @@ def test_workers_end_when_their_torchrun_agent_is_killed(torchrun):
 # ---- ranks spawned by torch.multiprocessing -------------------------------------------------
 
 
-def _tiny(out: Path, data: Path | str, *sets: str):
+def _rank_run(out: Path, data: Path | str, *sets: str):
+    """A fleet rank's run of the tiny preset: short, logging every step, seconds of timeout."""
     return validate(apply_sets(preset("tiny"), [
         f"data={data}", f"out_dir={out}", "device=cpu", "dist=true", "batch=2", "seq_len=32",
         "steps=6", "log_every=1", "eval_every=0", "ckpt_every=0", f"dist_timeout={TIMEOUT_S}",
@@ -318,16 +309,16 @@ def _case(name: str, rank: int, tmp: Path) -> tuple:
     if name == "schedules":
         theirs = ("ckpt_every=2", "eval_every=3", "log_every=2", "wd=0.2", "grad_clip=0.5",
                   "muon_momentum=0.9")  # fmt: skip
-        return _tiny(out, tmp / "corpus.txt", *(theirs if rank == 1 else ())), {}
+        return _rank_run(out, tmp / "corpus.txt", *(theirs if rank == 1 else ())), {}
     if name == "paths":  # the same bytes under another path on each rank: that is fine
         d = tmp / f"node{rank}"
-        return _tiny(out, d / "corpus.txt", "steps=2"), {}
+        return _rank_run(out, d / "corpus.txt", "steps=2"), {}
     if name == "bytes":  # the same path, other bytes on each rank ("two nodes")
         os.chdir(tmp / f"node{rank}")
-        return _tiny(out, "corpus.txt"), {}
+        return _rank_run(out, "corpus.txt"), {}
     if name == "nan":
         _nan_on_rank0(rank)
-        return _tiny(out, tmp / "corpus.txt", "ckpt_every=2"), {}
+        return _rank_run(out, tmp / "corpus.txt", "ckpt_every=2"), {}
     if name == "shrink":
         if rank == 1:  # this rank alone finds the file shrunk (another node's copy job)
             from dormouse.train.data import ByteStream, DataError
@@ -340,9 +331,9 @@ def _case(name: str, rank: int, tmp: Path) -> tuple:
                 check(self)
 
             ByteStream.check_source = shrunk
-        return _tiny(out, tmp / "corpus.txt"), {}
+        return _rank_run(out, tmp / "corpus.txt"), {}
     if name == "long":
-        run = _tiny(out, tmp / "corpus.txt", "steps=4", "ckpt_every=2",
+        run = _rank_run(out, tmp / "corpus.txt", "steps=4", "ckpt_every=2",
                     f"dist_timeout={LONG_TIMEOUT_S}")  # fmt: skip
         torch.manual_seed(run.train.seed)
         model = DormouseModel(run.model)
@@ -378,7 +369,7 @@ def _fleet(tmp: Path, name: str, deadline: float = 120) -> list[dict]:
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "torch.distributed", "dormouse.train.distributed",
                                 "dormouse.train.loop", "dormouse.model.model"])  # fmt: skip
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_rank_main, args=(r, 2, port, str(tmp), name)) for r in (0, 1)]
     for p in procs:
         p.start()
@@ -401,18 +392,19 @@ def _fleet(tmp: Path, name: str, deadline: float = 120) -> list[dict]:
     return out
 
 
-def _setup(tmp: Path) -> None:
-    _corpus(tmp)
+@pytest.fixture
+def nodes(tmp_path, source_corpus) -> None:
+    """The corpus in tmp_path, and one in node0/ and node1/ (the same size, other bytes on 1)."""
+    source_corpus(tmp_path, CORPUS_BYTES)
     for r in (0, 1):
-        (tmp / f"node{r}").mkdir()
-        _corpus(tmp / f"node{r}", salt=b"#" * r)  # the same size, other bytes on node 1
+        source_corpus(tmp_path / f"node{r}", CORPUS_BYTES, salt=b"#" * r)
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("nodes")
 def test_ranks_launched_with_different_settings_are_refused_naming_the_fields(tmp_path):
     """ckpt_every/eval_every/log_every differences hung the fleet after the first checkpoint;
     wd/grad_clip/muon_momentum differences trained silently into diverging ranks."""
-    _setup(tmp_path)
     for r in _fleet(tmp_path, "schedules"):
         assert r["error"] == "DistError" and r["user"], r
         for field in ("ckpt_every", "eval_every", "log_every", "wd", "grad_clip",
@@ -421,24 +413,24 @@ def test_ranks_launched_with_different_settings_are_refused_naming_the_fields(tm
         assert "lr (" not in r["message"] and "steps (" not in r["message"]
 
 
+@pytest.mark.usefixtures("nodes")
 def test_different_bytes_behind_the_same_data_path_are_refused(tmp_path):
     """The check compared the --data strings: two nodes' different files passed."""
-    _setup(tmp_path)
     for r in _fleet(tmp_path, "bytes"):
         assert r["error"] == "DistError", r
         assert "data bytes (rank 1 differs from rank 0)" in r["message"], r["message"]
         assert "corpus.txt (200000 bytes, sampled digest" in r["message"]
 
 
+@pytest.mark.usefixtures("nodes")
 def test_the_same_bytes_under_other_paths_are_accepted(tmp_path):
-    _setup(tmp_path)
     (tmp_path / "node1" / "corpus.txt").write_bytes((tmp_path / "node0" / "corpus.txt").read_bytes())
     assert all(r["ok"] for r in _fleet(tmp_path, "paths"))
 
 
+@pytest.mark.usefixtures("nodes")
 def test_a_checkpoint_refused_on_rank0_stops_every_rank(tmp_path):
     """save_checkpoint refused NaN parameters on rank 0 alone; the others waited for it."""
-    _setup(tmp_path)
     ranks = _fleet(tmp_path, "nan", deadline=60)
     assert [r["error"] for r in ranks] == ["CheckpointError", "CheckpointError"], ranks
     assert "hold NaN/inf" in ranks[0]["message"]
@@ -446,10 +438,10 @@ def test_a_checkpoint_refused_on_rank0_stops_every_rank(tmp_path):
     assert not (tmp_path / "run" / "ckpt.pt").exists()
 
 
+@pytest.mark.usefixtures("nodes")
 def test_a_data_file_shrunk_on_one_rank_stops_every_rank_on_one_step(tmp_path):
     """The truncated-file stop wrote its checkpoint on one process only; on a fleet the rank
     that saw the shrink stopped while the others trained on into its collectives."""
-    _setup(tmp_path)
     ranks = _fleet(tmp_path, "shrink", deadline=60)
     assert [r["error"] for r in ranks] == ["DataError", "DataError"], ranks
     assert "another rank found a data file shrunk" in ranks[0]["message"]
@@ -458,10 +450,10 @@ def test_a_data_file_shrunk_on_one_rank_stops_every_rank_on_one_step(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("nodes")
 def test_long_work_on_one_rank_runs_under_the_heartbeat(tmp_path):
     """A first forward (kernel autotune) and a checkpoint save, each 2.2 dist_timeouts long, on
     one rank while the other waits in a collective or a barrier: the run completes."""
-    _setup(tmp_path)
     ranks = _fleet(tmp_path, "long", deadline=120)
     assert all(r["ok"] for r in ranks), ranks
     assert min(r["seconds"] for r in ranks) > 2 * LONG_WORK_S  # both waits really happened

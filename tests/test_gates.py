@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from gates.harness import GATES, load, timed
+from gates.status import GATES, load, timed
 
 #: The slowest gates first (45-130 s each on the 2-core box, measured; the rest take 20 s or
 #: less): under xdist (`pytest -m gate` runs two workers) each worker starts on one of them,
@@ -44,13 +44,14 @@ def test_gate_cuda_fleet(name):
 
 
 def test_references_shared_only_where_a_process_cannot_tell(tmp_path):
-    """harness.single shares one reference between gates whose references differ only in the
+    """gates.reference.single shares one reference between gates whose references differ only in the
     fields of _FLEET_ONLY (and in the fleet's split: only the global batch reaches one
     process). Held here: each such field at a non-default value trains the same bytes-exact
     run as the default in one process, and a field outside the list keeps its own key."""
     import dataclasses
 
-    from gates.harness import _FLEET_ONLY, FleetSpec, _reference_key, fixture_run
+    from gates.fixtures import FleetSpec, fixture_run
+    from gates.reference import _FLEET_ONLY, _reference_key
     from references.fingerprint import fingerprint
     from references.single import global_run, run_single
 

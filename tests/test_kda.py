@@ -17,29 +17,13 @@ from dormouse.model.kda import KDAMixer
 from dormouse.model.kda_fla import kda_fla
 from dormouse.model.kda_torch import kda_torch
 from dormouse.model.short_conv import ShortConv
+from gates.fixtures import kda_inputs
 from references.kda_naive import kda_naive
 
 # fp32 round-off: outputs and states are O(1) and each entry is a sum of at most a few
 # hundred O(1) products, which the chunked form reassociates (measured ~2e-7); a wrong mask,
 # decay or ordering shows up at 1e-2 or more.
 FP32_TOL = 1e-5
-
-
-def _inputs(B, T, H, K, V, dtype=torch.float32, decay=1.0, seed=0):
-    """Inputs shaped like the mixer's: unit-norm q, k; g = -exp(A) * softplus(.)."""
-    gen = torch.Generator().manual_seed(seed)
-
-    def randn(*s):
-        return torch.randn(*s, generator=gen, dtype=torch.float64)
-
-    q = F.normalize(randn(B, T, H, K), dim=-1)
-    k = F.normalize(randn(B, T, H, K), dim=-1)
-    v = randn(B, T, H, V)
-    A_log = torch.rand(H, K, generator=gen, dtype=torch.float64) * math.log(16.0)
-    g = -decay * A_log.exp() * F.softplus(randn(B, T, H, K) - 3.0)
-    beta = torch.rand(B, T, H, generator=gen, dtype=torch.float64)
-    S0 = randn(B, H, K, V)
-    return [x.to(dtype) for x in (q, k, v, g, beta, S0)]
 
 
 # ---- (a) the chunked arm reproduces the recurrence ------------------------------------
@@ -49,7 +33,7 @@ def _inputs(B, T, H, K, V, dtype=torch.float32, decay=1.0, seed=0):
     "T,chunk", [(1, 16), (7, 16), (16, 16), (37, 16), (64, 16), (37, 8), (29, 1)]
 )
 def test_torch_arm_matches_naive(T, chunk):
-    q, k, v, g, beta, S0 = _inputs(2, T, 3, 16, 8, seed=T)
+    q, k, v, g, beta, S0 = kda_inputs(2, T, 3, 16, 8, seed=T)
     o_ref, S_ref = kda_naive(q, k, v, g, beta, initial_state=S0, output_final_state=True)
     o, S = kda_torch(q, k, v, g, beta, initial_state=S0, output_final_state=True, chunk_size=chunk)
     assert o.dtype == q.dtype and S.dtype == torch.float32
@@ -58,7 +42,7 @@ def test_torch_arm_matches_naive(T, chunk):
 
 
 def test_torch_arm_without_state_and_scale():
-    q, k, v, g, beta, _ = _inputs(1, 21, 2, 8, 8, seed=3)
+    q, k, v, g, beta, _ = kda_inputs(1, 21, 2, 8, 8, seed=3)
     o_ref, _ = kda_naive(q, k, v, g, beta, scale=0.7)
     o, S = kda_torch(q, k, v, g, beta, scale=0.7)
     assert S is None
@@ -69,7 +53,7 @@ def test_torch_arm_strong_decay_stays_finite():
     # per-step log decays down to about -1000: any exp of a positive within-chunk
     # difference would overflow to inf and poison the output with nan
     # (forward AND backward: an inf masked away after the exp still turns its gradient nan)
-    q, k, v, g, beta, S0 = _inputs(2, 40, 2, 16, 16, decay=50.0, seed=5)
+    q, k, v, g, beta, S0 = kda_inputs(2, 40, 2, 16, 16, decay=50.0, seed=5)
     assert g.min().item() < -200
     o_ref, S_ref = kda_naive(q, k, v, g, beta, initial_state=S0, output_final_state=True)
     g.requires_grad_(True)
@@ -82,7 +66,7 @@ def test_torch_arm_strong_decay_stays_finite():
 
 
 def test_torch_arm_returns_input_dtype():
-    q, k, v, g, beta, _ = _inputs(1, 5, 1, 8, 8, dtype=torch.bfloat16)
+    q, k, v, g, beta, _ = kda_inputs(1, 5, 1, 8, 8, dtype=torch.bfloat16)
     o, S = kda_torch(q, k, v, g, beta, output_final_state=True)
     assert o.dtype == torch.bfloat16 and S.dtype == torch.float32
 
@@ -93,7 +77,7 @@ def test_torch_arm_returns_input_dtype():
 def test_torch_arm_gradients_match_naive():
     # fp64 on both sides, so the only difference is the algorithm: 1e-9 is round-off
     # of the chunked reassociation in double precision, far below any real defect
-    base = _inputs(1, 11, 2, 4, 3, dtype=torch.float64, seed=11)
+    base = kda_inputs(1, 11, 2, 4, 3, dtype=torch.float64, seed=11)
     w = torch.randn(1, 11, 2, 3, dtype=torch.float64)
     wS = torch.randn(1, 2, 4, 3, dtype=torch.float64)
 
@@ -308,7 +292,7 @@ def test_fla_arm_matches_naive(dtype, tol_o, tol_S):
     # tolerances: fla's fp32 dots run in TF32 (10-bit mantissa) and bf16 inputs carry an
     # 8-bit one; measured on an H200 (o ~0.3, S ~3): fp32 o 2.6e-4, S 1.5e-3; bf16 o 1.3e-3,
     # S 5.5e-3. The bounds leave ~8x headroom; a wrong scale or decay order is off by >0.1.
-    q, k, v, g, beta, S0 = (x.cuda() for x in _inputs(2, 100, 2, 64, 64, seed=7))
+    q, k, v, g, beta, S0 = (x.cuda() for x in kda_inputs(2, 100, 2, 64, 64, seed=7))
     o_ref, S_ref = kda_naive(q, k, v, g, beta, initial_state=S0, output_final_state=True)
     cast = [x.to(dtype) for x in (q, k, v, beta)]
     o, S = kda_fla(cast[0], cast[1], cast[2], g, cast[3], initial_state=S0,
@@ -326,7 +310,7 @@ def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 @pytest.mark.skipif(not _fla_ready(), reason="fla arm needs CUDA sm_80+ and fla-core")
 def test_fla_arm_gradients_match_torch_arm():
     # 1e-2 relative: the Triton backward accumulates in fp32 with TF32 dots (see above)
-    base = [x.cuda() for x in _inputs(2, 70, 2, 32, 32, seed=13)]
+    base = [x.cuda() for x in kda_inputs(2, 70, 2, 32, 32, seed=13)]
     w = torch.randn(2, 70, 2, 32, device="cuda")
 
     def grads(fn):
@@ -537,7 +521,7 @@ def test_qk_l2norm_op_matches_the_torch_norm():
 
 def _op_inputs(B, T, H, D, seed):
     """Inputs as the mixer hands them to the kernel: bf16 q, k (L2-normalised), v, beta; g fp32."""
-    q, k, v, g, beta, _ = (x.cuda() for x in _inputs(B, T, H, D, D, seed=seed))
+    q, k, v, g, beta, _ = (x.cuda() for x in kda_inputs(B, T, H, D, D, seed=seed))
     return [q.bfloat16(), k.bfloat16(), v.bfloat16(), g.float(), beta.bfloat16()]
 
 

@@ -38,15 +38,10 @@ def test_keyed_masks_depend_on_the_row_not_on_the_batch_it_sits_in():
     assert not torch.equal(whole, other_site) and not torch.equal(whole, other_step)
 
 
-def _tiny(**model):
-    base = preset("tiny")
-    return dataclasses.replace(base, model=dataclasses.replace(base.model, **model))
-
-
 @pytest.mark.parametrize("arch", ["dormouse", "gpt"])
-def test_dropout_is_off_in_eval_and_keyed_in_training(arch):
-    extra = {"n_layers": 2, "d_ffn": 256} if arch == "gpt" else {}
-    run = _tiny(dropout=0.3, arch=arch, **extra)
+def test_dropout_is_off_in_eval_and_keyed_in_training(arch, tiny_run):
+    extra = ("n_layers=2", "d_ffn=256") if arch == "gpt" else ()
+    run = tiny_run("dropout=0.3", f"arch={arch}", *extra)
     torch.manual_seed(0)
     m = make_model(run.model)
     x = torch.randint(0, 256, (4, 32))
@@ -63,14 +58,14 @@ def test_dropout_is_off_in_eval_and_keyed_in_training(arch):
     assert not torch.allclose(a, e1)
 
 
-def test_accumulated_micro_batches_draw_the_masks_of_one_forward(tmp_path):
+def test_accumulated_micro_batches_draw_the_masks_of_one_forward(tmp_path, tiny_run):
     # keys by global row: a step of 8 windows in one forward and in 2 micro-batches of 4 give
     # the same gradients with dropout on (the fleet gates hold the same across ranks)
     data = tmp_path / "c.txt"
     data.write_bytes(bytes(np.random.default_rng(0).integers(0, 256, 40000, dtype=np.uint8)))
     norms = []
     for batch, gb in ((8, 0), (4, 8)):
-        run = _tiny(dropout=0.3)
+        run = tiny_run("dropout=0.3")
         run = apply_sets(run, [f"batch={batch}", f"global_batch={gb}", "steps=3", "seq_len=32",
                                f"data={data}", "val_frac=0", f"out_dir={tmp_path / str(batch)}",
                                "eval_every=0", "log_every=1"])  # fmt: skip

@@ -20,20 +20,9 @@ from trainlog import train
 from references.fingerprint import fingerprint
 
 
-def _corpus(tmp_path, n=60_000):
-    # real text, not noise: the repo's own sources, repeated to length
-    import pathlib
-
-    root = pathlib.Path(__file__).resolve().parents[1] / "dormouse"
-    text = b"".join(p.read_bytes() for p in sorted(root.rglob("*.py")))
-    path = tmp_path / "corpus.txt"
-    path.write_bytes((text * (n // len(text) + 1))[:n])
-    return path
-
-
-def _run(tmp_path, out, steps=20, *sets):
-    return apply_sets(preset("tiny"), [f"data={_corpus(tmp_path)}", f"out_dir={out}",
-                                       f"steps={steps}", "batch=2", "seq_len=32", *sets])  # fmt: skip
+def _run(corpus, out, steps=20, *sets):
+    return apply_sets(preset("tiny"), [f"data={corpus}", f"out_dir={out}", f"steps={steps}",
+                                       "batch=2", "seq_len=32", *sets])  # fmt: skip
 
 
 def _model(run, seed=0):
@@ -41,13 +30,13 @@ def _model(run, seed=0):
     return DormouseModel(run.model)
 
 
-def test_exact_resume(tmp_path):
+def test_exact_resume(tmp_path, corpus):
     quiet = lambda _line: None  # noqa: E731
-    full_run = _run(tmp_path, tmp_path / "full", 20, "moe_lb_coef=0.01")
+    full_run = _run(corpus, tmp_path / "full", 20, "moe_lb_coef=0.01")
     full = _model(full_run)
     train(full, full_run, log=quiet)
 
-    half_run = _run(tmp_path, tmp_path / "half", 20, "moe_lb_coef=0.01")
+    half_run = _run(corpus, tmp_path / "half", 20, "moe_lb_coef=0.01")
     first = _model(half_run)
     train(first, half_run, log=quiet, stop_at=10)
     assert ckpt.read_checkpoint(tmp_path / "half" / "ckpt.pt")["step"] == 10
@@ -87,14 +76,14 @@ def _signal_at(step: int, sig, lines: list, before=None):
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
-def test_a_signal_stops_between_steps_and_resumes_exactly(tmp_path, sig, default_signals):
+def test_a_signal_stops_between_steps_and_resumes_exactly(tmp_path, corpus, sig, default_signals):
     quiet = lambda _line: None  # noqa: E731
-    full_run = _run(tmp_path, tmp_path / "full", 12, "log_every=1", "ckpt_every=0")
+    full_run = _run(corpus, tmp_path / "full", 12, "log_every=1", "ckpt_every=0")
     full = _model(full_run)
     train(full, full_run, log=quiet)
 
     before = signal.getsignal(sig)
-    run = _run(tmp_path, tmp_path / "cut", 12, "log_every=1", "ckpt_every=0")
+    run = _run(corpus, tmp_path / "cut", 12, "log_every=1", "ckpt_every=0")
     lines: list[str] = []
     with pytest.raises(KeyboardInterrupt):
         train(_model(run), run, log=_signal_at(5, sig, lines))
@@ -107,9 +96,9 @@ def test_a_signal_stops_between_steps_and_resumes_exactly(tmp_path, sig, default
     assert fingerprint(second) == fingerprint(full)
 
 
-def test_a_replaced_sigint_handler_is_put_back(tmp_path, default_signals):
+def test_a_replaced_sigint_handler_is_put_back(tmp_path, corpus, default_signals):
     # some libraries install their own SIGINT handler on first use; the loop notices
-    run = _run(tmp_path, tmp_path / "o", 8, "log_every=1", "ckpt_every=0")
+    run = _run(corpus, tmp_path / "o", 8, "log_every=1", "ckpt_every=0")
     lines: list[str] = []
     swap = (2, lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     with pytest.raises(KeyboardInterrupt):
@@ -119,8 +108,8 @@ def test_a_replaced_sigint_handler_is_put_back(tmp_path, default_signals):
     assert ckpt.read_checkpoint(tmp_path / "o" / "ckpt.pt")["step"] == 4
 
 
-def test_a_second_ctrl_c_stops_at_once_without_a_checkpoint(tmp_path, default_signals):
-    run = _run(tmp_path, tmp_path / "o", 8, "log_every=1", "ckpt_every=0")
+def test_a_second_ctrl_c_stops_at_once_without_a_checkpoint(tmp_path, corpus, default_signals):
+    run = _run(corpus, tmp_path / "o", 8, "log_every=1", "ckpt_every=0")
     lines: list[str] = []
 
     def log(line: str) -> None:
@@ -135,9 +124,9 @@ def test_a_second_ctrl_c_stops_at_once_without_a_checkpoint(tmp_path, default_si
     assert not (tmp_path / "o" / "ckpt.pt").exists()
 
 
-def test_log_lines_metrics_and_plot(tmp_path):
+def test_log_lines_metrics_and_plot(tmp_path, corpus):
     lines = []
-    run = _run(tmp_path, tmp_path / "o", 6, "log_every=2", "eval_every=3", "eval_batches=2")
+    run = _run(corpus, tmp_path / "o", 6, "log_every=2", "eval_every=3", "eval_batches=2")
     train(_model(run), run, log=lines.append)
     steps = [ln for ln in lines if ln.startswith("step=")]
     assert len(steps) == 3 and all(k in steps[0] for k in ("loss=", "bpb=", "lr=", "tok/s=", "ms="))
@@ -159,8 +148,8 @@ def test_schedules():
     assert lr_factor(149, wsd) == 1.0 and lr_factor(225, wsd) == pytest.approx(0.55)
 
 
-def test_nonfinite_steps_are_skipped_then_the_run_stops(tmp_path, monkeypatch):
-    run = _run(tmp_path, tmp_path / "nan", 8, "max_skips=3")
+def test_nonfinite_steps_are_skipped_then_the_run_stops(tmp_path, corpus, monkeypatch):
+    run = _run(corpus, tmp_path / "nan", 8, "max_skips=3")
     model = _model(run)
     real = model.forward
 
@@ -180,12 +169,12 @@ def test_nonfinite_steps_are_skipped_then_the_run_stops(tmp_path, monkeypatch):
     del before
 
 
-def test_a_skipped_step_keeps_the_eval_and_checkpoint_cadence(tmp_path, monkeypatch):
+def test_a_skipped_step_keeps_the_eval_and_checkpoint_cadence(tmp_path, corpus, monkeypatch):
     """A non-finite step at eval_every - 1 still evaluates and checkpoints after it (the
     loop's bookkeeping used to stop at the skip: no evaluation, no checkpoint that step)."""
     from dormouse.train.step import Callbacks
 
-    run = _run(tmp_path, tmp_path / "skip", 6, "eval_every=4", "ckpt_every=4", "val_frac=0.05")
+    run = _run(corpus, tmp_path / "skip", 6, "eval_every=4", "ckpt_every=4", "val_frac=0.05")
     model = _model(run)
     real = model.forward
 
@@ -212,14 +201,14 @@ def test_a_skipped_step_keeps_the_eval_and_checkpoint_cadence(tmp_path, monkeypa
     assert evals == [0, 4, 6] and 4 in saved
 
 
-def test_resume_without_checkpoint_is_refused(tmp_path):
-    run = _run(tmp_path, tmp_path / "none", 2)
+def test_resume_without_checkpoint_is_refused(tmp_path, corpus):
+    run = _run(corpus, tmp_path / "none", 2)
     with pytest.raises(TrainingError, match="no checkpoint"):
         train(_model(run), run, log=lambda _l: None, resume=True)
 
 
-def test_cli_train_eval_sample(tmp_path, capsys):
-    data = _corpus(tmp_path)
+def test_cli_train_eval_sample(tmp_path, corpus, capsys):
+    data = corpus
     out = tmp_path / "cli"
     assert cli_main(["train", "tiny", "--data", str(data), "--steps", "4", "--out", str(out),
                      "--device", "cpu", "--set", "batch=2", "--set", "seq_len=32"]) == 0  # fmt: skip
@@ -230,9 +219,9 @@ def test_cli_train_eval_sample(tmp_path, capsys):
     assert "eval checkpoint=" in text and "\ndef " in text
 
 
-def test_a_gpu_trained_checkpoint_evaluates_and_samples_on_the_cpu(tmp_path, capsys):
+def test_a_gpu_trained_checkpoint_evaluates_and_samples_on_the_cpu(tmp_path, corpus, capsys):
     # a checkpoint from an H200 records kda_impl=fla; eval/sample on a CPU must still run
-    data = _corpus(tmp_path)
+    data = corpus
     out = tmp_path / "gpu"
     assert cli_main(["train", "tiny", "--data", str(data), "--steps", "2", "--out", str(out),
                      "--device", "cpu", "--set", "batch=2", "--set", "seq_len=32"]) == 0  # fmt: skip

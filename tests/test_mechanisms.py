@@ -30,6 +30,7 @@ from dormouse.config import ConfigError, preset
 from dormouse.model import DormouseModel
 from dormouse.model.engram import HostTables
 from dormouse.train.optim.mix import MixOptimizer
+from gates.compare import rel_to_peak
 
 RUN = preset("tiny")
 STEPS = 5
@@ -138,14 +139,9 @@ def _off(windows: int = WINDOWS) -> Trace:
     return _train(windows=windows)
 
 
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
-
-
 def _worst(on: dict, off: dict) -> tuple[float, str]:
     assert on.keys() == off.keys(), sorted(set(on) ^ set(off))
-    return max((_rel(on[k], off[k]), k) for k in off)
+    return max((rel_to_peak(on[k], off[k]), k) for k in off)
 
 
 def _global(on: dict, off: dict, keys=None) -> float:

@@ -13,7 +13,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from dormouse.cli import main as cli_main  # noqa: E402
 from dormouse.train.step import Callbacks  # noqa: E402
 from dormouse.train.store.metrics import TensorBoardSink  # noqa: E402
-from test_loop import _corpus, _model, _run  # noqa: E402
+from test_loop import _model, _run  # noqa: E402
 from trainlog import train  # noqa: E402
 
 
@@ -27,9 +27,9 @@ def _rows(out) -> list[dict]:
     return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_train_tiny_writes_the_jsonl_rows_as_tensorboard_scalars(tmp_path):
+def test_train_tiny_writes_the_jsonl_rows_as_tensorboard_scalars(tmp_path, corpus):
     out = tmp_path / "run"
-    rc = cli_main(["train", "tiny", "--data", str(_corpus(tmp_path)), "--out", str(out),
+    rc = cli_main(["train", "tiny", "--data", str(corpus), "--out", str(out),
                    "--steps", "6", "--set", "tensorboard=true", "--set", "log_every=2",
                    "--set", "eval_every=3", "--set", "eval_batches=2"])  # fmt: skip
     assert rc == 0
@@ -50,18 +50,18 @@ def test_train_tiny_writes_the_jsonl_rows_as_tensorboard_scalars(tmp_path):
     assert [s for s, _ in events["eval/bpb"]] == [0, 3, 6]
 
 
-def test_off_unless_asked(tmp_path):
-    run = _run(tmp_path, tmp_path / "o", 2)
+def test_off_unless_asked(tmp_path, corpus):
+    run = _run(corpus, tmp_path / "o", 2)
     train(_model(run), run)
     assert (tmp_path / "o" / "metrics.jsonl").stat().st_size > 0
     assert not (tmp_path / "o" / "tb").exists()
 
 
-def test_a_resumed_run_logs_each_step_once(tmp_path):
+def test_a_resumed_run_logs_each_step_once(tmp_path, corpus):
     """An attempt that crashed at step 5 (checkpoint at 3) logged steps 4 and 5 that the
     resumed run logs again: TensorBoard shows each step once, the resumed run's values."""
     out = tmp_path / "r"
-    run = _run(tmp_path, out, 6, "tensorboard=true", "ckpt_every=3")
+    run = _run(corpus, out, 6, "tensorboard=true", "ckpt_every=3")
 
     def crash(info):
         if len(_rows(out)) >= 4:  # rows 1..4 written: this is step 5

@@ -21,6 +21,7 @@ from dormouse.config import ModelConfig
 from dormouse.model import arms
 from dormouse.model.arms import ArmError, Card, why_not
 from dormouse.model.moe import MoE
+from gates.compare import routing_margin
 from references.moe_capacity import moe_capacity
 from references.moe_dense import moe_dense
 
@@ -69,14 +70,6 @@ def ref_forward(m: MoE, x, w, drop=(), bias=None):
         x, w["router.weight"], w["w1"], w["w3"], w["w2"], shared=shared, bias=bias,
         topk=m.topk, drop=drop,
     )  # fmt: skip
-
-
-def routing_margin(m: MoE, x) -> float:
-    """Smallest gap between a token's k-th and (k+1)-th score: how far from a flip."""
-    with torch.no_grad():
-        s = torch.sigmoid(x.reshape(-1, m.d_model).double() @ m.router.weight.double().t())
-        top = torch.topk(s + m.lfb_bias.double(), m.topk + 1, dim=-1).values
-    return float((top[:, m.topk - 1] - top[:, m.topk]).min())
 
 
 def compare_with_reference(m: MoE, x, drop=()):

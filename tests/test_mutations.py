@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import pytest
 
-from gates.harness import GATES
-from gates.mutations import MUTATIONS, _resolve, run_one
+from gates.mutation_list import MUTATIONS
+from gates.mutations import _resolve, run_one
+from gates.status import GATES
 
 PAIRS = [(m, g) for m in MUTATIONS for g in m.gates]
 
@@ -47,7 +48,7 @@ def test_mutations_run_in_worker_processes():
     import subprocess
     import sys
 
-    from gates.harness import ROOT
+    from gates import ROOT
 
     names = ["rebalance_without_hysteresis", "kda_fla_from_sm70"]
     got = subprocess.run([sys.executable, "-m", "gates", "--mutations", *names, "--jobs", "2"],

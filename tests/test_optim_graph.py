@@ -49,18 +49,13 @@ def test_dense_row_adam_equals_the_row_sparse_step_bit_for_bit(state_dtype, chun
     assert int(sa["step"].max()) == 4 and int(sa["step"].min()) == 0  # both cases happened
 
 
-def _tiny(seed: int = 0) -> DormouseModel:
-    torch.manual_seed(seed)
-    # the torch KDA arm: what is under test is the optimizer (fla would autotune for minutes)
-    model = DormouseModel(replace(preset("tiny").model, kda_impl="torch"))
-    with torch.no_grad():
-        model.engram.conv.weight.normal_(0, 0.05)  # a zero conv leaves the table without grad
-    return model
+#: the torch KDA arm: what is under test is the optimizer (fla would autotune for minutes)
+TORCH_KDA = {"kda_impl": "torch"}
 
 
-def _run(device_side: bool, steps: int = 6, device: str = "cpu", capture: bool = False,
-         keep: str = "auto", **kw) -> tuple[DormouseModel, MixOptimizer]:  # fmt: skip
-    model = _tiny().to(device)
+def _run(tiny_model, device_side: bool, steps: int = 6, device: str = "cpu",
+         capture: bool = False, keep: str = "auto", **kw) -> tuple[DormouseModel, MixOptimizer]:
+    model = tiny_model(**TORCH_KDA).to(device)
     opt = MixOptimizer(model, lr=0.02, wd=0.1, ns_dtype="fp32", **kw)
     if device_side:
         assert opt.capture_step(capture=capture, keep=keep) == ""
@@ -82,20 +77,20 @@ def _max_rel(a: DormouseModel, b: DormouseModel) -> float:
     return worst
 
 
-def test_device_side_step_tracks_the_host_side_step_on_the_cpu():
+def test_device_side_step_tracks_the_host_side_step_on_the_cpu(tiny_model):
     """One step: the same parameters up to an ulp of the update (Muon adds lr*scale*O in two
     roundings instead of one; the Engram rows bit for bit). Six steps with a moving lr and
     weight decay: the same trajectory up to fp32 round-off as Adam amplifies it (its m/sqrt(v)
     on near-zero gradient entries turns an ulp of a parameter into ~1e-6 of a table)."""
-    host, _ = _run(False, steps=1)
-    dev, opt = _run(True, steps=1)
+    host, _ = _run(tiny_model, False, steps=1)
+    dev, opt = _run(tiny_model, True, steps=1)
     assert opt._graph is not None and opt._graph.graph is None  # never captured on the CPU
     assert _max_rel(dev, host) < 1e-7  # measured 2.9e-8 (an ulp of the Muon update)
     table = "engram.store.table"
     assert torch.equal(dict(dev.named_parameters())[table], dict(host.named_parameters())[table])
     assert all(isinstance(g["lr"], float) for g in opt.param_groups)  # floats stay the truth
-    host, _ = _run(False)
-    dev, _ = _run(True)
+    host, _ = _run(tiny_model, False)
+    dev, _ = _run(tiny_model, True)
     assert _max_rel(dev, host) < 1e-5  # measured 1.9e-6 (the table, from step 2 on)
 
 
@@ -103,20 +98,21 @@ def test_device_side_step_tracks_the_host_side_step_on_the_cpu():
     (dict(muon_state_dtype="int8"), "muon_state_dtype=int8"),
     (dict(engram_state_dtype="int8"), "engram_state_dtype=int8"),
 ])  # fmt: skip
-def test_what_cannot_be_captured_is_said_and_left_eager(knob, said):
-    opt = MixOptimizer(_tiny(), lr=0.01, **knob)
+def test_what_cannot_be_captured_is_said_and_left_eager(knob, said, tiny_model):
+    opt = MixOptimizer(tiny_model(**TORCH_KDA), lr=0.01, **knob)
     assert said in opt.capture_step(capture=False)
     assert opt._graph is None
-    assert "not on one CUDA device" in MixOptimizer(_tiny(), lr=0.01).capture_step()
+    on_cpu = MixOptimizer(tiny_model(**TORCH_KDA), lr=0.01)
+    assert "not on one CUDA device" in on_cpu.capture_step()
     ram = DormouseModel(replace(preset("tiny").model, engram_ram=True))
     assert "host-RAM" in MixOptimizer(ram, lr=0.01).capture_step(capture=False)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_captured_step_replays_the_eager_step_on_cuda():
+def test_captured_step_replays_the_eager_step_on_cuda(tiny_model):
     torch.backends.cuda.matmul.allow_tf32 = False
-    eager, _ = _run(False, steps=GRAPH_WARMUP + 5, device="cuda")
-    graphed, opt = _run(True, steps=GRAPH_WARMUP + 5, device="cuda", capture=True,
+    eager, _ = _run(tiny_model, False, steps=GRAPH_WARMUP + 5, device="cuda")
+    graphed, opt = _run(tiny_model, True, steps=GRAPH_WARMUP + 5, device="cuda", capture=True,
                         keep="always")  # fmt: skip
     assert opt._graph.graph is not None  # captured, and replayed for the last steps
     # fp32 round-off as the CPU test measures it (an ulp of the Muon update, amplified by
@@ -129,7 +125,8 @@ def test_captured_step_replays_the_eager_step_on_cuda():
     (73.4, 94.4, False),  # b1 on the H200: the eager step touches only the touched rows
     (10.0, 10.4, True),   # within GRAPH_KEEP: a tie keeps the graph
 ])  # fmt: skip
-def test_the_graph_stays_only_when_its_replay_is_not_slower(eager, replay, kept, caplog):
+def test_the_graph_stays_only_when_its_replay_is_not_slower(eager, replay, kept, caplog,
+                                                            tiny_model):
     """capture_step(keep="auto") times the warm-up's eager steps and the first replays on the
     device; the choice itself is held here on the CPU with those times given."""
     import logging
@@ -137,7 +134,7 @@ def test_the_graph_stays_only_when_its_replay_is_not_slower(eager, replay, kept,
     from dormouse.train.optim.mix import GRAPH_KEEP, GRAPH_TIMED
 
     assert GRAPH_KEEP >= 1.0 and GRAPH_TIMED >= 1
-    opt = MixOptimizer(_tiny(), lr=0.01)
+    opt = MixOptimizer(tiny_model(**TORCH_KDA), lr=0.01)
     assert opt.capture_step(capture=False) == ""
     g = opt._graph
     g.graph, g.times = object(), {"eager": [eager, eager], "replay": [replay] * GRAPH_TIMED}
@@ -148,4 +145,4 @@ def test_the_graph_stays_only_when_its_replay_is_not_slower(eager, replay, kept,
     assert f"a replay takes {replay:.2f} ms, the eager step {eager:.2f} ms" in line
     assert ("the graph stays" in line) is kept
     with pytest.raises(ValueError, match="keep="):
-        MixOptimizer(_tiny(), lr=0.01).capture_step(capture=False, keep="sometimes")
+        MixOptimizer(tiny_model(**TORCH_KDA), lr=0.01).capture_step(capture=False, keep="sometimes")

@@ -145,14 +145,6 @@ def test_a_row_step_rewrites_only_the_touched_rows_codes_and_scales():
 # ---- optimizer state: construction, round trip, refusals ------------------------------------
 
 
-def _tiny(ram: bool = False, seed: int = 0) -> DormouseModel:
-    torch.manual_seed(seed)
-    model = DormouseModel(replace(preset("tiny").model, engram_ram=ram))
-    with torch.no_grad():
-        model.engram.conv.weight.normal_(0, 0.05)  # a zero conv leaves the table without grad
-    return model
-
-
 def _step(model, opt, seed: int) -> None:
     x = torch.randint(0, 256, (2, 17), generator=torch.Generator().manual_seed(seed))
     model(x[:, :-1], x[:, 1:])[1].backward()
@@ -164,8 +156,8 @@ INT8 = dict(muon_state_dtype="int8", engram_state_dtype="int8")
 
 
 @pytest.mark.parametrize("ram", [False, True], ids=["vram_table", "host_table"])
-def test_state_dict_round_trips_through_a_weights_only_file(ram):
-    model = _tiny(ram)
+def test_state_dict_round_trips_through_a_weights_only_file(ram, tiny_model):
+    model = tiny_model(engram_ram=ram)
     opt = MixOptimizer(model, lr=0.01, ns_dtype="fp32", **INT8)
     for s in range(2):
         _step(model, opt, s)
@@ -180,7 +172,7 @@ def test_state_dict_round_trips_through_a_weights_only_file(ram):
     blob = io.BytesIO()
     torch.save(sd, blob)
     blob.seek(0)
-    fresh = _tiny(ram, seed=1)
+    fresh = tiny_model(1, engram_ram=ram)
     opt2 = MixOptimizer(fresh, lr=0.01, ns_dtype="fp32", **INT8)
     opt2.load_state_dict(torch.load(blob, weights_only=True))
     a, b = opt.state_dict(), opt2.state_dict()
@@ -192,24 +184,21 @@ def test_state_dict_round_trips_through_a_weights_only_file(ram):
             assert x[k].dtype == y[k].dtype and torch.equal(x[k], y[k]), k
 
 
-def test_a_state_of_another_state_dtype_is_refused_naming_the_knobs():
-    model = _tiny()
+def test_a_state_of_another_state_dtype_is_refused_naming_the_knobs(tiny_model):
+    model = tiny_model()
     saved = MixOptimizer(model, lr=0.01).state_dict()  # fp32: momentum_buffer, exp_avg, ...
     with pytest.raises(ConfigError, match="muon_state_dtype / engram_state_dtype"):
-        MixOptimizer(_tiny(), lr=0.01, **INT8).load_state_dict(saved)
+        MixOptimizer(tiny_model(), lr=0.01, **INT8).load_state_dict(saved)
 
 
-def test_fsdp2_with_int8_state_is_refused_and_ddp_is_not():
-    def tiny(**train):
-        run = preset("tiny")
-        return replace(run, train=replace(run.train, **train))
-
+def test_fsdp2_with_int8_state_is_refused_and_ddp_is_not(tiny_run):
+    int8 = [f"{k}={v}" for k, v in INT8.items()]
     for knob in INT8:
         with pytest.raises(RefusedError, match=rf"dist_shard=fsdp with {knob}=int8.*"
                                                rf"--set {knob}=bf16 or dist_shard=none"):
-            refuse_incompatible(tiny(dist_shard="fsdp", **{knob: "int8"}), 2)
-        refuse_incompatible(tiny(**{knob: "int8"}), 2)  # DDP: every rank steps the whole state
-    refuse_incompatible(tiny(dist_shard="fsdp", **INT8), 1)  # one process shards nothing
+            refuse_incompatible(tiny_run("dist_shard=fsdp", f"{knob}=int8"), 2)
+        refuse_incompatible(tiny_run(f"{knob}=int8"), 2)  # DDP: every rank steps the whole state
+    refuse_incompatible(tiny_run("dist_shard=fsdp", *int8), 1)  # one process shards nothing
     # MixOptimizer built on FSDP2 parameters (DTensors: they carry `placements`) refuses too
     sharded = [(SimpleNamespace(name="blocks.0.w", owner="muon"), SimpleNamespace(placements=()))]
     with pytest.raises(ConfigError, match="not implemented for FSDP2 shards.*dist_shard=none"):

@@ -38,12 +38,9 @@ def _no_elastic(monkeypatch):
     monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
 
 
-def _corpus(tmp_path, n=20_000) -> Path:
-    text = b"".join(p.read_bytes() for p in sorted((ROOT / "dormouse").rglob("*.py")))
-    path = tmp_path / "corpus.txt"
-    if not path.exists():
-        path.write_bytes((text * (n // len(text) + 1))[:n])
-    return path
+@pytest.fixture
+def corpus(tmp_path, source_corpus) -> Path:
+    return source_corpus(tmp_path, 20_000)
 
 
 def _cli(capsys, *argv) -> tuple[int, str, str]:
@@ -57,8 +54,8 @@ def _cli(capsys, *argv) -> tuple[int, str, str]:
     return rc, got.out, got.err
 
 
-def _train(capsys, tmp_path, out, *extra, steps=2):
-    return _cli(capsys, "train", "tiny", "--data", _corpus(tmp_path), "--steps", steps, "--out",
+def _train(capsys, corpus, out, *extra, steps=2):
+    return _cli(capsys, "train", "tiny", "--data", corpus, "--steps", steps, "--out",
                 out, *SMALL, *extra)  # fmt: skip
 
 
@@ -70,7 +67,7 @@ def _refused(rc, err, *needles):
         assert n in lines[0], lines[0]
 
 
-def test_out_of_device_memory_is_one_line_not_a_traceback(tmp_path, capsys, monkeypatch):
+def test_out_of_device_memory_is_one_line_not_a_traceback(tmp_path, corpus, capsys, monkeypatch):
     """A card too small for the request (b1 at 32 x 2048 with reduce-overhead died in torch's
     traceback inside the optimizer's graph capture): one line, exit 2, with what torch tried
     to allocate and the escapes. The OOM is injected where training starts."""
@@ -82,84 +79,84 @@ def test_out_of_device_memory_is_one_line_not_a_traceback(tmp_path, capsys, monk
             "139.80 GiB of which 1.25 GiB is free.")
 
     monkeypatch.setattr(run_mod, "train_run", oom)
-    rc, _, err = _train(capsys, tmp_path, tmp_path / "run")
+    rc, _, err = _train(capsys, corpus, tmp_path / "run")
     _refused(rc, err, "out of memory on the GPU", "Tried to allocate 2.00 GiB", "--set batch",
              "--fit GB", "compile_mode=default")
     # any other exception is still a bug and keeps its traceback
     monkeypatch.setattr(run_mod, "train_run", lambda *a, **k: 1 / 0)
     with pytest.raises(ZeroDivisionError):
-        cli_main(["train", "tiny", "--data", str(_corpus(tmp_path)), "--steps", "2", "--out",
+        cli_main(["train", "tiny", "--data", str(corpus), "--steps", "2", "--out",
                   str(tmp_path / "run2"), *SMALL])
 
 
 # ---- the run folder: never lose a run ------------------------------------------------------
 
 
-def test_rerunning_train_into_a_run_folder_is_refused(tmp_path, capsys):
+def test_rerunning_train_into_a_run_folder_is_refused(tmp_path, corpus, capsys):
     out = tmp_path / "run"
-    assert _train(capsys, tmp_path, out)[0] == 0
+    assert _train(capsys, corpus, out)[0] == 0
     before = (out / "ckpt.pt").read_bytes(), (out / "metrics.jsonl").read_text()
-    rc, _, err = _train(capsys, tmp_path, out, "--set", "lr=5e-4")  # another config, no --resume
+    rc, _, err = _train(capsys, corpus, out, "--set", "lr=5e-4")  # another config, no --resume
     _refused(rc, err, "already holds a run", "--resume auto", "--overwrite", "lr 0.001 -> 0.0005")
     assert ((out / "ckpt.pt").read_bytes(), (out / "metrics.jsonl").read_text()) == before
 
 
-def test_the_main_job_twice_is_a_no_op_the_second_time(tmp_path, capsys):
+def test_the_main_job_twice_is_a_no_op_the_second_time(tmp_path, corpus, capsys):
     out = tmp_path / "run"
-    assert _train(capsys, tmp_path, out)[0] == 0
+    assert _train(capsys, corpus, out)[0] == 0
     before = (out / "ckpt.pt").read_bytes(), (out / "metrics.jsonl").read_text()
-    rc, said, _ = _train(capsys, tmp_path, out)  # the same command again
+    rc, said, _ = _train(capsys, corpus, out)  # the same command again
     assert rc == 0 and "already complete at step 2" in said
     assert ((out / "ckpt.pt").read_bytes(), (out / "metrics.jsonl").read_text()) == before
     assert _cli(capsys, "sample", out / "ckpt.pt", "--bytes", "4", "--device", "cpu")[0] == 0
 
 
-def test_resume_auto_starts_fresh_or_continues(tmp_path, capsys):
+def test_resume_auto_starts_fresh_or_continues(tmp_path, corpus, capsys):
     out = tmp_path / "run"
-    rc, said, _ = _train(capsys, tmp_path, out, "--resume", "auto")
+    rc, said, _ = _train(capsys, corpus, out, "--resume", "auto")
     assert rc == 0 and "resumed" not in said
-    rc, said, _ = _train(capsys, tmp_path, out, "--resume", "auto", steps=4)
+    rc, said, _ = _train(capsys, corpus, out, "--resume", "auto", steps=4)
     assert rc == 0 and "resumed from" in said and "at step 2" in said
     assert ckpt.read_checkpoint(out / "ckpt.pt")["step"] == 4
 
 
-def test_plain_resume_means_must(tmp_path, capsys):
-    rc, _, err = _train(capsys, tmp_path, tmp_path / "empty", "--resume")
+def test_plain_resume_means_must(tmp_path, corpus, capsys):
+    rc, _, err = _train(capsys, corpus, tmp_path / "empty", "--resume")
     _refused(rc, err, "no checkpoint", "--resume auto")
-    rc, _, err = _train(capsys, tmp_path, tmp_path / "empty", "--resume", "must", "--overwrite")
+    rc, _, err = _train(capsys, corpus, tmp_path / "empty", "--resume", "must", "--overwrite")
     _refused(rc, err, "pick one")
 
 
-def test_overwrite_starts_afresh(tmp_path, capsys):
+def test_overwrite_starts_afresh(tmp_path, corpus, capsys):
     out = tmp_path / "run"
-    assert _train(capsys, tmp_path, out, steps=3)[0] == 0
-    rc, said, _ = _train(capsys, tmp_path, out, "--overwrite")
+    assert _train(capsys, corpus, out, steps=3)[0] == 0
+    rc, said, _ = _train(capsys, corpus, out, "--overwrite")
     assert rc == 0 and "--overwrite: starting afresh" in said
     assert ckpt.read_checkpoint(out / "ckpt.pt")["step"] == 2
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert max(r["step"] for r in rows) == 2
 
 
-def test_an_elastic_restart_resumes_by_itself(tmp_path, capsys, monkeypatch):
+def test_an_elastic_restart_resumes_by_itself(tmp_path, corpus, capsys, monkeypatch):
     out = tmp_path / "run"
-    assert _train(capsys, tmp_path, out)[0] == 0
+    assert _train(capsys, corpus, out)[0] == 0
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
-    rc, said, _ = _train(capsys, tmp_path, out, "--overwrite", steps=4)  # the same command line
+    rc, said, _ = _train(capsys, corpus, out, "--overwrite", steps=4)  # the same command line
     assert rc == 0 and "elastic restart 1" in said and "resumed from" in said
 
 
-def test_resume_of_a_checkpoint_beyond_steps_is_refused(tmp_path, capsys):
+def test_resume_of_a_checkpoint_beyond_steps_is_refused(tmp_path, corpus, capsys):
     out = tmp_path / "run"
-    assert _train(capsys, tmp_path, out, steps=4)[0] == 0
-    rc, _, err = _train(capsys, tmp_path, out, "--resume", "auto", steps=2)
+    assert _train(capsys, corpus, out, steps=4)[0] == 0
+    rc, _, err = _train(capsys, corpus, out, "--resume", "auto", steps=2)
     _refused(rc, err, "at step 4, beyond this run's steps=2")
 
 
 # ---- resume: what is recorded is what runs ---------------------------------------------------
 
 
-def _run(tmp_path, out, *sets):
-    return apply_sets(preset("tiny"), [f"data={_corpus(tmp_path)}", f"out_dir={out}", "batch=2",
+def _run(corpus, out, *sets):
+    return apply_sets(preset("tiny"), [f"data={corpus}", f"out_dir={out}", "batch=2",
                                        "seq_len=32", "log_every=1", *sets])  # fmt: skip
 
 
@@ -167,8 +164,8 @@ def _quiet(_line):
     pass
 
 
-def test_an_lr_given_on_resume_is_applied(tmp_path):
-    run = _run(tmp_path, tmp_path / "r", "steps=4")
+def test_an_lr_given_on_resume_is_applied(tmp_path, corpus):
+    run = _run(corpus, tmp_path / "r", "steps=4")
     torch.manual_seed(0)
     train(DormouseModel(run.model), run, log=_quiet, stop_at=2)
     saved = ckpt.read_checkpoint(tmp_path / "r" / "ckpt.pt")["model"]
@@ -184,14 +181,14 @@ def test_an_lr_given_on_resume_is_applied(tmp_path):
     assert all(r["lr"] == 0 for r in rows if r["kind"] == "train" and r["step"] > 2)
 
 
-def test_every_optimizer_hyperparameter_given_on_resume_is_applied(tmp_path):
+def test_every_optimizer_hyperparameter_given_on_resume_is_applied(tmp_path, corpus):
     """A resume with other optimizer settings steps with this run's groups, entry for entry
     (a fresh optimizer's for the new config), not the checkpoint's: adam_eps used to be
     logged as changed and then stepped with the file's value."""
     from dormouse.train.step import Callbacks
     from dormouse.train.run import _optimizer
 
-    run = _run(tmp_path, tmp_path / "r", "steps=4")
+    run = _run(corpus, tmp_path / "r", "steps=4")
     torch.manual_seed(0)
     train(DormouseModel(run.model), run, log=_quiet, stop_at=2)
     new = apply_sets(run, ["adam_eps=1e-5", "adam_betas=0.8,0.9", "muon_momentum=0.9",
@@ -209,11 +206,11 @@ def test_every_optimizer_hyperparameter_given_on_resume_is_applied(tmp_path):
     assert {g["eps"] for g in fresh.param_groups if "eps" in g} == {1e-5}
 
 
-def test_resume_on_other_bytes_of_the_same_size_is_refused(tmp_path, capsys):
+def test_resume_on_other_bytes_of_the_same_size_is_refused(tmp_path, corpus, capsys):
     """The data file rewritten with other content of the same size resumed silently: the
     checkpoint now holds the data's fingerprint (size + sampled blocks)."""
     data = tmp_path / "data.txt"
-    data.write_bytes(_corpus(tmp_path).read_bytes())
+    data.write_bytes(corpus.read_bytes())
     out = tmp_path / "r"
     argv = ["train", "tiny", "--data", data, "--out", out, *SMALL]
     assert _cli(capsys, *argv, "--steps", 2)[0] == 0
@@ -225,13 +222,13 @@ def test_resume_on_other_bytes_of_the_same_size_is_refused(tmp_path, capsys):
     _refused(rc, err, "was trained on other bytes", str(data), "same size (20000 bytes)",
              "Restore the file", "--overwrite")
     assert ckpt.read_checkpoint(out / "ckpt.pt")["step"] == 2  # nothing trained on it
-    data.write_bytes(_corpus(tmp_path).read_bytes())  # restored: the resume goes on
+    data.write_bytes(corpus.read_bytes())  # restored: the resume goes on
     assert _cli(capsys, *argv, "--steps", 4, "--resume", "auto")[0] == 0
 
 
-def test_metrics_rows_after_the_checkpoint_are_dropped_on_resume(tmp_path):
+def test_metrics_rows_after_the_checkpoint_are_dropped_on_resume(tmp_path, corpus):
     out = tmp_path / "r"
-    run = _run(tmp_path, out, "steps=6")
+    run = _run(corpus, out, "steps=6")
     torch.manual_seed(0)
     train(DormouseModel(run.model), run, log=_quiet, stop_at=3)
     at3 = (out / "ckpt.pt").read_bytes()
@@ -263,21 +260,21 @@ def test_metrics_rows_after_the_checkpoint_are_dropped_on_resume(tmp_path):
     (["dist_timeout=-5"], "dist_timeout=-5.0 must be in (0, 604800] seconds"),
     (["dist_timeout=1e30"], "dist_timeout=1e+30 must be in (0, 604800] seconds"),
 ])  # fmt: skip
-def test_meaningless_config_values_are_refused(tmp_path, capsys, sets, needle):
+def test_meaningless_config_values_are_refused(tmp_path, corpus, capsys, sets, needle):
     args = [x for s in sets for x in ("--set", s)]
-    rc, _, err = _train(capsys, tmp_path, tmp_path / "r", *args)
+    rc, _, err = _train(capsys, corpus, tmp_path / "r", *args)
     _refused(rc, err, needle)
     assert not (tmp_path / "r").exists() and not (tmp_path.parent / "x.pt").exists()
 
 
-def test_capacity_without_dist_is_refused(tmp_path, capsys):
-    rc, _, err = _train(capsys, tmp_path, tmp_path / "r", "--capacity", "4,2")
+def test_capacity_without_dist_is_refused(tmp_path, corpus, capsys):
+    rc, _, err = _train(capsys, corpus, tmp_path / "r", "--capacity", "4,2")
     _refused(rc, err, "dist_capacity='4,2'", "no --dist", "drop --capacity")
 
 
 @pytest.mark.parametrize("device", ["foo", "cuda:abc"])
-def test_bad_devices_are_one_line(tmp_path, capsys, device):
-    rc, _, err = _train(capsys, tmp_path, tmp_path / "r", "--device", device)
+def test_bad_devices_are_one_line(tmp_path, corpus, capsys, device):
+    rc, _, err = _train(capsys, corpus, tmp_path / "r", "--device", device)
     _refused(rc, err, f"{device!r} is not a device")
     path = tmp_path / "nothing.pt"
     _refused(*_cli(capsys, "eval", path, "--device", device)[::2], "is not a device")
@@ -290,16 +287,17 @@ def test_bad_devices_are_one_line(tmp_path, capsys, device):
     # 6 fp32 columns are 24 bytes, not a multiple of the kernel's 16-byte loads
     (["moe_impl=grouped", "d_model=6", "n_heads=1", "head_dim=6"], "moe_impl=grouped cannot run"),
 ])  # fmt: skip
-def test_arms_that_cannot_run_here_are_refused_before_training(tmp_path, capsys, sets, needle):
+def test_arms_that_cannot_run_here_are_refused_before_training(tmp_path, corpus, capsys, sets,
+                                                               needle):
     args = [x for s in sets for x in ("--set", s)]
-    rc, said, err = _train(capsys, tmp_path, tmp_path / "r", *args)
+    rc, said, err = _train(capsys, corpus, tmp_path / "r", *args)
     _refused(rc, err, needle)
     assert "step=" not in said
 
 
-def test_eval_refuses_a_batch_count_below_one(tmp_path, capsys):
+def test_eval_refuses_a_batch_count_below_one(tmp_path, corpus, capsys):
     out = tmp_path / "r"
-    assert _train(capsys, tmp_path, out)[0] == 0
+    assert _train(capsys, corpus, out)[0] == 0
     for n in ("-1", "0"):
         _refused(*_cli(capsys, "eval", out / "ckpt.pt", "--batches", n)[::2], f"--batches {n}")
 
@@ -315,9 +313,9 @@ def test_sample_refuses_meaningless_arguments(tmp_path, capsys, flag, value, nee
     _refused(*_cli(capsys, "sample", tmp_path / "any.pt", flag, value)[::2], needle)
 
 
-def test_sample_takes_a_non_utf8_prompt_as_its_bytes(tmp_path, capsys, monkeypatch):
+def test_sample_takes_a_non_utf8_prompt_as_its_bytes(tmp_path, corpus, capsys, monkeypatch):
     out = tmp_path / "r"
-    assert _train(capsys, tmp_path, out)[0] == 0
+    assert _train(capsys, corpus, out)[0] == 0
     import dormouse.model.sample as sample
 
     seen = {}
@@ -334,11 +332,11 @@ def test_sample_takes_a_non_utf8_prompt_as_its_bytes(tmp_path, capsys, monkeypat
     assert rc == 0 and seen["prompt"] == b"\xff\xfedef " and "def " in text
 
 
-def test_empty_flag_values_are_refused_not_defaulted(tmp_path, capsys, monkeypatch):
+def test_empty_flag_values_are_refused_not_defaulted(tmp_path, corpus, capsys, monkeypatch):
     """An empty --data, --out or --device (an unset shell variable: `--data "$CORPUS"`) fell
     back to the embedded corpus, runs/PRESET in the working folder, or auto, and trained."""
     monkeypatch.chdir(tmp_path)
-    corpus, out = _corpus(tmp_path), tmp_path / "r"
+    out = tmp_path / "r"
     dry = ["train", "tiny", "--steps", 2, "--dry-run", "--set", "batch=2", "--set", "seq_len=32"]
     _refused(*_cli(capsys, *dry, "--out", out, "--data", "")[::2], "--data ''", "empty path",
              "omit --data")
@@ -351,14 +349,14 @@ def test_empty_flag_values_are_refused_not_defaulted(tmp_path, capsys, monkeypat
         _refused(*_cli(capsys, cmd, tmp_path / "nothing.pt", "--device", "")[::2],
                  "--device '' is not a device")
     assert not (tmp_path / "runs").exists() and not out.exists()
-    assert _train(capsys, tmp_path, out)[0] == 0
+    assert _train(capsys, corpus, out)[0] == 0
     _refused(*_cli(capsys, "eval", out / "ckpt.pt", "--data", "")[::2], "--data ''", "empty path")
 
 
-def test_data_paths_are_taken_as_typed(tmp_path, capsys):
+def test_data_paths_are_taken_as_typed(tmp_path, corpus, capsys):
     """--data went through `--set data=`: a comma split a path in two and every space was
     dropped (`my file.txt` was read as `myfile.txt`, which may be another file)."""
-    text = _corpus(tmp_path).read_bytes()
+    text = corpus.read_bytes()
     paths = [tmp_path / "my file.txt", tmp_path / "a,b.txt"]
     for p in paths:
         p.write_bytes(text)
@@ -370,15 +368,15 @@ def test_data_paths_are_taken_as_typed(tmp_path, capsys):
         assert f"data: {p}: {len(text)} bytes" in said, said
     assert "myfile.txt" not in said
     out = tmp_path / "r"
-    assert _train(capsys, tmp_path, out)[0] == 0
+    assert _train(capsys, corpus, out)[0] == 0
     rc, said, err = _cli(capsys, "eval", out / "ckpt.pt", "--data", paths[0], "--device", "cpu")
     assert rc == 0 and f"data: {paths[0]}:" in said, err
 
 
-def test_fit_zero_is_refused_not_ignored(tmp_path, capsys):
+def test_fit_zero_is_refused_not_ignored(tmp_path, corpus, capsys):
     """fit_gb=0 is "no --fit", so `--fit 0` trained unfitted without a word."""
     for gb in ("0", "-3"):
-        rc, _, err = _train(capsys, tmp_path, tmp_path / "r", "--fit", gb, "--dry-run")
+        rc, _, err = _train(capsys, corpus, tmp_path / "r", "--fit", gb, "--dry-run")
         _refused(rc, err, f"--fit {gb}:", "not a card size", "omit --fit")
 
 
@@ -416,18 +414,18 @@ def test_a_checkpoint_with_nonfinite_parameters_is_never_written(tmp_path):
     assert path.read_bytes() == before and sorted(os.listdir(tmp_path)) == ["c.pt"]
 
 
-def test_a_diverged_run_exits_nonzero(tmp_path, capsys):
+def test_a_diverged_run_exits_nonzero(tmp_path, corpus, capsys):
     # finite but absurd: the first step overflows the weights, the rest are skipped
-    rc, _, err = _train(capsys, tmp_path, tmp_path / "r", "--set", "lr=1e30", steps=3)
+    rc, _, err = _train(capsys, corpus, tmp_path / "r", "--set", "lr=1e30", steps=3)
     _refused(rc, err, "diverged")
 
 
 # ---- files that are not what they should be -------------------------------------------------
 
 
-def _damaged(tmp_path, capsys, how) -> Path:
+def _damaged(tmp_path, corpus, capsys, how) -> Path:
     out = tmp_path / "r"
-    assert _train(capsys, tmp_path, out)[0] == 0
+    assert _train(capsys, corpus, out)[0] == 0
     path = out / "ckpt.pt"
     raw = torch.load(path, weights_only=True)
     how(raw)
@@ -443,24 +441,24 @@ def _damaged(tmp_path, capsys, how) -> Path:
     (lambda raw: raw.pop("step"), "no valid step"),
     (lambda raw: raw.update(step="7"), "no valid step"),
 ])  # fmt: skip
-def test_a_checkpoint_with_a_bad_embedded_config_is_refused(tmp_path, capsys, how, needle):
-    path = _damaged(tmp_path, capsys, how)
+def test_a_checkpoint_with_a_bad_embedded_config_is_refused(tmp_path, corpus, capsys, how, needle):
+    path = _damaged(tmp_path, corpus, capsys, how)
     _refused(*_cli(capsys, "eval", path, "--device", "cpu")[::2], needle)
     _refused(*_cli(capsys, "sample", path, "--device", "cpu")[::2], needle)
-    rc, _, err = _train(capsys, tmp_path, path.parent, "--resume", "auto", steps=4)
+    rc, _, err = _train(capsys, corpus, path.parent, "--resume", "auto", steps=4)
     _refused(rc, err, needle)
 
 
-def test_bad_out_folders_are_refused(tmp_path, capsys, monkeypatch):
+def test_bad_out_folders_are_refused(tmp_path, corpus, capsys, monkeypatch):
     afile = tmp_path / "afile"
     afile.write_text("x")
-    _refused(*_train(capsys, tmp_path, afile)[::2], "is a file, not a folder")
-    _refused(*_train(capsys, tmp_path, afile / "sub")[::2], "which is a file")
+    _refused(*_train(capsys, corpus, afile)[::2], "is a file, not a folder")
+    _refused(*_train(capsys, corpus, afile / "sub")[::2], "which is a file")
     locked = tmp_path / "locked"
     locked.mkdir()
     real = os.access
     monkeypatch.setattr(os, "access", lambda p, m: False if Path(p) == locked else real(p, m))
-    _refused(*_train(capsys, tmp_path, locked / "run")[::2], "not writable")
+    _refused(*_train(capsys, corpus, locked / "run")[::2], "not writable")
     assert afile.read_text() == "x" and list(locked.iterdir()) == []
 
 
@@ -495,7 +493,7 @@ def test_compare_refuses_damaged_metrics_and_images_it_cannot_write(tmp_path, ca
     assert not list(tmp_path.glob("*.png")) and not (tmp_path / "c.txt").exists()
 
 
-def test_a_full_disk_at_save_keeps_the_previous_checkpoint(tmp_path, capsys, monkeypatch):
+def test_a_full_disk_at_save_keeps_the_previous_checkpoint(tmp_path, corpus, capsys, monkeypatch):
     out = tmp_path / "r"
     real, real_write = torch.save, ckpt._write_file
     calls, writing = [], []
@@ -514,16 +512,16 @@ def test_a_full_disk_at_save_keeps_the_previous_checkpoint(tmp_path, capsys, mon
 
     monkeypatch.setattr(torch, "save", save)
     monkeypatch.setattr(ckpt, "_write_file", write_file)
-    rc, _, err = _train(capsys, tmp_path, out, "--set", "ckpt_every=2", steps=4)
+    rc, _, err = _train(capsys, corpus, out, "--set", "ckpt_every=2", steps=4)
     _refused(rc, err, "No space left on device", "the disk is full", "previous checkpoint")
     assert ckpt.read_checkpoint(out / "ckpt.pt")["step"] == 2
     assert not [p for p in os.listdir(out) if p.endswith(".tmp")]
 
 
-def test_a_data_file_truncated_during_training_stops_with_a_checkpoint(tmp_path):
+def test_a_data_file_truncated_during_training_stops_with_a_checkpoint(tmp_path, corpus):
     data = tmp_path / "shrinks.txt"
-    data.write_bytes(_corpus(tmp_path).read_bytes())
-    run = apply_sets(_run(tmp_path, tmp_path / "r", "steps=6"), [f"data={data}"])
+    data.write_bytes(corpus.read_bytes())
+    run = apply_sets(_run(corpus, tmp_path / "r", "steps=6"), [f"data={data}"])
 
     def log(line):
         if line.startswith("step=2 "):
@@ -534,7 +532,7 @@ def test_a_data_file_truncated_during_training_stops_with_a_checkpoint(tmp_path)
     assert ckpt.read_checkpoint(tmp_path / "r" / "ckpt.pt")["step"] == 2
 
 
-def test_stale_temp_files_are_cleaned_at_start(tmp_path, capsys):
+def test_stale_temp_files_are_cleaned_at_start(tmp_path, corpus, capsys):
     out = tmp_path / "r"
     out.mkdir()
     dead = out / ".ckpt.pt.999999999.abcd1234.tmp"  # no such pid: a writer killed mid-save
@@ -542,7 +540,7 @@ def test_stale_temp_files_are_cleaned_at_start(tmp_path, capsys):
     live = out / f".ckpt.pt.{os.getppid()}.abcd1234.tmp"  # a live process may still write it
     for p in (dead, old, live):
         p.write_bytes(b"partial")
-    rc, said, _ = _train(capsys, tmp_path, out)
+    rc, said, _ = _train(capsys, corpus, out)
     assert rc == 0 and "removed 2 temp file(s)" in said
     assert not dead.exists() and not old.exists() and live.exists()
 
@@ -579,12 +577,12 @@ def test_a_bug_keeps_its_traceback(monkeypatch):
         cli_main(["train", "tiny"])
 
 
-def test_dry_run_trains_nothing_and_writes_nothing(tmp_path, capsys):
+def test_dry_run_trains_nothing_and_writes_nothing(tmp_path, corpus, capsys):
     out = tmp_path / "r"
-    rc, said, _ = _train(capsys, tmp_path, out, "--dry-run")
+    rc, said, _ = _train(capsys, corpus, out, "--dry-run")
     assert rc == 0 and "dry run: ok" in said and "would start afresh" in said
     assert "step=" not in said and not out.exists()
-    _refused(*_train(capsys, tmp_path, out, "--dry-run", "--set", "batch=100000")[::2], "bytes")
+    _refused(*_train(capsys, corpus, out, "--dry-run", "--set", "batch=100000")[::2], "bytes")
 
 
 # ---- the fuzz: every input is accepted or refused in one line ---------------------------------
@@ -637,8 +635,8 @@ _FLAGS = st.lists(st.sampled_from([
           suppress_health_check=[HealthCheck.function_scoped_fixture])  # fmt: skip
 @pytest.mark.slow
 @given(sets=_SETS, flags=_FLAGS)
-def test_fuzz_cli_arguments_and_set_values(tmp_path, capsys, sets, flags):
-    argv = ["train", "tiny", "--data", _corpus(tmp_path), "--out", tmp_path / "fuzz", "--dry-run",
+def test_fuzz_cli_arguments_and_set_values(tmp_path, corpus, capsys, sets, flags):
+    argv = ["train", "tiny", "--data", corpus, "--out", tmp_path / "fuzz", "--dry-run",
             "--device", "cpu", *[x for s in sets for x in ("--set", s)],
             *[x for f in flags for x in f]]  # fmt: skip
     rc, said, err = _cli(capsys, *argv)  # a traceback or any other exception fails here
@@ -664,13 +662,13 @@ def test_reliability_table_names_real_tests():
     assert not missing, f"docs/reliability.md names tests that do not exist: {missing}"
 
 
-def test_a_folder_trained_with_auto_settings_is_the_same_run_again(tmp_path, capsys):
+def test_a_folder_trained_with_auto_settings_is_the_same_run_again(tmp_path, corpus, capsys):
     """dropout=auto and compile=auto are resolved before the run trains (the checkpoint holds
     the resolution); the same command again is the same run, not 'a different config'."""
     out = tmp_path / "run"
     sets = ("--set", "dropout=auto", "--set", "compile=auto", "--set", "compile_mode=auto")
-    assert _train(capsys, tmp_path, out, *sets)[0] == 0
-    rc, said, _ = _train(capsys, tmp_path, out, *sets)
+    assert _train(capsys, corpus, out, *sets)[0] == 0
+    rc, said, _ = _train(capsys, corpus, out, *sets)
     assert rc == 0 and "already complete at step 2" in said
-    rc, _, err = _train(capsys, tmp_path, out, "--set", "dropout=0.3")  # pinned: differs
+    rc, _, err = _train(capsys, corpus, out, "--set", "dropout=0.3")  # pinned: differs
     _refused(rc, err, "already holds a run", "dropout")

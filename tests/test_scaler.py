@@ -89,7 +89,9 @@ TOL = {"dloss": 1e-3, "norms": 5e-3, "params": 5e-3}
 
 
 def _vs_fp32(name: str, fresh: bool = False) -> dict[str, float]:
-    from gates.harness import FleetSpec, max_abs_diff, max_rel_diff, rel_err, single
+    from gates.compare import max_abs_diff, max_rel_diff, rel_err
+    from gates.fixtures import FleetSpec
+    from gates.reference import single
 
     # fresh: a run under a monkeypatch, kept out of the cache (which keys by config)
     rec = single(FleetSpec(name, steps=STEPS, sets=("dtype=fp16",)), fresh=fresh)["rec"]
@@ -128,7 +130,8 @@ def test_fp16_without_the_unscale_does_not(monkeypatch):
 def test_fleet_overflow_skips_on_both_ranks_and_halves_both_scales():
     """An overflow seen by rank 1 alone (a non-finite loss, finite gradients: the reducer
     cannot spread it) at step 3 of 5: both ranks skip it and halve their scale."""
-    from gates.harness import FleetSpec, fleet
+    from gates.fixtures import FleetSpec
+    from gates.spawn import fleet
 
     ranks = fleet(FleetSpec("fp16-overflow", steps=5, sets=("dtype=fp16",), nan_ranks=(1,),
                             nan_step=2))  # fmt: skip
@@ -155,7 +158,8 @@ def test_resume_restores_the_scale_exactly(tmp_path):
     after the checkpoint: the resumed run's scales and losses are the uninterrupted run's."""
     from dormouse.train.store.checkpoint import read_checkpoint
     from dormouse.train.run import train_run
-    from gates.harness import FleetSpec, Recorder, fixture_run
+    from gates.fixtures import FleetSpec, fixture_run
+    from gates.recorder import Recorder
 
     spec = FleetSpec("fp16-resume", steps=10, sets=("dtype=fp16", "loss_scale_every=2"))
 

@@ -8,25 +8,14 @@ the same arithmetic decided on the host, so any difference is the deferral's own
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import pytest
 import torch
-from test_loop import _corpus
 from trainlog import train
 
 from dormouse.config import ConfigError, apply_sets, preset, validate
 from dormouse.model import DormouseModel
 from dormouse.train.optim.mix import MixOptimizer
 from references.fingerprint import fingerprint
-
-
-def _tiny(seed: int = 0, cfg=None) -> DormouseModel:
-    torch.manual_seed(seed)
-    model = DormouseModel(cfg or replace(preset("tiny").model, kda_impl="torch"))
-    with torch.no_grad():
-        model.engram.conv.weight.normal_(0, 0.05)  # a zero conv leaves the table without grad
-    return model
 
 
 def _state(model, opt) -> list[torch.Tensor]:
@@ -62,7 +51,7 @@ def _grads(model, x, poison: bool) -> None:
 
 
 @pytest.mark.parametrize("muon_state_dtype", ["fp32", "bf16"])
-def test_a_step_refused_on_the_device_writes_nothing(muon_state_dtype):
+def test_a_step_refused_on_the_device_writes_nothing(muon_state_dtype, tiny_model):
     """Every tensor the step writes is put back when the device verdict is False: the
     parameters, Muon's stacked momentum, AdamW's moments and step counters, the Engram rows'
     moments and step counts (a tensor missing from MixOptimizer.written() shows here). When it
@@ -71,7 +60,7 @@ def test_a_step_refused_on_the_device_writes_nothing(muon_state_dtype):
     xs = [torch.randint(0, 256, (2, 33), generator=g) for _ in range(4)]
     models, opts = [], []
     for _ in range(2):
-        m = _tiny()
+        m = tiny_model(kda_impl="torch")
         o = MixOptimizer(m, lr=0.02, wd=0.1, ns_dtype="fp32", muon_state_dtype=muon_state_dtype)
         assert o.capture_step(capture=False) == ""
         models.append(m)
@@ -92,9 +81,9 @@ def test_a_step_refused_on_the_device_writes_nothing(muon_state_dtype):
         assert _same(_state(dev, opt), _state(host, ref))
 
 
-def _run(tmp_path, name, *sets):
+def _run(tmp_path, corpus, name, *sets):
     return apply_sets(preset("tiny"), [
-        f"data={_corpus(tmp_path)}", f"out_dir={tmp_path / name}", "steps=14", "batch=2",
+        f"data={corpus}", f"out_dir={tmp_path / name}", "steps=14", "batch=2",
         "seq_len=32", "moe_lb_coef=0.01", "log_every=3", "eval_every=5", "ckpt_every=6",
         "val_bytes=4096", "eval_batches=2", "kda_impl=torch", *sets])  # fmt: skip
 
@@ -145,7 +134,8 @@ def _device_side_optimizer(monkeypatch):
     monkeypatch.setattr(MixOptimizer, "from_config", classmethod(from_config))
 
 
-def test_the_loop_reading_verdicts_a_step_late_trains_as_the_host_verdict(tmp_path, monkeypatch):
+def test_the_loop_reading_verdicts_a_step_late_trains_as_the_host_verdict(tmp_path, corpus,
+                                                                          monkeypatch, tiny_model):
     """14 steps, a NaN loss at step 2 and an infinite gradient at steps 4 and 5 (0-based,
     whose ends are an evaluation, at 5, and a checkpoint, at 6: skipped steps that both keep),
     logs every 3: the same parameters, LFB buffers, checkpoint, metrics rows and skip lines as
@@ -153,9 +143,9 @@ def test_the_loop_reading_verdicts_a_step_late_trains_as_the_host_verdict(tmp_pa
     _device_side_optimizer(monkeypatch)
     out = {}
     for verdict in ("host", "device"):
-        run = _run(tmp_path, verdict, f"verdict={verdict}")
+        run = _run(tmp_path, corpus, verdict, f"verdict={verdict}")
         lines = []
-        model = _poisoned(_tiny(cfg=run.model))
+        model = _poisoned(tiny_model(cfg=run.model))
         rep = train(model, run, log=lines.append)
         rows = (tmp_path / verdict / "metrics.jsonl").read_text().splitlines()
         out[verdict] = (model, rep, lines, rows)
@@ -178,34 +168,35 @@ def test_the_loop_reading_verdicts_a_step_late_trains_as_the_host_verdict(tmp_pa
     assert rh["loss"] == rd["loss"] and rh["tokens"] == rd["tokens"]
 
 
-def test_verdict_device_is_refused_where_it_cannot_hold(tmp_path):
-    run = _run(tmp_path, "fleet", "verdict=device", "dist=true", "dist_shard=fsdp")
+def test_verdict_device_is_refused_where_it_cannot_hold(tmp_path, corpus, tiny_model):
+    run = _run(tmp_path, corpus, "fleet", "verdict=device", "dist=true", "dist_shard=fsdp")
     with pytest.raises(ConfigError, match="FSDP2's shards step through collectives"):
         validate(run)
-    validate(_run(tmp_path, "ddp", "verdict=device", "dist=true"))  # DDP: gate g05
-    ram = _run(tmp_path, "ram", "verdict=device", "engram_ram=true")
+    validate(_run(tmp_path, corpus, "ddp", "verdict=device", "dist=true"))  # DDP: gate g05
+    ram = _run(tmp_path, corpus, "ram", "verdict=device", "engram_ram=true")
     with pytest.raises(ConfigError, match="verdict=device: host-RAM Engram tables"):
         train(DormouseModel(ram.model), ram)
     from dormouse.train.context import DPContext
     from dormouse.train.step import device_verdict
     from dormouse.train.optim.scaler import LossScaler
 
-    one = _run(tmp_path, "fp16", "verdict=device").train
-    opt = MixOptimizer(_tiny(), lr=0.01)
+    one = _run(tmp_path, corpus, "fp16", "verdict=device").train
+    opt = MixOptimizer(tiny_model(kda_impl="torch"), lr=0.01)
     ctx = DPContext.single(torch.device("cpu"), one.batch, one.seq_len)
     with pytest.raises(ConfigError, match="verdict=device: the fp16 loss scale"):
         device_verdict(one, ctx, opt, LossScaler(one.loss_scale_every))
-    int8 = MixOptimizer(_tiny(), lr=0.01, muon_state_dtype="int8")
+    int8 = MixOptimizer(tiny_model(kda_impl="torch"), lr=0.01, muon_state_dtype="int8")
     with pytest.raises(ConfigError, match="verdict=device: muon_state_dtype=int8"):
         device_verdict(one, ctx, int8, None)
     lines = []
-    auto = _run(tmp_path, "auto", "steps=2")  # the CPU: no optimizer graph, decided on the host
-    train(_tiny(cfg=auto.model), auto, log=lines.append)
+    # the CPU: no optimizer graph, decided on the host
+    auto = _run(tmp_path, corpus, "auto", "steps=2")
+    train(tiny_model(cfg=auto.model), auto, log=lines.append)
     assert any("verdict=auto: on the host (the optimizer steps on the host" in ln for ln in lines)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_the_captured_step_takes_the_verdict_on_the_device():
+def test_the_captured_step_takes_the_verdict_on_the_device(tiny_model):
     """On a CUDA device: the optimizer graph captured with the copy aside replays a refused
     step as no step at all and a taken step as the graph without it does, bit for bit."""
     from dormouse.train.optim.mix import GRAPH_WARMUP
@@ -214,7 +205,7 @@ def test_the_captured_step_takes_the_verdict_on_the_device():
     xs = [torch.randint(0, 256, (2, 33), generator=g).cuda() for _ in range(GRAPH_WARMUP + 5)]
     pair = []
     for transact in (True, False):
-        m = _tiny().cuda()
+        m = tiny_model(kda_impl="torch").cuda()
         o = MixOptimizer(m, lr=0.02, wd=0.1, ns_dtype="fp32")
         assert o.capture_step(keep="always") == ""
         assert (o.commit_on_device() == "") if transact else True

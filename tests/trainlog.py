@@ -2,14 +2,14 @@
 
 `train(model, run, log=fn, ...)` runs `dormouse.train.run.train_run` on a given model (the
 one entry point) and hands each logged line to `fn`, so a test can act when a line appears
-(a signal at `step=5`) or collect the lines. `lines_to(fn)` is the harness's `log_lines`.
+(a signal at `step=5`) or collect the lines. `lines_to(fn)` is gates/recorder.py's `log_lines`.
 """
 
 from __future__ import annotations
 
 from typing import Callable
 
-from gates.harness import log_lines as lines_to
+from gates.recorder import log_lines as lines_to
 
 
 def train(model, run, log: Callable[[str], None] | None = None, **kw) -> dict:
