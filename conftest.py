@@ -30,9 +30,12 @@ def pytest_cmdline_main(config):
     # start runs, and the other worker fills it (measured on the 2-core box, whole gate suite:
     # 450 s serial, 373 s with -n 2). One test at a time per scheduling step, so the slowest
     # gates (first in tests/test_gates.py) start first, on both workers.
-    if (config.getoption("markexpr", "") == "gate" and config.pluginmanager.hasplugin("xdist")
-            and not os.environ.get("PYTEST_XDIST_WORKER")
-            and config.getoption("numprocesses", None) is None):
+    if (
+        config.getoption("markexpr", "") == "gate"
+        and config.pluginmanager.hasplugin("xdist")
+        and not os.environ.get("PYTEST_XDIST_WORKER")
+        and config.getoption("numprocesses", None) is None
+    ):
         config.option.numprocesses = 2
         if config.getoption("maxschedchunk", None) is None:
             config.option.maxschedchunk = 1

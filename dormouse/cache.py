@@ -43,8 +43,11 @@ def place_kernel_caches(env: MutableMapping[str, str] | None = None) -> dict[str
     inductor's at <cache>/inductor, each only where `env` (default os.environ) leaves it unset
     or empty; returns what it set. Triton and inductor create the folders when they write."""
     env = os.environ if env is None else env
-    want = {TRITON_DIR: str(cache_dir(env) / "triton"), TRITON_AUTOTUNE: "1",
-            INDUCTOR_DIR: str(cache_dir(env) / "inductor")}
+    want = {
+        TRITON_DIR: str(cache_dir(env) / "triton"),
+        TRITON_AUTOTUNE: "1",
+        INDUCTOR_DIR: str(cache_dir(env) / "inductor"),
+    }
     placed = {k: v for k, v in want.items() if not env.get(k)}
     env.update(placed)
     if env is os.environ:
@@ -56,8 +59,13 @@ def place_kernel_caches(env: MutableMapping[str, str] | None = None) -> dict[str
 def kernel_cache_line() -> str:
     """Where Triton's kernels and autotune results go in this process, and who said so."""
     where = triton_dir()
-    whose = ("dormouse's cache folder" if TRITON_DIR in _PLACED else
-             f"{TRITON_DIR} from the environment" if os.environ.get(TRITON_DIR) else "unset")
+    whose = (
+        "dormouse's cache folder"
+        if TRITON_DIR in _PLACED
+        else f"{TRITON_DIR} from the environment"
+        if os.environ.get(TRITON_DIR)
+        else "unset"
+    )
     tune = os.environ.get(TRITON_AUTOTUNE, "")
     tuned = ("autotune results cached on disk" if autotune_cached() else
              f"autotune results NOT cached on disk ({TRITON_AUTOTUNE}={tune!r} in the environment; "

@@ -25,7 +25,9 @@ class _RankFilter(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         rank = os.environ.get("RANK", "0") or "0"
-        return rank == "0" or record.levelno >= logging.WARNING or getattr(record, "every_rank", False)
+        return (
+            rank == "0" or record.levelno >= logging.WARNING or getattr(record, "every_rank", False)
+        )
 
 
 class _LineHandler(logging.Handler):
@@ -141,8 +143,10 @@ def cmd_train(args) -> int:
             _say_cleaned(folder.clean_stale_temps(), run.train.out_dir)
             aside = folder.set_metrics_aside() if plan == "fresh" and not args.overwrite else None
             if aside:
-                log.info(f"{run.train.out_dir}: the rows of the earlier run there (it wrote no "
-                         f"checkpoint) are kept in {aside}; this run starts a new metrics.jsonl")
+                log.info(
+                    f"{run.train.out_dir}: the rows of the earlier run there (it wrote no "
+                    f"checkpoint) are kept in {aside}; this run starts a new metrics.jsonl"
+                )
         report = train_run(run, resume=plan == "resume", progress=not run.train.dist,
                            folder=folder, prepared=prepared)  # fmt: skip
     if report.get("rank", 0) == 0:
@@ -157,8 +161,10 @@ def cmd_train(args) -> int:
 
 def _say_cleaned(removed: list[str], out: str) -> None:
     if removed:
-        log.info(f"{out}: removed {len(removed)} temp file(s) or shard folder(s) left by a "
-                 f"checkpoint write that never finished (a killed run): {', '.join(removed)}")
+        log.info(
+            f"{out}: removed {len(removed)} temp file(s) or shard folder(s) left by a "
+            f"checkpoint write that never finished (a killed run): {', '.join(removed)}"
+        )
 
 
 def _arms_for_this_machine(run, source: str):
@@ -170,8 +176,10 @@ def _arms_for_this_machine(run, source: str):
     if not pinned:
         return run
     said = " ".join(f"{k}={v}" for k, v in pinned.items())
-    log.info(f"{source}: trained with {said}; the arms compute the same function, so this run "
-         f"picks them for its own device ({' '.join(f'{k}=auto' for k in pinned)})")
+    log.info(
+        f"{source}: trained with {said}; the arms compute the same function, so this run "
+        f"picks them for its own device ({' '.join(f'{k}=auto' for k in pinned)})"
+    )
     return replace(run, model=replace(run.model, **dict.fromkeys(pinned, "auto")))
 
 
@@ -244,8 +252,10 @@ def cmd_export(args) -> int:
 
     out = export(args.run, args.to, overwrite=args.overwrite)
     ck = read_checkpoint(out, mmap=True)
-    log.info(f"export {args.run} -> {out}: one file (format {ck['format']}, step {ck['step']}, "
-             f"{out.stat().st_size / 2**20:.1f} MiB) that eval and sample load anywhere")
+    log.info(
+        f"export {args.run} -> {out}: one file (format {ck['format']}, step {ck['step']}, "
+        f"{out.stat().st_size / 2**20:.1f} MiB) that eval and sample load anywhere"
+    )
     return 0
 
 
@@ -262,14 +272,18 @@ def cmd_plan(args) -> int:
             model = DormouseModel(run.model)
         log.info(format_routes(route_params(model, opt=run.train.opt)))
     if args.fit is None and (args.world is not None or args.shard is not None):
-        raise UserError("plan: --world/--shard plan a fleet's memory and need --fit GB (the "
-                        "card size, or one per rank: --fit 16,8); add --fit")
+        raise UserError(
+            "plan: --world/--shard plan a fleet's memory and need --fit GB (the "
+            "card size, or one per rank: --fit 16,8); add --fit"
+        )
     if args.shard is not None:
         from .train.plan.fit import SHARDS
 
         if args.shard not in SHARDS:
-            raise UserError(f"--shard {args.shard!r} is not one of {', '.join(SHARDS)} (none = "
-                            f"DDP, every rank the whole model; fsdp = FSDP2, each rank 1/N)")
+            raise UserError(
+                f"--shard {args.shard!r} is not one of {', '.join(SHARDS)} (none = "
+                f"DDP, every rank the whole model; fsdp = FSDP2, each rank 1/N)"
+            )
         run = apply_sets(run, [f"dist_shard={args.shard}"])
     if args.fit is not None:
         from .train.plan.fit import main_plan
@@ -310,21 +324,34 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dormouse", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="cmd", required=True)
 
-    t = sub.add_parser("train", help="train a preset (on the embedded default corpus unless --data)")
+    t = sub.add_parser(
+        "train", help="train a preset (on the embedded default corpus unless --data)"
+    )
     t.add_argument("preset", choices=preset_names())
     t.add_argument("--data", nargs="+", help="byte corpora (any file type); several form a mixture")
     t.add_argument("--steps", type=int, help="optimizer steps")
     t.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config field")
     t.add_argument("--out", help="run folder (checkpoint, metrics.jsonl, loss.png)")
-    t.add_argument("--resume", nargs="?", const="must", choices=("never", "auto", "must"),
-                   help="never (the default): refuse a folder that holds a run; auto: continue "
-                   "its checkpoint if there is one, else start; must (plain --resume): continue "
-                   "it, refuse if there is none. Implied auto on an elastic restart")
-    t.add_argument("--overwrite", action="store_true",
-                   help="start afresh in a folder that holds a run (its checkpoint is replaced)")
-    t.add_argument("--dry-run", action="store_true",
-                   help="check everything (config, device, arms, model, data, run folder), "
-                   "train nothing, write nothing")
+    t.add_argument(
+        "--resume",
+        nargs="?",
+        const="must",
+        choices=("never", "auto", "must"),
+        help="never (the default): refuse a folder that holds a run; auto: continue "
+        "its checkpoint if there is one, else start; must (plain --resume): continue "
+        "it, refuse if there is none. Implied auto on an elastic restart",
+    )
+    t.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="start afresh in a folder that holds a run (its checkpoint is replaced)",
+    )
+    t.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="check everything (config, device, arms, model, data, run folder), "
+        "train nothing, write nothing",
+    )
     t.add_argument("--device", help="auto | cpu | cuda | cuda:N")
     t.add_argument("--dist", action="store_true", help="join the fleet (launch with torchrun)")
     t.add_argument("--capacity", help='per-rank micro-batches: "4,2", "4x512,2x512" or auto')
@@ -334,8 +361,12 @@ def build_parser() -> argparse.ArgumentParser:
     e = sub.add_parser("eval", help="evaluate a checkpoint on the validation split")
     e.add_argument("checkpoint")
     e.add_argument("--data", nargs="+")
-    e.add_argument("--batches", type=int, help="evaluate N batches spread over the val split "
-                   "(default: the whole split, every byte once)")
+    e.add_argument(
+        "--batches",
+        type=int,
+        help="evaluate N batches spread over the val split "
+        "(default: the whole split, every byte once)",
+    )
     e.add_argument("--device")
     e.set_defaults(fn=cmd_eval)
 
@@ -352,27 +383,46 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("compare", help="two runs' validation curves vs time and bytes, one PNG")
     c.add_argument("runs", nargs="+", metavar="RUN", help="run folders; the last is the baseline")
     c.add_argument("--out", help="the PNG to write (default: RUN_A/compare.png)")
-    c.add_argument("--target", type=float, help="the val loss to time (default: the last run's best)")
-    c.add_argument("--step-ms", metavar="MS,MS", help="time each run as steps x this solo step "
-                   "time (runs that shared a card, timed alone elsewhere)")
+    c.add_argument(
+        "--target", type=float, help="the val loss to time (default: the last run's best)"
+    )
+    c.add_argument(
+        "--step-ms",
+        metavar="MS,MS",
+        help="time each run as steps x this solo step "
+        "time (runs that shared a card, timed alone elsewhere)",
+    )
     c.set_defaults(fn=cmd_compare)
 
     x = sub.add_parser("export", help="one checkpoint file from a run (sharded or not)")
     x.add_argument("run", help="a run folder or its checkpoint file")
-    x.add_argument("--to", required=True, help="the file to write (e.g. model.pt), outside "
-                   "every run folder")
+    x.add_argument(
+        "--to", required=True, help="the file to write (e.g. model.pt), outside every run folder"
+    )
     x.add_argument("--overwrite", action="store_true", help="replace --to if it exists")
     x.set_defaults(fn=cmd_export)
 
     pl = sub.add_parser("plan", help="parameter count, optimizer routes, --fit arithmetic")
     pl.add_argument("preset", choices=preset_names())
-    pl.add_argument("--routes", action="store_true", help="print which optimizer owns each parameter")
-    pl.add_argument("--fit", metavar="GB[,GB...]",
-                    help="plan into a card of GB (one per rank for a mixed fleet)")
-    pl.add_argument("--world", type=int, metavar="N",
-                    help="ranks in the fleet (default: one, or one per --fit GB)")
-    pl.add_argument("--shard", metavar="none|fsdp",
-                    help="the fleet's sharding: none (DDP) or fsdp (FSDP2); default dist_shard")
+    pl.add_argument(
+        "--routes", action="store_true", help="print which optimizer owns each parameter"
+    )
+    pl.add_argument(
+        "--fit",
+        metavar="GB[,GB...]",
+        help="plan into a card of GB (one per rank for a mixed fleet)",
+    )
+    pl.add_argument(
+        "--world",
+        type=int,
+        metavar="N",
+        help="ranks in the fleet (default: one, or one per --fit GB)",
+    )
+    pl.add_argument(
+        "--shard",
+        metavar="none|fsdp",
+        help="the fleet's sharding: none (DDP) or fsdp (FSDP2); default dist_shard",
+    )
     pl.add_argument("--batch", type=int)
     pl.add_argument("--seq", type=int)
     pl.add_argument("--set", action="append", metavar="KEY=VALUE")
@@ -385,8 +435,11 @@ def build_parser() -> argparse.ArgumentParser:
     li.add_argument("rest", nargs=argparse.REMAINDER)
     li.set_defaults(fn=cmd_link)
 
-    b = sub.add_parser("bench", help="benchmark tables: step (the default; --baseline gpt), optim, "
-                       "memory, shards, fleet, kernels; warm fills the kernel caches")
+    b = sub.add_parser(
+        "bench",
+        help="benchmark tables: step (the default; --baseline gpt), optim, "
+        "memory, shards, fleet, kernels; warm fills the kernel caches",
+    )
     b.add_argument("rest", nargs=argparse.REMAINDER)
     b.set_defaults(fn=cmd_bench)
     return p
@@ -435,7 +488,9 @@ def out_of_memory(e: BaseException) -> str:
         held = (f"; this process holds {torch.cuda.memory_reserved(dev) / 2**30:.1f} GiB "
                 f"(allocated {torch.cuda.memory_allocated(dev) / 2**30:.1f} GiB) of cuda:{dev}'s "
                 f"{total:.1f} GiB")  # fmt: skip
-    return (f"out of memory on the GPU ({asked}{held}): lower --set batch (with --set "
-            f"global_batch=G the step keeps G windows as accumulated micro-batches) or --set "
-            f"seq_len, or let `--fit GB` choose; compile_mode=reduce-overhead also holds "
-            f"CUDA-graph pools (compile_mode=default does not)")
+    return (
+        f"out of memory on the GPU ({asked}{held}): lower --set batch (with --set "
+        f"global_batch=G the step keeps G windows as accumulated micro-batches) or --set "
+        f"seq_len, or let `--fit GB` choose; compile_mode=reduce-overhead also holds "
+        f"CUDA-graph pools (compile_mode=default does not)"
+    )

@@ -48,8 +48,10 @@ def read_evals(run: str | Path) -> tuple[str, list[dict]]:
                            f"validation split)")  # fmt: skip
     missing = [r["step"] for r in rows if "train_s" not in r or "bytes" not in r]
     if missing:
-        raise CompareError(f"{metrics}: eval rows without train_s/bytes (steps {missing[:3]}...): "
-                           f"written by an older dormouse; train the run again to compare it")
+        raise CompareError(
+            f"{metrics}: eval rows without train_s/bytes (steps {missing[:3]}...): "
+            f"written by an older dormouse; train the run again to compare it"
+        )
     label = folder.name
     cfg = folder / CONFIG
     if cfg.is_file():
@@ -81,14 +83,18 @@ def summary(runs: list[tuple[str, list[dict]]], target: float | None) -> tuple[f
     bests = [min(rows, key=lambda r: r["loss"]) for _, rows in runs]
     if target is None:
         target = bests[-1]["loss"]  # the baseline's best
-    head = (f"{'run':<40} {'best val':>9} {'at step':>8} {'train s':>8}   "
-            f"time to {target:.4f}   bytes to it")
+    head = (
+        f"{'run':<40} {'best val':>9} {'at step':>8} {'train s':>8}   "
+        f"time to {target:.4f}   bytes to it"
+    )
     lines = [head, "-" * len(head)]
     for (label, rows), b in zip(runs, bests):
         hit = reach(rows, target)
         to = (f"{hit['train_s']:>8.1f} s (step {hit['step']})   {_size(hit['bytes']):>9}"
               if hit else f"{'not reached':>24}")  # fmt: skip
-        lines.append(f"{label[:40]:<40} {b['loss']:>9.4f} {b['step']:>8} {b['train_s']:>8.1f}   {to}")
+        lines.append(
+            f"{label[:40]:<40} {b['loss']:>9.4f} {b['step']:>8} {b['train_s']:>8.1f}   {to}"
+        )
     return target, lines
 
 
@@ -157,8 +163,9 @@ def main_compare(paths: list[str], out: str | None, target: float | None,
     if clock:
         runs = [(f"{label} @ {ms:g} ms/step", on_clock(rows, ms))
                 for (label, rows), ms in zip(runs, clock)]  # fmt: skip
-        log.info("time axis: steps x the given solo step times (--step-ms), not the runs' own "
-                 "train_s")
+        log.info(
+            "time axis: steps x the given solo step times (--step-ms), not the runs' own train_s"
+        )
     target, lines = summary(runs, target)
     for line in lines:
         log.info(line)

@@ -105,8 +105,9 @@ class TrainConfig:
     # reduce-overhead where the step's shapes are static and nothing accumulates or streams
     # from the host, else default; on the CPU no compile. Evaluation runs uncompiled.
     compile: Literal["auto", True, False] = "auto"
-    compile_mode: Literal["auto", "default", "reduce-overhead",
-                          "max-autotune-no-cudagraphs"] = "auto"
+    compile_mode: Literal["auto", "default", "reduce-overhead", "max-autotune-no-cudagraphs"] = (
+        "auto"
+    )
     # torch.compile's backend: inductor generates fused kernels; aot_eager runs the same
     # dynamo graphs and AOTAutograd's forward/backward split with eager kernels (no codegen:
     # seconds, not minutes, on a CPU) to check what compiling does to a run's arithmetic
@@ -241,8 +242,9 @@ def _one_dtype(model: dict[str, Any], train: dict[str, Any]) -> None:
         return
     bf16, old = model.pop("bf16", False), train.get("dtype", "none")
     train["dtype"] = ("auto" if bf16 is True else "fp32") if old == "none" else old
-    log.info("run config of an older dormouse: bf16=%s dtype=%s -> dtype=%s", bf16, old,
-             train["dtype"])
+    log.info(
+        "run config of an older dormouse: bf16=%s dtype=%s -> dtype=%s", bf16, old, train["dtype"]
+    )
 
 
 def _build(cls, d: dict[str, Any]):
@@ -357,8 +359,14 @@ _PRESETS: dict[str, tuple[ModelConfig, TrainConfig]] = {
 }  # fmt: skip
 
 #: What DESIGN.md §2 promises (parameters including Engram tables); tested at +-10%.
-PRESET_PARAMS = {"cpu": 5.3e6, "small": 9.5e6, "medium": 140e6, "b1": 1.07e9, "gpt-small": 9.5e6,
-                 "gpt-small-ne": 5.1e6}
+PRESET_PARAMS = {
+    "cpu": 5.3e6,
+    "small": 9.5e6,
+    "medium": 140e6,
+    "b1": 1.07e9,
+    "gpt-small": 9.5e6,
+    "gpt-small-ne": 5.1e6,
+}
 
 
 def preset_names() -> list[str]:
@@ -434,7 +442,10 @@ def _tname(tp) -> str:
 def apply_sets(run: RunConfig, sets: list[str] | tuple[str, ...]) -> RunConfig:
     """Apply `key=value` overrides (key may be `model.k`, `train.k` or plain `k`)."""
     owner = _field_owner()
-    hints = {"model": typing.get_type_hints(ModelConfig), "train": typing.get_type_hints(TrainConfig)}
+    hints = {
+        "model": typing.get_type_hints(ModelConfig),
+        "train": typing.get_type_hints(TrainConfig),
+    }
     new = {"model": {}, "train": {}}
     for item in sets:
         if "=" not in item:
@@ -472,11 +483,62 @@ def asked_differences(saved: RunConfig, asked: RunConfig) -> list[str]:
 # ---- validation ----------------------------------------------------------------
 
 #: Every field with a fixed set of values: its Literal annotation, stated once.
-_CHOICES = {name: typing.get_args(tp) for cls in (ModelConfig, TrainConfig)
-            for name, tp in typing.get_type_hints(cls).items() if typing.get_origin(tp) is Literal}
+_CHOICES = {
+    name: typing.get_args(tp)
+    for cls in (ModelConfig, TrainConfig)
+    for name, tp in typing.get_type_hints(cls).items()
+    if typing.get_origin(tp) is Literal
+}
 
-_POSITIVE = ["vocab", "d_model", "n_layers", "max_iter", "n_heads", "head_dim", "conv_size", "kda_chunk", "d_ffn", "n_experts", "moe_topk", "engram_rows", "engram_dim", "engram_heads", "max_seq_len", "batch", "seq_len", "ns_steps", "eval_batches", "max_skips", "loss_scale_every"]
-_NON_NEGATIVE = ["rank", "gate_rank", "segment_len", "shared_rank", "moe_capacity", "moe_lb_coef", "steps", "warmup", "wd", "grad_clip", "log_every", "eval_every", "ckpt_every", "val_bytes", "bucket_mb", "fit_gb", "lr", "min_lr_frac", "global_batch", "rebalance_every", "rebalance_threshold", "engram_lr_mult", "init_std", "early_stop"]
+_POSITIVE = [
+    "vocab",
+    "d_model",
+    "n_layers",
+    "max_iter",
+    "n_heads",
+    "head_dim",
+    "conv_size",
+    "kda_chunk",
+    "d_ffn",
+    "n_experts",
+    "moe_topk",
+    "engram_rows",
+    "engram_dim",
+    "engram_heads",
+    "max_seq_len",
+    "batch",
+    "seq_len",
+    "ns_steps",
+    "eval_batches",
+    "max_skips",
+    "loss_scale_every",
+]
+_NON_NEGATIVE = [
+    "rank",
+    "gate_rank",
+    "segment_len",
+    "shared_rank",
+    "moe_capacity",
+    "moe_lb_coef",
+    "steps",
+    "warmup",
+    "wd",
+    "grad_clip",
+    "log_every",
+    "eval_every",
+    "ckpt_every",
+    "val_bytes",
+    "bucket_mb",
+    "fit_gb",
+    "lr",
+    "min_lr_frac",
+    "global_batch",
+    "rebalance_every",
+    "rebalance_threshold",
+    "engram_lr_mult",
+    "init_std",
+    "early_stop",
+]
 
 
 #: Devices a run may name: what `torch.device` accepts and dormouse runs on.
@@ -515,8 +577,10 @@ def check_file_name(name: str, key: str = "ckpt_name") -> str:
 
 def _check_path(text: str, what: str) -> None:
     if not text or "\0" in text:
-        raise ConfigError(f"{what}={text!r} is not a usable path (empty, or holds a NUL byte; "
-                          f"an unset shell variable gives an empty one); name the file or folder")
+        raise ConfigError(
+            f"{what}={text!r} is not a usable path (empty, or holds a NUL byte; "
+            f"an unset shell variable gives an empty one); name the file or folder"
+        )
 
 
 def validate(run: RunConfig) -> RunConfig:
@@ -582,8 +646,10 @@ def validate(run: RunConfig) -> RunConfig:
     if len(t.adam_betas) != 2 or not all(0 <= b < 1 for b in t.adam_betas):
         raise ConfigError(f"adam_betas={t.adam_betas} must be two numbers in [0, 1)")
     if not (math.isfinite(t.adam_eps) and t.adam_eps > 0):
-        raise ConfigError(f"adam_eps={t.adam_eps} must be a finite number > 0 (Adam's epsilon; "
-                          f"torch's default is 1e-8)")
+        raise ConfigError(
+            f"adam_eps={t.adam_eps} must be a finite number > 0 (Adam's epsilon; "
+            f"torch's default is 1e-8)"
+        )
     biggest = max(m.n_experts * m.d_model * m.d_ffn, m.engram_rows * m.engram_dim,
                   m.d_model * m.d_attn, m.d_model * m.vocab)  # fmt: skip
     if biggest > _TENSOR_MAX:
@@ -594,8 +660,10 @@ def validate(run: RunConfig) -> RunConfig:
             f"lower the sizes"
         )
     if not 0 <= t.muon_momentum < 1:
-        raise ConfigError(f"muon_momentum={t.muon_momentum} must be in [0, 1) (0.95 is usual); "
-                          f"at 1 or above the momentum never forgets and grows without bound")
+        raise ConfigError(
+            f"muon_momentum={t.muon_momentum} must be in [0, 1) (0.95 is usual); "
+            f"at 1 or above the momentum never forgets and grows without bound"
+        )
     if not 0 <= t.wsd_decay_frac <= 1:
         raise ConfigError(f"wsd_decay_frac={t.wsd_decay_frac} must be in [0, 1]")
     if not 0 <= t.val_frac < 1:

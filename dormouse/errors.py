@@ -11,4 +11,3 @@ from __future__ import annotations
 
 class UserError(Exception):
     """A refusal whose message names the cause, the measured fact and the escape."""
-

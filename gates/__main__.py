@@ -19,7 +19,6 @@ import sys
 import time
 from pathlib import Path
 
-
 BEGIN, END = "<!-- status:begin -->", "<!-- status:end -->"
 
 
@@ -44,22 +43,45 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     from gates import ROOT
     from gates.status import (
-        GATES, gate_lines, load, load_cuda_records, save_cuda_records, timed, write_status,
+        GATES,
+        gate_lines,
+        load,
+        load_cuda_records,
+        save_cuda_records,
+        timed,
+        write_status,
     )
 
     p = argparse.ArgumentParser(prog="python -m gates", description=__doc__.splitlines()[0])
     p.add_argument("only", nargs="*", help=f"gate names (default: all): {', '.join(GATES)}")
-    p.add_argument("--cuda-fleet", action="store_true",
-                   help="run the fleet gates on nccl with one process per CUDA device (needs >= 2)")
-    p.add_argument("--cuda", action="store_true",
-                   help="run the gates that need one CUDA card (SINGLE_CUDA) on the GPU")
-    p.add_argument("--mutations", action="store_true",
-                   help="run the mutation list (positional names are then mutation names)")
-    p.add_argument("--jobs", type=int, default=1, metavar="N",
-                   help="--mutations: run the (mutation, gate) pairs in N worker processes "
-                   "(each pair's fleets still spawn their ranks; 2 on a 2-core box: ~2x)")
-    p.add_argument("--out", default=str(ROOT / "docs" / "status.md"),
-                   help="where the status table goes (written only when every gate ran)")
+    p.add_argument(
+        "--cuda-fleet",
+        action="store_true",
+        help="run the fleet gates on nccl with one process per CUDA device (needs >= 2)",
+    )
+    p.add_argument(
+        "--cuda",
+        action="store_true",
+        help="run the gates that need one CUDA card (SINGLE_CUDA) on the GPU",
+    )
+    p.add_argument(
+        "--mutations",
+        action="store_true",
+        help="run the mutation list (positional names are then mutation names)",
+    )
+    p.add_argument(
+        "--jobs",
+        type=int,
+        default=1,
+        metavar="N",
+        help="--mutations: run the (mutation, gate) pairs in N worker processes "
+        "(each pair's fleets still spawn their ranks; 2 on a 2-core box: ~2x)",
+    )
+    p.add_argument(
+        "--out",
+        default=str(ROOT / "docs" / "status.md"),
+        help="where the status table goes (written only when every gate ran)",
+    )
     args = p.parse_args(argv)
     if args.jobs < 1 or (args.jobs > 1 and not args.mutations):
         p.error(f"--jobs {args.jobs}: a count >= 1 of worker processes for --mutations")
@@ -89,8 +111,9 @@ def main(argv: list[str] | None = None) -> int:
     records = []
     for name in names:
         mod = load(name)
-        cuda = ((args.cuda_fleet and getattr(mod, "CUDA", True))
-                or ((args.cuda or args.cuda_fleet) and getattr(mod, "SINGLE_CUDA", False)))
+        cuda = (args.cuda_fleet and getattr(mod, "CUDA", True)) or (
+            (args.cuda or args.cuda_fleet) and getattr(mod, "SINGLE_CUDA", False)
+        )
         rec = timed(name, lambda: mod.run(cuda=cuda))
         rec.details["ran_on_cuda"] = bool(cuda)
         records.append(rec)
@@ -98,8 +121,10 @@ def main(argv: list[str] | None = None) -> int:
         if rec.details.get("traceback"):  # a crashed gate: where, not only what
             print("    " + rec.details["traceback"].strip().replace("\n", "\n    ")[-1500:])
     failed = [r.gate for r in records if not r.passed]
-    print(f"\n{len(records) - len(failed)}/{len(records)} gates passed in "
-          f"{time.perf_counter() - t0:.0f} s" + (f"; FAILED: {', '.join(failed)}" if failed else ""))
+    print(
+        f"\n{len(records) - len(failed)}/{len(records)} gates passed in "
+        f"{time.perf_counter() - t0:.0f} s" + (f"; FAILED: {', '.join(failed)}" if failed else "")
+    )
     gpu = args.cuda_fleet or args.cuda
     if gpu:  # GPU rows are kept for the CPU run's table (python -m gates merges them)
         save_cuda_records([r for r in records if r.details.get("ran_on_cuda")])
@@ -135,8 +160,11 @@ def run_mutations(only: list[str], out: Path, jobs: int = 1) -> int:
     pairs = [(m.name, gate) for m in [BY_NAME[n] for n in only] or MUTATIONS for gate in m.gates]
 
     def said(row: dict) -> None:
-        print(f"[{row['outcome']}] {row['mutation']} -> {row['gate']} ({row['seconds']:.1f} s): "
-              f"{row['measured'][:300]}", flush=True)
+        print(
+            f"[{row['outcome']}] {row['mutation']} -> {row['gate']} ({row['seconds']:.1f} s): "
+            f"{row['measured'][:300]}",
+            flush=True,
+        )
 
     if jobs == 1:
         rows = []

@@ -13,8 +13,9 @@ import fcntl
 import os
 import pickle
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 
 def base_dir() -> Path:

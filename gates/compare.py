@@ -89,8 +89,12 @@ def tol_on(cuda: bool, fp32_tol: float, spread: float) -> float:
     return max(fp32_tol, SPREAD_K * spread) if cuda else fp32_tol
 
 
-def judge(cuda: bool, figures: dict[str, float], fp32_tol: dict[str, float],
-          spread: dict[str, float] | None = None) -> tuple[bool, str, str]:
+def judge(
+    cuda: bool,
+    figures: dict[str, float],
+    fp32_tol: dict[str, float],
+    spread: dict[str, float] | None = None,
+) -> tuple[bool, str, str]:
     """(every figure within its tolerance, "name figure, ..." text, "name <= tol, ..." text).
     On CUDA each tolerance is tol_on(...) of the reference's spread of the same figure."""
     spread = spread or {}
@@ -98,8 +102,11 @@ def judge(cuda: bool, figures: dict[str, float], fp32_tol: dict[str, float],
     ok = all(figures[k] <= tol[k] for k in tol)
     text = ", ".join(f"{k} {fmt(figures[k])}" for k in tol)
     if cuda and spread:
-        text += " (the reference's own spread: " + ", ".join(
-            f"{k} {fmt(spread[k])}" for k in tol if k in spread) + ")"
+        text += (
+            " (the reference's own spread: "
+            + ", ".join(f"{k} {fmt(spread[k])}" for k in tol if k in spread)
+            + ")"
+        )
     return ok, text, ", ".join(f"{k} <= {fmt(v)}" for k, v in tol.items())
 
 

@@ -23,7 +23,6 @@ import torch.nn.functional as F
 
 from gates.cache import base_dir
 
-
 CORPUS_BYTES = 96_000
 #: The fixture's per-rank batch; the global batch is BATCH * world.
 BATCH = 2
@@ -163,16 +162,18 @@ def threads(n: int):
 STEADY_ADAM = "adam_eps=1e-5"
 #: 2 ranks x 2 windows, DDP, Muon, 20 steps; eval and checkpoints every 10 steps; each rank
 #: gets its own out_dir so the gate can see which rank wrote what. Gates 1, 2, 8.
-DDP_RUN = FleetSpec("ddp", steps=20, per_rank_out=True, plot=True,
-                   sets=("eval_every=10", "ckpt_every=10"))
+DDP_RUN = FleetSpec(
+    "ddp", steps=20, per_rank_out=True, plot=True, sets=("eval_every=10", "ckpt_every=10")
+)
 #: Unequal capacity, two steps (the step-1 state is recorded inside step 2). Blocks in file
 #: order (shuffle off), so the hand-written gradient reference reads step 0's block from byte
 #: 0 without re-implementing the data module's block order. Gate 3, at world 2 and 3 (rank
 #: order shows only from world 3 on), with STEADY_ADAM.
 UNEQUAL_RUNS = {
     2: FleetSpec("unequal", steps=2, capacity="4,2", sets=("shuffle=false", STEADY_ADAM)),
-    3: FleetSpec("unequal3", world=3, steps=2, capacity="4,2,3",
-                 sets=("shuffle=false", STEADY_ADAM)),
+    3: FleetSpec(
+        "unequal3", world=3, steps=2, capacity="4,2,3", sets=("shuffle=false", STEADY_ADAM)
+    ),
 }
 #: Faults: a NaN loss (finite gradient) at step index 2 on each rank in turn and on two at
 #: once, unequal capacity, host-RAM Engram tables and the LFB controller on, so a skipped step
@@ -201,8 +202,9 @@ FSDP_RUN = FleetSpec("fsdp", steps=20, sets=("dist_shard=fsdp", "opt=adamw"), re
 #: Gates 9, 11.
 LFB_RUNS = {
     2: FleetSpec("lfb", steps=8, capacity="auto", rates=(3.0, 1.0), sets=("moe_lb_coef=0.01",)),
-    3: FleetSpec("lfb3", world=3, steps=8, capacity="auto", rates=(3.0, 1.0, 2.0),
-                 sets=("moe_lb_coef=0.01",)),
+    3: FleetSpec(
+        "lfb3", world=3, steps=8, capacity="auto", rates=(3.0, 1.0, 2.0), sets=("moe_lb_coef=0.01",)
+    ),
 }
 #: The last rank gets SIGTERM during step 3 of 20; the fleet agrees every 10 steps, so every
 #: rank stops after step 10 with one checkpoint, which the fleet then resumes to step 20. Gate 15.

@@ -65,20 +65,29 @@ def run(cuda: bool = False) -> Record:
     n = len(got["losses"])
     learned = min(fall(got["losses"]), fall(ref["losses"]))
     passed = n == spec.steps and all(m[k] <= tol[k] for k in tol) and learned >= LEARNS
-    measured = (f"max |dloss| {fmt(m['dloss'])} over {n} steps; step-1 gradient rel "
-                f"{fmt(m['gradient'])}, params rel {fmt(m['params'])}, update rel "
-                f"{fmt(m['update'])}; pre-clip norms max rel {fmt(m['norms'])} (norms "
-                f"{min(ref['gnorms']):.2f}..{max(ref['gnorms']):.2f}); the loss fell by "
-                f"{learned:.3f}")
+    measured = (
+        f"max |dloss| {fmt(m['dloss'])} over {n} steps; step-1 gradient rel "
+        f"{fmt(m['gradient'])}, params rel {fmt(m['params'])}, update rel "
+        f"{fmt(m['update'])}; pre-clip norms max rel {fmt(m['norms'])} (norms "
+        f"{min(ref['gnorms']):.2f}..{max(ref['gnorms']):.2f}); the loss fell by "
+        f"{learned:.3f}"
+    )
     if cuda:
         measured += "; the reference's own spread: " + ", ".join(
-            f"{k} {fmt(v)}" for k, v in spread.items())
+            f"{k} {fmt(v)}" for k, v in spread.items()
+        )
     return Record(
-        "g01_trajectory", CLAIM, INSTRUMENT, measured,
+        "g01_trajectory",
+        CLAIM,
+        INSTRUMENT,
+        measured,
         ", ".join(f"{k} <= {fmt(v)}" for k, v in tol.items())
-        + (" (fp32 round-off of a different summation order"
-           + (f"; on CUDA at least {SPREAD_K:g}x the reference's spread)" if cuda else ")"))
+        + (
+            " (fp32 round-off of a different summation order"
+            + (f"; on CUDA at least {SPREAD_K:g}x the reference's spread)" if cuda else ")")
+        )
         + f"; the loss falls by >= {LEARNS:g} (the fixture learns)",
-        passed, fleet_env(cuda),
+        passed,
+        fleet_env(cuda),
         details={"fleet_losses": got["losses"], "ref_losses": ref["losses"]},
     )

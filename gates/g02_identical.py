@@ -19,8 +19,10 @@ def _identical(spec) -> tuple[bool, str]:
     n = min(len(t) for t in took)
     if len({tuple(t[:n]) for t in took}) != 1:
         first = next(i for i in range(n) if len({t[i] for t in took}) != 1)
-        return False, (f"{spec.name}: the ranks took different steps: step {first + 1} taken "
-                       f"{[t[first] for t in took]}" + (f"; then {errors[:200]}" if errors else ""))
+        return False, (
+            f"{spec.name}: the ranks took different steps: step {first + 1} taken "
+            f"{[t[first] for t in took]}" + (f"; then {errors[:200]}" if errors else "")
+        )
     if errors:
         return False, f"{spec.name}: {errors[:300]}"
     seqs = [r["rec"]["fingerprints"] + [r["rec"]["final_fingerprint"]] for r in ranks]
@@ -29,9 +31,12 @@ def _identical(spec) -> tuple[bool, str]:
     # A model that never moved would be "identical" trivially: the run must change it.
     moved = seqs[0][0] != seqs[0][-1]
     ok = states == spec.steps + 1 and not differ and moved and all(len(s) == states for s in seqs)
-    return ok, (f"{spec.name}: {states - len(differ)}/{states} states identical on {len(ranks)} "
-                f"ranks" + (f" (first difference after step {differ[0]})" if differ else "")
-                + ("" if moved else "; the parameters never changed"))
+    return ok, (
+        f"{spec.name}: {states - len(differ)}/{states} states identical on {len(ranks)} "
+        f"ranks"
+        + (f" (first difference after step {differ[0]})" if differ else "")
+        + ("" if moved else "; the parameters never changed")
+    )
 
 
 def run(cuda: bool = False) -> Record:
@@ -39,8 +44,12 @@ def run(cuda: bool = False) -> Record:
     specs = [DDP_RUN] + [s for s in FAULT_RUNS if s.world in ws]
     results = [_identical(on(s, cuda)) for s in specs]
     return Record(
-        "g02_identical", CLAIM, INSTRUMENT, "; ".join(t for _, t in results),
+        "g02_identical",
+        CLAIM,
+        INSTRUMENT,
+        "; ".join(t for _, t in results),
         "every state identical on every rank (bitwise: one reducer result, one agreed verdict, "
         "the same optimizer); every rank takes the same steps",
-        all(ok for ok, _ in results), fleet_env(cuda, ws),
+        all(ok for ok, _ in results),
+        fleet_env(cuda, ws),
     )

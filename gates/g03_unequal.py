@@ -11,7 +11,13 @@ from __future__ import annotations
 from gates.cache import work_dir
 from gates.compare import fmt, judge, rel_err, update_rel_err
 from gates.fixtures import (
-    UNEQUAL_RUNS, batches_of, corpus_path, exact_fp32, fixture_run, on, worlds,
+    UNEQUAL_RUNS,
+    batches_of,
+    corpus_path,
+    exact_fp32,
+    fixture_run,
+    on,
+    worlds,
 )
 from gates.spawn import fleet
 from gates.status import Record, fleet_env
@@ -50,22 +56,29 @@ def _one(spec, cuda: bool) -> tuple[bool, str]:
 
     before, right, info = reference()
     _, wrong, _ = reference(weights=[1 / len(shapes)] * len(shapes))
-    figures = {"gradient": rel_err(got["grads"][0], info["grads"]),
-               "update": update_rel_err(got["params"][1], right, before)}
+    figures = {
+        "gradient": rel_err(got["grads"][0], info["grads"]),
+        "update": update_rel_err(got["params"][1], right, before),
+    }
     spread = {}
     if cuda:  # the hand-written sum in the other order, on the same card
         _, right2, info2 = reference(reverse=True)
-        spread = {"gradient": rel_err(info2["grads"], info["grads"]),
-                  "update": update_rel_err(right2, right, before)}
+        spread = {
+            "gradient": rel_err(info2["grads"], info["grads"]),
+            "update": update_rel_err(right2, right, before),
+        }
     tol_update = TOL_UPDATE[spec.world]
     close, text, tol = judge(cuda, figures, {"gradient": TOL_GRAD, "update": tol_update}, spread)
     sep = update_rel_err(wrong, right, before)
     same_start = all((got["params"][0][k] == before[k]).all() for k in before)
     ok = bool(same_start and close and sep > 10 * tol_update)
-    text = (f"world {spec.world} ({','.join(ranks[0]['shapes'])}): {text} (local losses "
-            f"{', '.join(f'{x:.4f}' for x in info['local_losses'])}); the unweighted step is "
-            f"{fmt(sep)} away" + (f" [{tol}]" if cuda else "")
-            + ("" if same_start else "; NOT started from the reference's init"))
+    text = (
+        f"world {spec.world} ({','.join(ranks[0]['shapes'])}): {text} (local losses "
+        f"{', '.join(f'{x:.4f}' for x in info['local_losses'])}); the unweighted step is "
+        f"{fmt(sep)} away"
+        + (f" [{tol}]" if cuda else "")
+        + ("" if same_start else "; NOT started from the reference's init")
+    )
     return ok, text
 
 
@@ -73,9 +86,13 @@ def run(cuda: bool = False) -> Record:
     ws = worlds(cuda, 2, 3)
     results = [_one(on(UNEQUAL_RUNS[w], cuda), cuda) for w in ws]
     return Record(
-        "g03_unequal", CLAIM, INSTRUMENT, "; ".join(t for _, t in results),
+        "g03_unequal",
+        CLAIM,
+        INSTRUMENT,
+        "; ".join(t for _, t in results),
         f"gradient <= {fmt(TOL_GRAD)}, update <= {fmt(TOL_UPDATE[2])} (world 2) / "
         f"{fmt(TOL_UPDATE[3])} (world 3) (fp32 round-off); the unweighted step must be > 10x "
         f"the update tolerance away",
-        all(ok for ok, _ in results), fleet_env(cuda, ws),
+        all(ok for ok, _ in results),
+        fleet_env(cuda, ws),
     )

@@ -33,23 +33,33 @@ def run(cuda: bool = False) -> Record:
     seqs = [r["rec"]["fingerprints"] + [r["rec"]["final_fingerprint"]] for r in ranks]
     states = len(seqs[0])
     differ = [k for k in range(states) if len({s[k] for s in seqs}) != 1]
+
     def measure(a: dict, b: dict) -> dict[str, float]:
-        return {"dloss": max_abs_diff(a["losses"], b["losses"]),
-                "gradient": rel_err(a["grads"][0], b["grads"][0]),
-                "norms": max_rel_diff(a["gnorms"], b["gnorms"])}
+        return {
+            "dloss": max_abs_diff(a["losses"], b["losses"]),
+            "gradient": rel_err(a["grads"][0], b["grads"][0]),
+            "norms": max_rel_diff(a["gnorms"], b["gnorms"]),
+        }
 
     spread = measure(single(spec, split_rows=True)["rec"], ref) if cuda else {}
-    ok, text, tol = judge(cuda, measure(got, ref),
-                          {"dloss": TOL_LOSS, "gradient": TOL_GRAD, "norms": TOL_GRAD}, spread)
+    ok, text, tol = judge(
+        cuda,
+        measure(got, ref),
+        {"dloss": TOL_LOSS, "gradient": TOL_GRAD, "norms": TOL_GRAD},
+        spread,
+    )
     moved = seqs[0][0] != seqs[0][-1]
     passed = (not differ and moved and states == spec.steps + 1
               and len(got["losses"]) == spec.steps and ok)  # fmt: skip
     return Record(
-        "g04_fsdp", CLAIM, INSTRUMENT,
+        "g04_fsdp",
+        CLAIM,
+        INSTRUMENT,
         f"{states - len(differ)}/{states} gathered states identical; over "
         f"{len(got['losses'])} steps: {text}",
         f"states bitwise identical; {tol} (fp32 round-off"
         + (f"; on CUDA at least {SPREAD_K:g}x the reference's spread)" if cuda else ")"),
-        passed, fleet_env(cuda),
+        passed,
+        fleet_env(cuda),
         details={"fleet_losses": got["losses"], "ref_losses": ref["losses"]},
     )

@@ -39,7 +39,9 @@ def check(spec, cuda: bool = False) -> tuple[bool, str]:
     local = [[d[0] for d in r["rec"].get("decisions", [])] for r in ranks]
     agreed = [[d[1] for d in r["rec"].get("decisions", [])] for r in ranks]
     if any(len(a) <= k for a in agreed):
-        return False, f"{tag}: a rank never reached step {k + 1}" + (f" ({errors})" if errors else "")
+        return False, f"{tag}: a rank never reached step {k + 1}" + (
+            f" ({errors})" if errors else ""
+        )
     if errors:  # a rank died: what the ranks decided before that is the verdict
         split = len({a[k] for a in agreed}) > 1
         return False, (f"{tag}: " + (f"the ranks acted on different verdicts at step {k + 1}: "
@@ -79,23 +81,32 @@ def check(spec, cuda: bool = False) -> tuple[bool, str]:
                                 "host": TOL_TABLE, "LFB": TOL_LFB}, spread)  # fmt: skip
     skips = [r["report"]["skips"] for r in ranks]
     ok = injected and skip_k and others and unchanged and skips == [1] * P and close
-    short = lambda xs: "".join("T" if x else "F" for x in xs)  # noqa: E731
-    text = (f"{tag}: local {short(loc[k] for loc in local)} -> agreed "
-            f"{short(a[k] for a in agreed)}, skips {skips}, changed by the skip: "
-            f"{', '.join(changed) or 'nothing'}; then {figures}" + (f" [{tol}]" if cuda else ""))
+    short = lambda xs: "".join("T" if x else "F" for x in xs)
+    text = (
+        f"{tag}: local {short(loc[k] for loc in local)} -> agreed "
+        f"{short(a[k] for a in agreed)}, skips {skips}, changed by the skip: "
+        f"{', '.join(changed) or 'nothing'}; then {figures}" + (f" [{tol}]" if cuda else "")
+    )
     return ok, text
 
 
 def run(cuda: bool = False) -> Record:
     ws = worlds(cuda, 2, 3)
-    results = [check(on(s, cuda), cuda) for s in FAULT_RUNS + DEVICE_VERDICT_RUNS
-               if s.world in ws]
+    results = [check(on(s, cuda), cuda) for s in FAULT_RUNS + DEVICE_VERDICT_RUNS if s.world in ws]
     return Record(
-        "g05_nonfinite", CLAIM, INSTRUMENT, "; ".join(t for _, t in results),
+        "g05_nonfinite",
+        CLAIM,
+        INSTRUMENT,
+        "; ".join(t for _, t in results),
         f"every rank skips exactly the poisoned step (agreed False, local split as injected); "
         f"state hash bitwise unchanged by the skip; afterwards |dloss| <= {fmt(TOL_LOSS)}, "
         f"params <= {fmt(TOL_PARAM)}, host tables <= {fmt(TOL_TABLE)} (fp32 round-off"
-        + (f"; on CUDA at least {SPREAD_K:g}x the reference's spread, per run in brackets"
-           if cuda else "") + f"), LFB <= {fmt(TOL_LFB)}",
-        all(ok for ok, _ in results), fleet_env(cuda, ws),
+        + (
+            f"; on CUDA at least {SPREAD_K:g}x the reference's spread, per run in brackets"
+            if cuda
+            else ""
+        )
+        + f"), LFB <= {fmt(TOL_LFB)}",
+        all(ok for ok, _ in results),
+        fleet_env(cuda, ws),
     )

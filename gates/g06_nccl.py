@@ -29,7 +29,9 @@ def run(cuda: bool = False) -> Record:
         msg = str(e)
         loud = "NCCL" in msg and "--device cpu" in msg and "gloo" in msg
         ok &= loud
-        notes.append(f"choose_backend refused ({'names cause and escape' if loud else 'message lacks cause/escape'})")
+        notes.append(
+            f"choose_backend refused ({'names cause and escape' if loud else 'message lacks cause/escape'})"
+        )
     run_cfg = fixture_run(FleetSpec("nccl"), work_dir("nccl"), dist=True)
     env = {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
            "MASTER_PORT": "1"}  # fmt: skip
@@ -39,13 +41,20 @@ def run(cuda: bool = False) -> Record:
         notes.append("fleet.join started a fleet")
     except DistError as e:
         ok &= "NCCL" in str(e) and not dist.is_initialized()
-        notes.append("fleet.join refused before any process group existed"
-                     if not dist.is_initialized() else "a process group was created")
+        notes.append(
+            "fleet.join refused before any process group existed"
+            if not dist.is_initialized()
+            else "a process group was created"
+        )
     controls = (choose_backend("cuda", nccl_available=True), choose_backend("cpu"))
     ok &= controls == ("nccl", "gloo")
     notes.append(f"controls {controls}")
     return Record(
-        "g06_nccl", CLAIM, INSTRUMENT, "; ".join(notes),
+        "g06_nccl",
+        CLAIM,
+        INSTRUMENT,
+        "; ".join(notes),
         "a DistError naming NCCL, the gloo non-fallback and the escape; no process group",
-        ok, environment("simulated", "cuda"),
+        ok,
+        environment("simulated", "cuda"),
     )

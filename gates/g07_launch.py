@@ -60,10 +60,16 @@ def run(cuda: bool = False) -> Record:
         out, err = p.communicate(timeout=120)
         refused = p.returncode == 2 and must in err and "step=" not in out
         ok &= refused
-        notes.append(f"{name}: exit {p.returncode}" + ("" if refused else f" ({err.strip()[-200:]})"))
+        notes.append(
+            f"{name}: exit {p.returncode}" + ("" if refused else f" ({err.strip()[-200:]})")
+        )
     return Record(
-        "g07_launch", CLAIM, INSTRUMENT, "; ".join(notes) + f"; controls {controls}",
+        "g07_launch",
+        CLAIM,
+        INSTRUMENT,
+        "; ".join(notes) + f"; controls {controls}",
         "every mismatch refused with cause and escape (CLI: exit 2, no step run); the two "
         "consistent launches accepted",
-        ok, environment("none", "cpu"),
+        ok,
+        environment("none", "cpu"),
     )

@@ -32,11 +32,14 @@ def run(cuda: bool = False) -> Record:
     announce = sum(line.startswith(f"dist rank=0/{P} ") for line in ranks[0]["lines"]) == 1
     passed = main_ok and others_ok and evals_ok and quiet and announce and steps == spec.steps
     return Record(
-        "g08_rank0", CLAIM, INSTRUMENT,
+        "g08_rank0",
+        CLAIM,
+        INSTRUMENT,
         f"rank 0 wrote {files[0]}; ranks 1..{P - 1} wrote {sum(len(f) for f in files[1:])} file(s); "
         f"{len(evals)} eval lines, all tagged dist=0/{P}: {evals_ok}; rank 0 logged {steps} "
         f"step lines; other ranks printed only their dist and card lines: {quiet}",
         "rank 0: ckpt + metrics + config, every eval line tagged; other ranks: no file, two lines "
         "(the dist line and the card's own line)",
-        passed, fleet_env(cuda),
+        passed,
+        fleet_env(cuda),
     )

@@ -10,8 +10,10 @@ from gates.fixtures import LFB_RUNS, on, worlds
 from gates.spawn import fleet
 from gates.status import Record, fleet_env
 
-CLAIM = ("capacity: auto splits by rates (total exact, min 1; under global_batch into shares that "
-         "run in few full micro-batches); parse_capacity is total or refuses")
+CLAIM = (
+    "capacity: auto splits by rates (total exact, min 1; under global_batch into shares that "
+    "run in few full micro-batches); parse_capacity is total or refuses"
+)
 INSTRUMENT = ("fleets with --capacity auto and injected rates 3:1 (world 2) and 3:1:2 (world 3): "
               "every rank's (batch, seq_len) vs the split written by hand; measure_rate on this "
               "device; split_by_rates on a table; hypothesis: >= 500 arbitrary and structured "
@@ -54,7 +56,11 @@ def expected_shapes(spec: str, world: int, batch: int, seq: int, max_seq: int = 
         body, k_text = body.strip(_SPACE), k_text.strip(_SPACE)
         b_text, _, t_text = body.replace("X", "x").partition("x")
         b_text, t_text = b_text.strip(_SPACE), t_text.strip(_SPACE)
-        if not b_text or not set(b_text) <= digits or ("x" in body and (not t_text or not set(t_text) <= digits)):
+        if (
+            not b_text
+            or not set(b_text) <= digits
+            or ("x" in body and (not t_text or not set(t_text) <= digits))
+        ):
             return None
         if star and (not k_text or not set(k_text) <= digits):
             return None
@@ -157,11 +163,14 @@ def fuzz(examples: int = 300) -> dict:
             stats["refused"] += 1
             if not str(e).strip():
                 stats["violations"].append(("empty message", spec, world))
-            if rates is None and spec.strip().lower() != "auto" and \
-                    expected_shapes(spec, world, batch, seq) is not None:
+            if (
+                rates is None
+                and spec.strip().lower() != "auto"
+                and expected_shapes(spec, world, batch, seq) is not None
+            ):
                 stats["violations"].append(("refused a valid spec", spec, world, str(e)))
             return
-        except Exception as e:  # noqa: BLE001 - any other exception is a violation
+        except Exception as e:
             stats["violations"].append((f"{type(e).__name__}: {e}", spec, world))
             return
         stats["shapes"] += 1
@@ -230,7 +239,7 @@ def fuzz(examples: int = 300) -> dict:
             if total >= len(rates) or not str(e).strip():
                 stats["violations"].append(("refused a valid global split", rates, total, str(e)))
             return
-        except Exception as e:  # noqa: BLE001 - any other exception is a violation
+        except Exception as e:
             stats["violations"].append((f"{type(e).__name__}: {e}", rates, total))
             return
         stats["shapes"] += 1
@@ -262,24 +271,39 @@ def run(cuda: bool = False) -> Record:
         fleet_ok = all(s == FLEET_WANT[w] for s in shapes)
         ok &= fleet_ok
         rates = ":".join(f"{r:g}" for r in spec.rates)
-        notes.append(f"world {w} auto (rates {rates}, global {spec.batch * w}) -> "
-                     f"{','.join(shapes[0])} on every rank, hand-written "
-                     f"{','.join(FLEET_WANT[w])}: {fleet_ok}")
+        notes.append(
+            f"world {w} auto (rates {rates}, global {spec.batch * w}) -> "
+            f"{','.join(shapes[0])} on every rank, hand-written "
+            f"{','.join(FLEET_WANT[w])}: {fleet_ok}"
+        )
     rate = measure_rate(torch.device("cuda", 0) if cuda else torch.device("cpu"))
     ok &= math.isfinite(rate) and rate > 0
     notes.append(f"measure_rate {rate / 1e9:.1f} GFLOP/s")
-    table_bad = [(r, g, split_by_rates(list(r), g)) for r, g, w in TABLE if split_by_rates(list(r), g) != w]
+    table_bad = [
+        (r, g, split_by_rates(list(r), g)) for r, g, w in TABLE if split_by_rates(list(r), g) != w
+    ]
     ok &= not table_bad
     notes.append(f"table {len(TABLE) - len(table_bad)}/{len(TABLE)}")
     stats = fuzz()
-    ok &= stats["examples"] >= 500 and not stats["violations"] and stats["shapes"] > 0 and stats["refused"] > 0
-    notes.append(f"fuzz {stats['examples']} examples: {stats['shapes']} parsed, {stats['refused']} "
-                 f"refused with a message, {len(stats['violations'])} violations")
+    ok &= (
+        stats["examples"] >= 500
+        and not stats["violations"]
+        and stats["shapes"] > 0
+        and stats["refused"] > 0
+    )
+    notes.append(
+        f"fuzz {stats['examples']} examples: {stats['shapes']} parsed, {stats['refused']} "
+        f"refused with a message, {len(stats['violations'])} violations"
+    )
     return Record(
-        "g09_capacity", CLAIM, INSTRUMENT, "; ".join(notes),
+        "g09_capacity",
+        CLAIM,
+        INSTRUMENT,
+        "; ".join(notes),
         "every rank's (batch, seq_len) as written by hand / by the grammar; auto splits within "
         "one window of the exact share (under global_batch: that, or the packed split of the "
         "shortest predicted step in reach); 0 violations in >= 500 examples (both outcomes seen)",
-        ok, fleet_env(cuda, ws),
+        ok,
+        fleet_env(cuda, ws),
         details={"violations": stats["violations"][:10], "table_bad": table_bad},
     )

@@ -112,10 +112,13 @@ def run(cuda: bool = False) -> Record:
               and plain > 10 * TOL_LOSS)  # fmt: skip
     tail = "" if p.returncode == 0 else f"; stderr: {p.stderr.strip()[-400:]}"
     return Record(
-        "g10_torchrun", CLAIM, INSTRUMENT,
+        "g10_torchrun",
+        CLAIM,
+        INSTRUMENT,
         f"exit {p.returncode}; {len(announce)} dist lines, {len(step_lines)} step lines (rank 0 "
         f"only), {len(twice)} lines printed twice; max |logged - global-batch loss| {fmt(dloss)} over {len(logged)} steps; rank 0's "
         f"own-window loss would be off by up to {fmt(foil)}, the unweighted mean by {fmt(plain)}{tail}",
         f"exit 0; |dloss| <= {fmt(TOL_LOSS)} (fp32 round-off); each foil must exceed 10x that",
-        passed, fleet_env(cuda),
+        passed,
+        fleet_env(cuda),
     )

@@ -41,10 +41,15 @@ def run(cuda: bool = False) -> Record:
     got = {w: _one(on(LFB_RUNS[w], cuda)) for w in ws}
     passed = all(worst <= TOL and moved > 0 for worst, moved, _, _ in got.values())
     return Record(
-        "g11_lfb", CLAIM, INSTRUMENT,
-        "; ".join(f"world {w}: max |lfb_bias fleet - single| {fmt(worst)} over {n} steps x {P} "
-                  f"ranks (the bias reached {moved:.2f})"
-                  for w, (worst, moved, n, P) in got.items()),
+        "g11_lfb",
+        CLAIM,
+        INSTRUMENT,
+        "; ".join(
+            f"world {w}: max |lfb_bias fleet - single| {fmt(worst)} over {n} steps x {P} "
+            f"ranks (the bias reached {moved:.2f})"
+            for w, (worst, moved, n, P) in got.items()
+        ),
         f"<= {fmt(TOL)} (the bias moves in steps of the coefficient 1e-2; counts are exact integers)",
-        passed, fleet_env(cuda, ws),
+        passed,
+        fleet_env(cuda, ws),
     )

@@ -51,15 +51,22 @@ def run(cuda: bool = False) -> Record:
 
     spread = (measure(single(spec, resume_from=str(first), steps=spec.resume_steps,
                              split_rows=True)["rec"], ref) if cuda else {})  # fmt: skip
-    close, figures, tol = judge(cuda, measure(resumed, ref), {
-        "dloss": TOL_LOSS, "update": TOL_UPDATE, "optimizer state": TOL_OPT}, spread)
+    close, figures, tol = judge(
+        cuda,
+        measure(resumed, ref),
+        {"dloss": TOL_LOSS, "update": TOL_UPDATE, "optimizer state": TOL_OPT},
+        spread,
+    )
     passed = same and plain and len(resumed["losses"]) == n and ranks_same and close
     return Record(
-        "g12_fsdp_checkpoint", CLAIM, INSTRUMENT,
+        "g12_fsdp_checkpoint",
+        CLAIM,
+        INSTRUMENT,
         f"one-process reload == fleet's gathered parameters: {same}; {len(resumed['losses'])} "
         f"resumed steps, fleet vs one process: {figures}; ranks identical after the resume: "
         f"{ranks_same}",
         f"bitwise reload; {tol} (fp32 round-off"
         + (f"; on CUDA at least {SPREAD_K:g}x the reference's spread)" if cuda else ")"),
-        passed, fleet_env(cuda),
+        passed,
+        fleet_env(cuda),
     )

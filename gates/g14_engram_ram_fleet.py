@@ -52,10 +52,12 @@ def _one(spec, cuda: bool) -> tuple[bool, str, dict]:
     before = ref["host"][0]
 
     def measure(a: dict, b: dict) -> dict[str, float]:
-        return {"dloss": max_abs_diff(a["losses"], b["losses"]),
-                "norms": max_rel_diff(a["gnorms"], b["gnorms"]),
-                "table": rel_err(a["final_host"], b["final_host"]),
-                "update": update_rel_err(a["final_host"], b["final_host"], before)}
+        return {
+            "dloss": max_abs_diff(a["losses"], b["losses"]),
+            "norms": max_rel_diff(a["gnorms"], b["gnorms"]),
+            "table": rel_err(a["final_host"], b["final_host"]),
+            "update": update_rel_err(a["final_host"], b["final_host"], before),
+        }
 
     spread = (measure(single(spec, batches_of(spec), split_rows=True)["rec"], ref)
               if cuda else {})  # fmt: skip
@@ -71,15 +73,22 @@ def _one(spec, cuda: bool) -> tuple[bool, str, dict]:
     whole = all(len(q) == n_steps for q in seqs) and None not in seqs[0]
     split = [k + 1 for k in range(n_steps) if len({q[k] for q in seqs}) != 1] if whole else []
     agree = whole and not split
-    ok = bool(before) and moved > 0 and len(got["losses"]) == spec.steps == n_steps and close and agree
+    ok = (
+        bool(before)
+        and moved > 0
+        and len(got["losses"]) == spec.steps == n_steps
+        and close
+        and agree
+    )
     if agree:
         rank_line = f"SHA-256 equal on all {spec.world} ranks after each of {n_steps} steps"
     elif whole:
         rank_line = f"SHA-256 DIFFER across ranks after step(s) {split[:5]}"
     else:
         rank_line = "host-table fingerprints missing on some rank"
-    text = (f"world {spec.world}: {figures} ({moved} rows moved); {rank_line}"
-            + (f" [{tol}]" if cuda else ""))
+    text = f"world {spec.world}: {figures} ({moved} rows moved); {rank_line}" + (
+        f" [{tol}]" if cuda else ""
+    )
     return ok, text, {"fleet_losses": got["losses"], "ref_losses": ref["losses"]}
 
 
@@ -87,12 +96,20 @@ def run(cuda: bool = False) -> Record:
     ws = worlds(cuda, 2, 3, 4)
     results = [_one(on(ENGRAM_RUNS[w], cuda), cuda) for w in ws]
     return Record(
-        "g14_engram_ram_fleet", CLAIM, INSTRUMENT, "; ".join(t for _, t, _ in results),
+        "g14_engram_ram_fleet",
+        CLAIM,
+        INSTRUMENT,
+        "; ".join(t for _, t, _ in results),
         f"|dloss| <= {fmt(TOL_LOSS)}, norms <= {fmt(TOL_NORM)}, table <= {fmt(TOL_TABLE)}, "
         f"update <= {fmt(TOL_UPDATE)} (fp32 round-off of a different summation order"
-        + (f"; on CUDA at least {SPREAD_K:g}x the reference's spread, per world in brackets"
-           if cuda else "") + "); SHA-256 "
-        f"equal (same union, same arithmetic in rank order on every rank)",
-        all(ok for ok, _, _ in results), fleet_env(cuda, ws),
+        + (
+            f"; on CUDA at least {SPREAD_K:g}x the reference's spread, per world in brackets"
+            if cuda
+            else ""
+        )
+        + "); SHA-256 "
+        "equal (same union, same arithmetic in rank order on every rank)",
+        all(ok for ok, _, _ in results),
+        fleet_env(cuda, ws),
         details={f"world{w}": d for w, (_, _, d) in zip(ws, results)},
     )

@@ -36,22 +36,30 @@ def _one(spec) -> tuple[bool, str]:
     said = [ln for ln in ranks[0]["lines"] if ln.startswith("stop requested")]
     said_ok = bool(said) and f"at step {STOP_AT}:" in said[0] and "another rank" in said[0]
     losses = ranks[0]["rec"]["losses"] + ranks[0]["resumed"]["rec"]["losses"]
-    dloss = max_abs_diff(losses, ref["losses"]) if len(losses) == len(ref["losses"]) else float("inf")
+    dloss = (
+        max_abs_diff(losses, ref["losses"]) if len(losses) == len(ref["losses"]) else float("inf")
+    )
     same_end = len({r["resumed"]["rec"]["final_fingerprint"] for r in ranks}) == 1
     ok = (all(stopped) and took == [STOP_AT] * spec.world and saved_step == STOP_AT
           and said_ok and dloss <= TOL_LOSS and same_end)  # fmt: skip
-    return ok, (f"world {spec.world} (signal on rank {spec.signal_rank}): stopped {stopped}, steps "
-                f"taken per rank {took}, checkpoint step {saved_step}, rank 0 said "
-                f"{said[0] if said else 'nothing'!r}; {len(losses)} steps with the resume, max "
-                f"|dloss| vs one process {fmt(dloss)}; ranks identical at the end: {same_end}")
+    return ok, (
+        f"world {spec.world} (signal on rank {spec.signal_rank}): stopped {stopped}, steps "
+        f"taken per rank {took}, checkpoint step {saved_step}, rank 0 said "
+        f"{said[0] if said else 'nothing'!r}; {len(losses)} steps with the resume, max "
+        f"|dloss| vs one process {fmt(dloss)}; ranks identical at the end: {same_end}"
+    )
 
 
 def run(cuda: bool = False) -> Record:
     ws = worlds(cuda, 2, 3)
     results = [_one(on(SIGNAL_RUNS[w], cuda)) for w in ws]
     return Record(
-        "g15_signal_stop", CLAIM, INSTRUMENT, "; ".join(t for _, t in results),
+        "g15_signal_stop",
+        CLAIM,
+        INSTRUMENT,
+        "; ".join(t for _, t in results),
         f"every rank stops after step {STOP_AT}; |dloss| <= {fmt(TOL_LOSS)} (gate 1's fp32 "
         f"round-off)",
-        all(ok for ok, _ in results), fleet_env(cuda, ws),
+        all(ok for ok, _ in results),
+        fleet_env(cuda, ws),
     )

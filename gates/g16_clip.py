@@ -30,23 +30,35 @@ def _one(spec, cuda: bool) -> tuple[bool, str]:
     got = ranks[0]["rec"]
 
     def measure(a: dict, b: dict) -> dict[str, float]:
-        return {"norms": max_rel_diff(a["gnorms"], b["gnorms"]),
-                "dloss": max_abs_diff(a["losses"], b["losses"])}
+        return {
+            "norms": max_rel_diff(a["gnorms"], b["gnorms"]),
+            "dloss": max_abs_diff(a["losses"], b["losses"]),
+        }
 
     spread = measure(single(spec, split_rows=True)["rec"], ref) if cuda else {}
     ok, text, tol = judge(cuda, measure(got, ref), {"norms": TOL_NORM, "dloss": TOL_LOSS}, spread)
     fired = sum(n > 1.0 for n in ref["gnorms"])
     ok = ok and fired > 0 and len(got["gnorms"]) == spec.steps
-    return ok, (f"{spec.name}: pre-clip norms {min(ref['gnorms']):.2f}..{max(ref['gnorms']):.2f} "
-                f"(the clip fired on {fired}/{len(ref['gnorms'])} steps); {text} [{tol}]")
+    return ok, (
+        f"{spec.name}: pre-clip norms {min(ref['gnorms']):.2f}..{max(ref['gnorms']):.2f} "
+        f"(the clip fired on {fired}/{len(ref['gnorms'])} steps); {text} [{tol}]"
+    )
 
 
 def run(cuda: bool = False) -> Record:
     results = [_one(on(s, cuda), cuda) for s in CLIP_RUNS]
     return Record(
-        "g16_clip", CLAIM, INSTRUMENT, "; ".join(t for _, t in results),
+        "g16_clip",
+        CLAIM,
+        INSTRUMENT,
+        "; ".join(t for _, t in results),
         f"norms <= {fmt(TOL_NORM)} relative, |dloss| <= {fmt(TOL_LOSS)} (fp32 round-off"
-        + (f"; on CUDA at least {SPREAD_K:g}x the reference's spread, per run in brackets"
-           if cuda else "") + "); the clip must fire on some step",
-        all(ok for ok, _ in results), fleet_env(cuda, 2),
+        + (
+            f"; on CUDA at least {SPREAD_K:g}x the reference's spread, per run in brackets"
+            if cuda
+            else ""
+        )
+        + "); the clip must fire on some step",
+        all(ok for ok, _ in results),
+        fleet_env(cuda, 2),
     )

@@ -33,13 +33,16 @@ def run(cuda: bool = False) -> Record:
     g_err = rel_err(got["grads"][0], g_ref)
     n_err = abs(got["gnorms"][0] - ref["gnorms"][0]) / ref["gnorms"][0]
     tol = UNITS * unit
-    passed = 0 < unit and g_err <= tol and n_err <= tol and g_err > 0
+    passed = unit > 0 and g_err <= tol and n_err <= tol and g_err > 0
     return Record(
-        "g17_bf16_reduce", CLAIM, INSTRUMENT,
+        "g17_bf16_reduce",
+        CLAIM,
+        INSTRUMENT,
         f"step-1 gradient rel {fmt(g_err)}, norm rel {fmt(n_err)}; one bf16 round trip of the "
-        f"reference gradient costs {fmt(unit)}" + ("" if g_err > 0 else "; the fleet gradient "
-                                                   "is bitwise fp32: the bf16 path never ran"),
+        f"reference gradient costs {fmt(unit)}"
+        + ("" if g_err > 0 else "; the fleet gradient is bitwise fp32: the bf16 path never ran"),
         f"<= {UNITS:g} x the round-trip unit = {fmt(tol)} (two bf16 roundings in the hook); and "
         f"> 0 (the bf16 path ran)",
-        passed, fleet_env(cuda, 2),
+        passed,
+        fleet_env(cuda, 2),
     )

@@ -31,8 +31,10 @@ DISPATCH = ("grouped", "batched")
 # small enough to keep the tiny model's activations O(1), large enough to carry signal
 WAKE_STD = 0.05
 
-CLAIM = ("the model is causal in every arm and mode: a byte never changes an earlier logit "
-         "or another row")
+CLAIM = (
+    "the model is causal in every arm and mode: a byte never changes an earlier logit "
+    "or another row"
+)
 INSTRUMENT = (f"tiny, {B} rows x {T} bytes, zero-init params and the LFB bias woken (std "
               f"{WAKE_STD}); byte {AT} of row 0 replaced: max |dlogit| over row 0 before {AT} and "
               f"over rows 1-2, per KDA arm x MoE mode (dropless, capacity 1.0, 0.5) x dispatch "
@@ -159,10 +161,13 @@ def _run(cuda: bool) -> Record:
             if cuda:
                 text += f" spread {fmt(r['spread'])}"
             parts.append(text)
-    measured = (f"{n - len({b.split(':')[0] for b in bad})}/{n} cases causal; max change before "
-                f"{AT} / other rows {fmt(worst_leak)}"
-                + (f", max spread of two unperturbed forwards {fmt(worst_spread)}" if cuda else "")
-                + "; per case (max change, drops unperturbed->perturbed): " + "; ".join(parts))
+    measured = (
+        f"{n - len({b.split(':')[0] for b in bad})}/{n} cases causal; max change before "
+        f"{AT} / other rows {fmt(worst_leak)}"
+        + (f", max spread of two unperturbed forwards {fmt(worst_spread)}" if cuda else "")
+        + "; per case (max change, drops unperturbed->perturbed): "
+        + "; ".join(parts)
+    )
     if bad:
         measured += f"; {len(bad)} FAILURE(S): " + " | ".join(bad[:6])
     tolerance = ("CPU: 0, bitwise (same shapes and kernels; masked terms are exact zeros); "

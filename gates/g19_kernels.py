@@ -105,8 +105,11 @@ def conv_errors(op, device, shape, seed: int) -> dict:
     x64, w64 = x.double().requires_grad_(True), w.double().requires_grad_(True)
     ref = short_conv_silu(x64, w64)
     (ref * dy.double()).sum().backward()
-    return {"y": rel_to_peak(y, ref), "dx": rel_to_peak(x32.grad, x64.grad),
-            "dw": rel_to_peak(w32.grad, w64.grad)}
+    return {
+        "y": rel_to_peak(y, ref),
+        "dx": rel_to_peak(x32.grad, x64.grad),
+        "dw": rel_to_peak(w32.grad, w64.grad),
+    }
 
 
 def norm_errors(op, device, shape, seed: int) -> dict:

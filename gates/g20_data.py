@@ -21,8 +21,9 @@ def _runs() -> list[FleetSpec]:
     mix = f"data={corpus_path()},{second_corpus_path()}"
     return [
         FleetSpec("data-stream3", world=3, steps=6, capacity="3,1,2"),
-        FleetSpec("data-mixture", world=2, steps=10, capacity="3,1",
-                  sets=(mix, "data_weights=0.7,0.3")),
+        FleetSpec(
+            "data-mixture", world=2, steps=10, capacity="3,1", sets=(mix, "data_weights=0.7,0.3")
+        ),
     ]
 
 
@@ -39,17 +40,23 @@ def _one(spec) -> tuple[bool, str]:
     mixed = "data_weights=0.7,0.3" in spec.sets
     if mixed:
         ok = ok and {"A", "B"} <= set(sources)
-    return ok, (f"{spec.name} (world {spec.world}, {','.join(ranks[0]['shapes'])}): "
-                f"{sum(same)}/{len(want)} steps byte-identical"
-                + (f"; sources per step {''.join(sources)}" if mixed else ""))
+    return ok, (
+        f"{spec.name} (world {spec.world}, {','.join(ranks[0]['shapes'])}): "
+        f"{sum(same)}/{len(want)} steps byte-identical"
+        + (f"; sources per step {''.join(sources)}" if mixed else "")
+    )
 
 
 def run(cuda: bool = False) -> Record:
     runs = [on(s, cuda) for s in _runs() if s.world in worlds(cuda, 2, 3)]
     results = [_one(s) for s in runs]
     return Record(
-        "g20_data", CLAIM, INSTRUMENT, "; ".join(t for _, t in results),
+        "g20_data",
+        CLAIM,
+        INSTRUMENT,
+        "; ".join(t for _, t in results),
         "every step byte-identical (exact: a layout is right or wrong); the mixture must draw "
         "from both sources",
-        all(ok for ok, _ in results), fleet_env(cuda, tuple(sorted({s.world for s in runs}))),
+        all(ok for ok, _ in results),
+        fleet_env(cuda, tuple(sorted({s.world for s in runs}))),
     )

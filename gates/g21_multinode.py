@@ -30,16 +30,38 @@ def run(cuda: bool = False) -> Record:
     sets = (f"data={corpus_path()}", f"device={device}", "ns_dtype=fp32", "kda_impl=torch")
     out = work_dir("multinode")
     port = free_port()
-    cmd = torchrun() + ["--nnodes=2", "--nproc_per_node=1", "--rdzv-backend=c10d",
-                        f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=dormouse-gate21",
-                        "-m", "dormouse", "train", "tiny", "--dist", "--capacity",
-                        ",".join(map(str, BATCHES)), "--steps", str(STEPS), "--out", str(out)]
+    cmd = torchrun() + [
+        "--nnodes=2",
+        "--nproc_per_node=1",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint=127.0.0.1:{port}",
+        "--rdzv-id=dormouse-gate21",
+        "-m",
+        "dormouse",
+        "train",
+        "tiny",
+        "--dist",
+        "--capacity",
+        ",".join(map(str, BATCHES)),
+        "--steps",
+        str(STEPS),
+        "--out",
+        str(out),
+    ]
     cmd += [a for s in sets for a in ("--set", s)]
     env = launch_env()
     if cuda:  # one card per "machine": each agent sees its own
-        agents = [subprocess.Popen(cmd, env=dict(env, CUDA_VISIBLE_DEVICES=str(i)),
-                                   cwd=work_dir(f"node{i}"), stdout=subprocess.PIPE,
-                                   stderr=subprocess.PIPE, text=True) for i in range(2)]
+        agents = [
+            subprocess.Popen(
+                cmd,
+                env=dict(env, CUDA_VISIBLE_DEVICES=str(i)),
+                cwd=work_dir(f"node{i}"),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for i in range(2)
+        ]
     else:
         agents = [subprocess.Popen(cmd, env=env, cwd=work_dir(f"node{i}"),
                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -55,9 +77,12 @@ def run(cuda: bool = False) -> Record:
               and len(logged) == STEPS and dloss <= TOL_LOSS)  # fmt: skip
     tail = "" if codes == [0, 0] else "; stderr: " + " | ".join(e.strip()[-300:] for _, e in outs)
     return Record(
-        "g21_multinode", CLAIM, INSTRUMENT,
+        "g21_multinode",
+        CLAIM,
+        INSTRUMENT,
         f"exit codes {codes}; dist lines {announced}; {len(logged)} logged steps, max |logged - "
         f"one process| {fmt(dloss)}{tail}",
         f"both agents exit 0, one rank each; |dloss| <= {fmt(TOL_LOSS)} (fp32 round-off)",
-        passed, fleet_env(cuda, 2),
+        passed,
+        fleet_env(cuda, 2),
     )

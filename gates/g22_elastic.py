@@ -34,8 +34,15 @@ STEPS, KILL_AT, CKPT_EVERY = 16, 10, 4
 TOL_LOSS = 5e-6
 
 
-def _train(out: Path, *, fleet: bool, fault: str = "", extra: tuple[str, ...] = (),
-           device: str = "cpu", restarts: int = 1) -> subprocess.CompletedProcess:
+def _train(
+    out: Path,
+    *,
+    fleet: bool,
+    fault: str = "",
+    extra: tuple[str, ...] = (),
+    device: str = "cpu",
+    restarts: int = 1,
+) -> subprocess.CompletedProcess:
     args = ["-m", "dormouse", "train", "tiny", "--steps", str(STEPS), "--out", str(out),
             "--set", f"data={corpus_path()}", "--set", f"device={device}", "--set",
             "ns_dtype=fp32", "--set", "kda_impl=torch", "--set", f"ckpt_every={CKPT_EVERY}",
@@ -48,8 +55,14 @@ def _train(out: Path, *, fleet: bool, fault: str = "", extra: tuple[str, ...] = 
         import sys
 
         cmd = [sys.executable, *args]
-    return subprocess.run(cmd, env=launch_env(fault), cwd=work_dir("elastic-cwd"),
-                          capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        cmd,
+        env=launch_env(fault),
+        cwd=work_dir("elastic-cwd"),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def _step_of(path: Path) -> int:
@@ -73,7 +86,11 @@ def run(cuda: bool = False) -> Record:
     import shutil
 
     device = "cuda" if cuda else "cpu"
-    clean, killed, member = work_dir("elastic-clean"), work_dir("elastic-killed"), work_dir("elastic-1")
+    clean, killed, member = (
+        work_dir("elastic-clean"),
+        work_dir("elastic-killed"),
+        work_dir("elastic-1"),
+    )
     a = _train(clean, fleet=True, device=device)
     b = _train(killed, fleet=True, device=device, fault=f"kill:1:{KILL_AT}")
     resumed = [ln for ln in b.stdout.splitlines() if ln.startswith("resumed from")]
@@ -88,23 +105,31 @@ def run(cuda: bool = False) -> Record:
     for name in ("ckpt.pt", "config.json", "metrics.jsonl"):
         shutil.copy(eight / name, member / name)
     d = _train(member, fleet=False, device=device, extra=("--set", "batch=8", "--resume", "must"))
-    sets = (f"data={corpus_path()}", f"device={device}", "ns_dtype=fp32", "kda_impl=torch",
-            f"ckpt_every={CKPT_EVERY}")
+    sets = (
+        f"data={corpus_path()}",
+        f"device={device}",
+        "ns_dtype=fp32",
+        "kda_impl=torch",
+        f"ckpt_every={CKPT_EVERY}",
+    )
     ref = cli_reference(sets, [4, 4], STEPS)["losses"]
     one = metrics_losses(member)
-    dloss = max_abs_diff(one[-(STEPS - 8):], ref[8:]) if len(one) >= STEPS - 8 else float("inf")
+    dloss = max_abs_diff(one[-(STEPS - 8) :], ref[8:]) if len(one) >= STEPS - 8 else float("inf")
     passed = (same and bool(resumed) and c.returncode != 0 and saved == 8 and d.returncode == 0
               and dloss <= TOL_LOSS)  # fmt: skip
     errs = "; ".join(f"{n} exit {p.returncode}: {p.stderr.strip()[-250:]}"
                      for n, p in (("clean", a), ("killed", b), ("one", d))
                      if p.returncode != 0)  # fmt: skip
     return Record(
-        "g22_elastic", CLAIM, INSTRUMENT,
+        "g22_elastic",
+        CLAIM,
+        INSTRUMENT,
         f"killed run exit {b.returncode}, said {resumed[0] if resumed else 'no resume line'!r}; "
         f"final parameters == uninterrupted run's: {same}; a fleet killed without restart "
         f"left its step-{saved} checkpoint (exit {c.returncode}); 2 ranks -> 1 process at batch 8: "
         f"max |dloss| over steps 9-16 {fmt(dloss)}" + (f"; {errs}" if errs else ""),
         f"bitwise equal parameters (same arithmetic, exact resume); |dloss| <= {fmt(TOL_LOSS)} "
         f"(fp32 round-off)",
-        passed, fleet_env(cuda, 2),
+        passed,
+        fleet_env(cuda, 2),
     )

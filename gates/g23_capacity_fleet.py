@@ -43,24 +43,33 @@ def _one(spec, cuda: bool) -> tuple[bool, str]:
     ref, got = ref_run["rec"], ranks[0]["rec"]
 
     def measure(a: dict, b: dict) -> dict[str, float]:
-        return {"dloss": max_abs_diff(a["losses"], b["losses"]),
-                "gradient": rel_err(a["grads"][0], b["grads"][0]),
-                "norms": max_rel_diff(a["gnorms"], b["gnorms"])}
+        return {
+            "dloss": max_abs_diff(a["losses"], b["losses"]),
+            "gradient": rel_err(a["grads"][0], b["grads"][0]),
+            "norms": max_rel_diff(a["gnorms"], b["gnorms"]),
+        }
 
     spread = measure(single(spec, batches_of(spec), split_rows=True)["rec"], ref) if cuda else {}
     close, text, tol = judge(cuda, measure(got, ref), TOL, spread)
     drops = _drops(spec, ref_run["inputs"])
-    return close and drops > 0, (f"{spec.name}: {text}; the first batch drops {drops} "
-                                 f"assignments" + (f" [{tol}]" if cuda else ""))
+    return close and drops > 0, (
+        f"{spec.name}: {text}; the first batch drops {drops} "
+        f"assignments" + (f" [{tol}]" if cuda else "")
+    )
 
 
 def run(cuda: bool = False) -> Record:
     runs = [on(s, cuda) for s in RUNS if s.world in worlds(cuda, 2, 3)]
     results = [_one(s, cuda) for s in runs]
     return Record(
-        "g23_capacity_fleet", CLAIM, INSTRUMENT, "; ".join(t for _, t in results),
-        ", ".join(f"{k} <= {fmt(v)}" for k, v in TOL.items()) + " (fp32 round-off"
+        "g23_capacity_fleet",
+        CLAIM,
+        INSTRUMENT,
+        "; ".join(t for _, t in results),
+        ", ".join(f"{k} <= {fmt(v)}" for k, v in TOL.items())
+        + " (fp32 round-off"
         + (f"; on CUDA at least {SPREAD_K:g}x the reference's spread)" if cuda else ")")
         + "; drops > 0",
-        all(ok for ok, _ in results), fleet_env(cuda, tuple(sorted({s.world for s in runs}))),
+        all(ok for ok, _ in results),
+        fleet_env(cuda, tuple(sorted({s.world for s in runs}))),
     )

@@ -16,10 +16,11 @@ directions (the update is the noisy figure), and a polar of a rank's own rows mo
 
 from __future__ import annotations
 
-from gates.g01_trajectory import FP32_TOL, measure
-from gates.g14_engram_ram_fleet import ENGRAM_SETS, _one as engram_one
 from gates.compare import SPREAD_K, fmt, judge, max_abs_diff, tol_on
 from gates.fixtures import FleetSpec, on, worlds
+from gates.g01_trajectory import FP32_TOL, measure
+from gates.g14_engram_ram_fleet import ENGRAM_SETS
+from gates.g14_engram_ram_fleet import _one as engram_one
 from gates.reference import single
 from gates.spawn import fleet
 from gates.status import Record, fleet_env
@@ -61,8 +62,10 @@ def _muon(spec: FleetSpec, cuda: bool) -> tuple[bool, str, dict]:
     moved = seqs[0][0] != seqs[0][-1]
     ok = (close and moved and not differ and states == spec.steps + 1
           and len(got["losses"]) == spec.steps)  # fmt: skip
-    text = (f"Muon world {spec.world}: {figures}; {states - len(differ)}/{states} gathered "
-            f"states identical" + (f" [{tol}]" if cuda else ""))
+    text = (
+        f"Muon world {spec.world}: {figures}; {states - len(differ)}/{states} gathered "
+        f"states identical" + (f" [{tol}]" if cuda else "")
+    )
     return ok, text, {"fleet_losses": got["losses"], "ref_losses": ref["losses"]}
 
 
@@ -74,8 +77,11 @@ def _bf16(cuda: bool) -> tuple[bool, str, dict]:
               if cuda else 0.0)  # fmt: skip
     d = max_abs_diff(got["losses"], ref["losses"])
     ok = len(got["losses"]) == spec.steps and d <= tol_on(cuda, TOL_BF16_LOSS, spread)
-    return ok, f"bf16 polar world 2: max |dloss| {fmt(d)}", {"fleet_losses": got["losses"],
-                                                             "ref_losses": ref["losses"]}
+    return (
+        ok,
+        f"bf16 polar world 2: max |dloss| {fmt(d)}",
+        {"fleet_losses": got["losses"], "ref_losses": ref["losses"]},
+    )
 
 
 def _tol_text(tol: dict[str, float]) -> str:
@@ -88,12 +94,15 @@ def run(cuda: bool = False) -> Record:
     results += [engram_one(on(RAM_RUNS[w], cuda), cuda) for w in ws]
     results.append(_bf16(cuda))
     return Record(
-        "g24_fsdp_muon", CLAIM, INSTRUMENT, "; ".join(t for _, t, _ in results),
+        "g24_fsdp_muon",
+        CLAIM,
+        INSTRUMENT,
+        "; ".join(t for _, t, _ in results),
         f"Muon world 2: gate 1's ({_tol_text(MUON_TOL[2])})"
-        + (f"; world 3: {_tol_text(MUON_TOL[3])} (4x DDP's own round-off there)" if 3 in ws
-           else "")
+        + (f"; world 3: {_tol_text(MUON_TOL[3])} (4x DDP's own round-off there)" if 3 in ws else "")
         + f"; engram_ram: gate 14's; bf16 polar |dloss| <= {fmt(TOL_BF16_LOSS)}; SHA-256 equal"
         + (f" (on CUDA at least {SPREAD_K:g}x the reference's spread)" if cuda else ""),
-        all(ok for ok, _, _ in results), fleet_env(cuda, ws),
+        all(ok for ok, _, _ in results),
+        fleet_env(cuda, ws),
         details={f"run{i}": d for i, (_, _, d) in enumerate(results)},
     )

@@ -98,8 +98,9 @@ def _rank(rank: int, job: dict, out: str, port: int) -> None:
     result = {"rank": rank, "error": ""}
     try:
         run = fixture_run(_spec(world), Path(job["dir"]), dist=world > 1)
-        run = dataclasses.replace(run, train=dataclasses.replace(
-            run.train, ckpt_every=job.get("ckpt_every", 0)))
+        run = dataclasses.replace(
+            run, train=dataclasses.replace(run.train, ckpt_every=job.get("ckpt_every", 0))
+        )
         recorder = Recorder()
         timeout = spawn.MUTANT_TIMEOUT_S if job["mutation"] else spawn.COLLECTIVE_TIMEOUT_S
         with no_plot():
@@ -110,7 +111,7 @@ def _rank(rank: int, job: dict, out: str, port: int) -> None:
         result["rec"] = {k: rec[k] for k in ("losses", "fingerprints", "final_fingerprint")}
         if world > 1:
             dist.barrier()  # before teardown: without it gloo aborts intermittently
-    except Exception:  # noqa: BLE001 - the gate's verdict reads it
+    except Exception:
         result["error"] = traceback.format_exc()[-3000:]
     finally:
         if world > 1 and dist.is_initialized():
@@ -130,8 +131,12 @@ def _launch(name: str, world: int, run_dir: Path, *, resume: bool = False,
            "mutation": mutations.ACTIVE_MUTATION, **fault}  # fmt: skip
     died = ""
     try:
-        spawn.spawn(_rank, (job, str(out), spawn.free_port()), world,
-                      spawn.MUTANT_DEADLINE_S if job["mutation"] else spawn.SPAWN_DEADLINE_S)
+        spawn.spawn(
+            _rank,
+            (job, str(out), spawn.free_port()),
+            world,
+            spawn.MUTANT_DEADLINE_S if job["mutation"] else spawn.SPAWN_DEADLINE_S,
+        )
     except spawn.FleetFailed as e:
         died = str(e)
     results = []
@@ -168,9 +173,9 @@ def _exported_eval(run_dir: Path) -> tuple[float, float, str]:
     import json
 
     from dormouse.model import DormouseModel
-    from dormouse.train.store.checkpoint import load_model, read_checkpoint
     from dormouse.train.data import open_data
     from dormouse.train.step import evaluate
+    from dormouse.train.store.checkpoint import load_model, read_checkpoint
 
     dest = run_dir.parent / "model.pt"
     p = subprocess.run([sys.executable, "-m", "dormouse", "export", str(run_dir), "--to",
@@ -219,13 +224,13 @@ def run(cuda: bool = False) -> Record:
         for name, r, span in (("2 -> 1", one, (10, 15)), ("1 -> 2", back, (15, 20)),
                               ("2 -> 3", three, (10, 20))):  # fmt: skip
             got = r.get("rec", {}).get("losses", [])
-            d = max_abs_diff(got, losses[span[0]:span[1]]) if not r["error"] else float("inf")
+            d = max_abs_diff(got, losses[span[0] : span[1]]) if not r["error"] else float("inf")
             checks.append(d <= TOL_LOSS)
             parts.append(f"{name}: max |dloss| over steps {span[0] + 1}-{span[1]} {fmt(d)}")
         # export the resumed run's step-20 checkpoint: one file, eval = the fleet's
         try:
             mine, theirs, what = _exported_eval(two_dir)
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             mine, theirs, what = float("nan"), float("nan"), f"{type(e).__name__}: {e}"[:300]
         d = abs(mine - theirs)
         checks.append(d <= TOL_EVAL)
@@ -237,7 +242,7 @@ def run(cuda: bool = False) -> Record:
                                       kill_rank=1, kill_save=3)  # fmt: skip
     try:
         step, fp = _saved_fingerprint(kill_dir)
-    except Exception as e:  # noqa: BLE001 - an unloadable checkpoint is the failure measured
+    except Exception as e:
         step, fp = -1, f"unloadable: {type(e).__name__}: {e}"[:200]
     removed = RunDir(kill_dir).clean_stale_temps()
     # rank 0 removes the temp directory itself when it lives to see the failure; the next
@@ -249,18 +254,23 @@ def run(cuda: bool = False) -> Record:
     ok5 = len(prints) > 5 and fp == prints[5]
     ok10 = len(prints) > 10 and after.get("rec", {}).get("final_fingerprint") == prints[10]
     checks.append(killed["died"] and step == 5 and ok5 and not left and ok10)
-    parts.append(f"save killed at step 10 (fleet died: {killed['died']}): the checkpoint left is "
-                 f"step {step}, parameters == the reference's at 5: {ok5}; temp directories "
-                 f"removed by the next start {removed}, left {left}; resumed to 10 == the "
-                 f"reference's at 10: {ok10}")
+    parts.append(
+        f"save killed at step 10 (fleet died: {killed['died']}): the checkpoint left is "
+        f"step {step}, parameters == the reference's at 5: {ok5}; temp directories "
+        f"removed by the next start {removed}, left {left}; resumed to 10 == the "
+        f"reference's at 10: {ok10}"
+    )
     errors = [f"{n}: {r['error'][-300:]}" for n, r in runs.items()
               if r["error"] and n != "killed"]  # fmt: skip
     passed = bool(checks) and all(checks) and not errors
     return Record(
-        "g25_sharded_ckpt", CLAIM, INSTRUMENT,
+        "g25_sharded_ckpt",
+        CLAIM,
+        INSTRUMENT,
         "; ".join(parts + errors) + f" ({time.perf_counter() - t0:.0f} s)",
         f"bitwise where the arithmetic is the same (10 + 10, the survivor, its resume); |dloss| "
         f"<= {fmt(TOL_LOSS)} at another world size (fp32 round-off of the summation order); "
         f"export eval |d| <= {fmt(TOL_EVAL)}",
-        passed, fleet_env(False, (1, 2, 3)),
+        passed,
+        fleet_env(False, (1, 2, 3)),
     )

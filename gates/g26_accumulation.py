@@ -57,8 +57,10 @@ def _figures(got: dict, ref: dict) -> dict[str, float]:
         "dloss": max_abs_diff(got["losses"], ref["losses"]),
         "gradient": rel_err(got["grads"][0], ref["grads"][0]),
         "norms": max_rel_diff(got["gnorms"], ref["gnorms"]),
-        "lfb": max((float((got["final_lfb"][k] - v).abs().max()) for k, v in ref["final_lfb"].items()),
-                   default=0.0),
+        "lfb": max(
+            (float((got["final_lfb"][k] - v).abs().max()) for k, v in ref["final_lfb"].items()),
+            default=0.0,
+        ),
         "table": rel_err(got["final_host"], ref["final_host"]),
     }
 
@@ -89,8 +91,13 @@ def run(cuda: bool = False) -> Record:
         ok &= good
         notes.append(f"{name}: " + ", ".join(f"{k} {fmt(v)}" for k, v in f.items()))
     if cuda:
-        notes.append("the reference's own spread: " + ", ".join(f"{k} {fmt(v)}" for k, v in spread.items())
-                     + " [" + ", ".join(f"{k} <= {fmt(v)}" for k, v in tol.items()) + "]")
+        notes.append(
+            "the reference's own spread: "
+            + ", ".join(f"{k} {fmt(v)}" for k, v in spread.items())
+            + " ["
+            + ", ".join(f"{k} <= {fmt(v)}" for k, v in tol.items())
+            + "]"
+        )
     resume = on(RESUME, cuda)
     ranks = fleet(resume)
     ck = ranks[0]["report"]["checkpoint"]
@@ -102,10 +109,14 @@ def run(cuda: bool = False) -> Record:
     ok &= len(got) == 20 and d <= tol["dloss"]
     notes.append(f"resume 2 ranks (3,3) -> 1 process (3x2): steps 1-20 max |dloss| {fmt(d)}")
     return Record(
-        "g26_accumulation", CLAIM, INSTRUMENT, "; ".join(notes),
+        "g26_accumulation",
+        CLAIM,
+        INSTRUMENT,
+        "; ".join(notes),
         f"|dloss| <= {fmt(TOL_LOSS)}, gradient and norms <= {fmt(TOL_GRAD)} (gate 1's fp32 "
         f"round-off), host tables <= {fmt(TOL_TABLE)} (gate 14's), LFB bias <= {fmt(TOL_LFB)} "
         f"(a counting error moves it by 1e-5)"
         + (f"; on CUDA at least {SPREAD_K:g}x the reference's spread" if cuda else ""),
-        ok, fleet_env(cuda, (2,) if cuda else (2, 4)),
+        ok,
+        fleet_env(cuda, (2,) if cuda else (2, 4)),
     )

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from gates.g01_trajectory import TOL_GRAD, TOL_LOSS
 from gates.compare import fmt, max_abs_diff, max_rel_diff
 from gates.fixtures import FleetSpec, worlds
+from gates.g01_trajectory import TOL_GRAD, TOL_LOSS
 from gates.reference import single
 from gates.spawn import fleet
 from gates.status import Record, fleet_env
@@ -29,8 +29,9 @@ def specs(world: int) -> tuple[FleetSpec, FleetSpec]:
     cap, plan = PLANS[world]
     whole = FleetSpec(f"resplit{world}", world=world, steps=12, capacity=cap,
                       sets=_BASE + (f"rebalance_at={plan}",))  # fmt: skip
-    return whole, dataclasses.replace(whole, name=f"resplit{world}-resume", steps=6,
-                                      resume_steps=12)
+    return whole, dataclasses.replace(
+        whole, name=f"resplit{world}-resume", steps=6, resume_steps=12
+    )
 
 
 def _one(world: int) -> tuple[bool, str]:
@@ -51,20 +52,35 @@ def _one(world: int) -> tuple[bool, str]:
     exact_loss = joined == got["losses"]
     exact_end = all(r["resumed"]["rec"]["final_fingerprint"] == w["rec"]["final_fingerprint"]
                     for r, w in zip(again, ranks))  # fmt: skip
-    resumed_split = any("resume: the checkpoint's split" in ln for ln in again[0]["resumed"]["lines"])
+    resumed_split = any(
+        "resume: the checkpoint's split" in ln for ln in again[0]["resumed"]["lines"]
+    )
     if world == 2:
-        resumed_ok, how = exact_loss and exact_end, (
-            f"losses {'identical' if exact_loss else 'DIFFER'}, final parameters "
-            f"{'identical' if exact_end else 'DIFFER'}")
+        resumed_ok, how = (
+            exact_loss and exact_end,
+            (
+                f"losses {'identical' if exact_loss else 'DIFFER'}, final parameters "
+                f"{'identical' if exact_end else 'DIFFER'}"
+            ),
+        )
     else:
         d = max_abs_diff(joined, got["losses"])
         resumed_ok, how = d <= TOL_LOSS, f"max |dloss| {fmt(d)} vs the uninterrupted fleet"
-    ok = (len(got["losses"]) == whole.steps and dloss <= TOL_LOSS and norms <= TOL_GRAD
-          and len(switched) == 2 and final == last and resumed_split and resumed_ok)
-    text = (f"world {world} ({whole.capacity} -> {PLANS[world][1]}): {len(switched)} re-splits, "
-            f"final split {final}; max |dloss| {fmt(dloss)}, norms max rel {fmt(norms)}; resume "
-            f"at step 6: {how} (split restored from the checkpoint: "
-            f"{'yes' if resumed_split else 'NO'})")
+    ok = (
+        len(got["losses"]) == whole.steps
+        and dloss <= TOL_LOSS
+        and norms <= TOL_GRAD
+        and len(switched) == 2
+        and final == last
+        and resumed_split
+        and resumed_ok
+    )
+    text = (
+        f"world {world} ({whole.capacity} -> {PLANS[world][1]}): {len(switched)} re-splits, "
+        f"final split {final}; max |dloss| {fmt(dloss)}, norms max rel {fmt(norms)}; resume "
+        f"at step 6: {how} (split restored from the checkpoint: "
+        f"{'yes' if resumed_split else 'NO'})"
+    )
     return ok, text
 
 
@@ -72,12 +88,16 @@ def run(cuda: bool = False) -> Record:
     ws = worlds(cuda, 2, 3)
     results = [_one(w) for w in ws]
     return Record(
-        "g27_resplit", CLAIM, INSTRUMENT, "; ".join(t for _, t in results),
+        "g27_resplit",
+        CLAIM,
+        INSTRUMENT,
+        "; ".join(t for _, t in results),
         f"|dloss| <= {fmt(TOL_LOSS)}, norms <= {fmt(TOL_GRAD)} (gate 1's: fp32 round-off of "
         f"another summation order; a split changes only which rank sums which windows); the "
         f"resume bit for bit at world 2 (the same split at every step, the same arithmetic); at "
         f"world 3 within |dloss| <= {fmt(TOL_LOSS)}: after any restart DDP rebuilds its buckets "
         f"in another order and gloo's 3-rank ring sums in another order (measured: the same "
         f"without a re-split; a sum of 2 commutes)",
-        bool(results) and all(ok for ok, _ in results), fleet_env(cuda, ws),
+        bool(results) and all(ok for ok, _ in results),
+        fleet_env(cuda, ws),
     )

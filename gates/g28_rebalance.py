@@ -60,13 +60,14 @@ def judge(history, target) -> tuple[bool, int, int]:
 
     Holding: every split of those periods within +-1 window of the target, and no split
     left and then taken again (A -> B -> A is a flap; a last one-window refinement is not)."""
+
     def near(s):
         return max(abs(a - b) for a, b in zip(s, target)) <= 1
 
     first = next((i for i, s in enumerate(history) if near(s)), None)
     if first is None or first >= REACH:
         return False, (first + 1 if first is not None else -1), 0
-    after = history[first:first + HOLD + 1]
+    after = history[first : first + HOLD + 1]
     runs = [s for i, s in enumerate(after) if i == 0 or s != after[i - 1]]
     good = len(after) == HOLD + 1 and all(near(s) for s in after) and len(set(runs)) == len(runs)
     return good, first + 1, len(runs) - 1
@@ -85,11 +86,19 @@ def run(cuda: bool = False) -> Record:
             if not good:
                 fails.append(seed)
         ok &= not fails
-        notes.append(f"world {world} (target {','.join(map(str, target))}): reached in period "
-                     f"{min(reached)}-{max(reached)}, then at most {switches} switch(es) in "
-                     f"{HOLD} periods, none back to a split it left" + (f"; FAILED seeds {fails}" if fails else ""))
+        notes.append(
+            f"world {world} (target {','.join(map(str, target))}): reached in period "
+            f"{min(reached)}-{max(reached)}, then at most {switches} switch(es) in "
+            f"{HOLD} periods, none back to a split it left"
+            + (f"; FAILED seeds {fails}" if fails else "")
+        )
     return Record(
-        "g28_rebalance", CLAIM, INSTRUMENT, "; ".join(notes),
+        "g28_rebalance",
+        CLAIM,
+        INSTRUMENT,
+        "; ".join(notes),
         f"within +-1 window by period {REACH}, then for {HOLD} periods every split within +-1 "
-        f"and no split left and taken again (every seed; the issue's bounds)", ok, environment("-", "cpu (no clock: injected times)"),
+        f"and no split left and taken again (every seed; the issue's bounds)",
+        ok,
+        environment("-", "cpu (no clock: injected times)"),
     )

@@ -49,20 +49,26 @@ def _one(spec: FleetSpec) -> tuple[bool, str, dict]:
 
     ranks = fleet(spec)
     ref = single(spec, batches_of(spec))
-    plain = single(dataclasses.replace(spec, name=spec.name + "-nodrop",
-                                       sets=spec.sets[:-1] + ("dropout=0",)), batches_of(spec))
+    plain = single(
+        dataclasses.replace(spec, name=spec.name + "-nodrop", sets=spec.sets[:-1] + ("dropout=0",)),
+        batches_of(spec),
+    )
     want = ref["inputs"]
     got = [np.concatenate([r["inputs"][k] for r in ranks]) for k in range(len(ranks[0]["inputs"]))]
     same = sum(bool(len(g) == len(w) and (g == w).all()) for g, w in zip(got, want))
     rec, r = ranks[0]["rec"], ref["rec"]
-    m = {"dloss": max_abs_diff(rec["losses"], r["losses"]),
-         "norms": max_rel_diff(rec["gnorms"], r["gnorms"])}
+    m = {
+        "dloss": max_abs_diff(rec["losses"], r["losses"]),
+        "norms": max_rel_diff(rec["gnorms"], r["gnorms"]),
+    }
     sep = max_abs_diff(plain["rec"]["losses"], r["losses"])
     ok = (len(want) == spec.steps and same == spec.steps and m["dloss"] <= TOL_LOSS
           and m["norms"] <= TOL_NORM and sep >= MIN_SEPARATION)  # fmt: skip
-    text = (f"world {spec.world} ({','.join(ranks[0]['shapes'])}): {same}/{len(want)} steps "
-            f"byte-identical; max |dloss| {fmt(m['dloss'])}, norms max rel {fmt(m['norms'])}; "
-            f"dropout 0 is {fmt(sep)} away")
+    text = (
+        f"world {spec.world} ({','.join(ranks[0]['shapes'])}): {same}/{len(want)} steps "
+        f"byte-identical; max |dloss| {fmt(m['dloss'])}, norms max rel {fmt(m['norms'])}; "
+        f"dropout 0 is {fmt(sep)} away"
+    )
     return ok, text, m
 
 
@@ -70,10 +76,14 @@ def run(cuda: bool = False) -> Record:
     ws = worlds(cuda, 2, 3)
     results = [_one(on(_spec(w), cuda)) for w in ws]
     return Record(
-        "g29_dropout", CLAIM, INSTRUMENT, "; ".join(t for _, t, _ in results),
+        "g29_dropout",
+        CLAIM,
+        INSTRUMENT,
+        "; ".join(t for _, t, _ in results),
         f"every step byte-identical; |dloss| <= {fmt(TOL_LOSS)}, norms <= {fmt(TOL_NORM)} "
         f"(g01's fp32 round-off of a different summation order); dropout 0 >= "
         f"{fmt(MIN_SEPARATION)} away",
-        all(ok for ok, _, _ in results), fleet_env(cuda, tuple(ws)),
+        all(ok for ok, _, _ in results),
+        fleet_env(cuda, tuple(ws)),
         details={f"world{w}": m for w, (_, _, m) in zip(ws, results)},
     )

@@ -97,10 +97,14 @@ def run(cuda: bool = False) -> Record:
     if bad:
         measured += "; FAILED: " + " | ".join(bad)
     return Record(
-        "g30_mixed_dtype", CLAIM, INSTRUMENT, measured,
+        "g30_mixed_dtype",
+        CLAIM,
+        INSTRUMENT,
+        measured,
         "the same agreed verdict and the same scale on both ranks every step, halving on each "
         "skip; ranks' parameters equal (0); each figure <= bf16's + fp16's own deviation from "
         "fp32 (" + ", ".join(f"{k} {fmt(tol[k])}" for k in FIGURES) + ")",
-        not bad, fleet_env(cuda, 2),
+        not bad,
+        fleet_env(cuda, 2),
         details={"fleet": got, "alone": dev, "scales": scales[0], "skips": list(skipped)},
     )

@@ -53,14 +53,16 @@ TOL = {"dloss": 5e-6, "gradient": 2e-6, "norms": 1e-6}
 
 def _eager(spec: FleetSpec) -> FleetSpec:
     """The same fixture without compile: the reference's config."""
-    return dataclasses.replace(spec, sets=tuple(s for s in spec.sets
-                                                if not s.startswith("compile")))
+    return dataclasses.replace(
+        spec, sets=tuple(s for s in spec.sets if not s.startswith("compile"))
+    )
 
 
 def _one(spec: FleetSpec, cuda: bool) -> tuple[bool, str]:
     if cuda:  # inductor on the cards: what a user's compile=true runs
         spec = dataclasses.replace(
-            spec, sets=tuple(s for s in spec.sets if s != "compile_backend=aot_eager"))
+            spec, sets=tuple(s for s in spec.sets if s != "compile_backend=aot_eager")
+        )
     ranks = fleet(spec)
     got = ranks[0]["rec"]
     ref = single(_eager(spec), [8])["rec"]
@@ -78,8 +80,12 @@ def _one(spec: FleetSpec, cuda: bool) -> tuple[bool, str]:
 def run(cuda: bool = False) -> Record:
     results = [_one(on(s, cuda), cuda) for s in RUNS]
     return Record(
-        "g31_compile_fleet", CLAIM, INSTRUMENT, "; ".join(t for _, t in results),
+        "g31_compile_fleet",
+        CLAIM,
+        INSTRUMENT,
+        "; ".join(t for _, t in results),
         ", ".join(f"{k} <= {fmt(v)}" for k, v in TOL.items()) + " (fp32 round-off; inductor's "
         "fused kernels measured 4.8e-7 against eager); >= 1 compiled graph on every rank",
-        all(ok for ok, _ in results), fleet_env(cuda, (2,)),
+        all(ok for ok, _ in results),
+        fleet_env(cuda, (2,)),
     )

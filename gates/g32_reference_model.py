@@ -31,20 +31,37 @@ from gates.status import Record, environment
 CUDA = False
 SINGLE_CUDA = True
 
-CLAIM = ("the model is its equations: logits, loss, gradients and LFB counts equal "
-         "references/model.py's, and sampling draws from softmax(logits / T)")
+CLAIM = (
+    "the model is its equations: logits, loss, gradients and LFB counts equal "
+    "references/model.py's, and sampling draws from softmax(logits / T)"
+)
 
 #: (name, ModelConfig changes, fp64?): the CPU cases. fp64 needs the batched MoE arm.
 CPU_CASES = (
-    ("batched dropless train", {"moe_impl": "batched", "dropout": 0.1, "moe_lb_coef": 0.01},
-     True),
-    ("batched cap0.5 segments", {"moe_impl": "batched", "moe_capacity": 0.5, "segment_len": 8},
-     True),
-    ("batched cap1.0 rank0 2 layers train",
-     {"moe_impl": "batched", "moe_capacity": 1.0, "rank": 0, "gate_rank": 0, "n_layers": 2,
-      "dropout": 0.2, "moe_lb_coef": 0.01}, True),
-    ("grouped dropless train fp32", {"moe_impl": "grouped", "dropout": 0.1, "moe_lb_coef": 0.01},
-     False),
+    ("batched dropless train", {"moe_impl": "batched", "dropout": 0.1, "moe_lb_coef": 0.01}, True),
+    (
+        "batched cap0.5 segments",
+        {"moe_impl": "batched", "moe_capacity": 0.5, "segment_len": 8},
+        True,
+    ),
+    (
+        "batched cap1.0 rank0 2 layers train",
+        {
+            "moe_impl": "batched",
+            "moe_capacity": 1.0,
+            "rank": 0,
+            "gate_rank": 0,
+            "n_layers": 2,
+            "dropout": 0.2,
+            "moe_lb_coef": 0.01,
+        },
+        True,
+    ),
+    (
+        "grouped dropless train fp32",
+        {"moe_impl": "grouped", "dropout": 0.1, "moe_lb_coef": 0.01},
+        False,
+    ),
     ("grouped cap1.0 fp32", {"moe_impl": "grouped", "moe_capacity": 1.0}, False),
 )
 #: Windows x bytes of each case's input.
@@ -106,9 +123,12 @@ def sampling_check() -> tuple[list[str], list[str]]:
         if stat > crit or outside:
             bad.append(f"T={temp} top_k={top_k}: chi2 {stat:.1f} > {crit:.1f} (df {df}) or "
                        f"{outside} draws outside the top-k")  # fmt: skip
-        parts.append(f"T={temp}" + (f" top{top_k}" if top_k else "")
-                     + f" chi2 {stat:.1f}/{crit:.1f} df {df}" + (f", {outside} outside"
-                                                                  if top_k else ""))
+        parts.append(
+            f"T={temp}"
+            + (f" top{top_k}" if top_k else "")
+            + f" chi2 {stat:.1f}/{crit:.1f} df {df}"
+            + (f", {outside} outside" if top_k else "")
+        )
     greedy = sample.sample_next(logits.float().expand(4, 256), 0.0, 0)
     if not bool((greedy == logits.argmax()).all()):
         bad.append("T=0 is not the argmax")
@@ -165,10 +185,14 @@ def compare(cfg, device: str, dtype: torch.dtype, training: bool, seed: int = 7)
         want = aux["counts"][l] if training and cfg.moe_lb_coef else torch.zeros(cfg.n_experts)
         counts = max(counts, float((block.moe.lfb_counts.double().cpu() - want).abs().max()))
     worst = max(grads)
-    return {"logits": float((logits.detach().double().cpu() - rlogits.detach()).abs().max()),
-            "loss": abs(float(loss.detach()) - float(rloss.detach())), "grad": worst[0],
-            "worst": worst[1],
-            "counts": counts, "margin": aux["margin"]}
+    return {
+        "logits": float((logits.detach().double().cpu() - rlogits.detach()).abs().max()),
+        "loss": abs(float(loss.detach()) - float(rloss.detach())),
+        "grad": worst[0],
+        "worst": worst[1],
+        "counts": counts,
+        "margin": aux["margin"],
+    }
 
 
 def _check(name: str, r: dict, tol: float, margin: float, bad: list) -> str:
@@ -177,12 +201,16 @@ def _check(name: str, r: dict, tol: float, margin: float, bad: list) -> str:
                    f"could route apart; not the model's fault)")  # fmt: skip
     over = [k for k in ("logits", "loss", "grad") if not r[k] <= tol]
     if over:
-        bad.append(f"{name}: {', '.join(f'{k} {fmt(r[k])}' for k in over)} > {fmt(tol)}"
-                   + (f" (worst gradient {r['worst']})" if "grad" in over else ""))
+        bad.append(
+            f"{name}: {', '.join(f'{k} {fmt(r[k])}' for k in over)} > {fmt(tol)}"
+            + (f" (worst gradient {r['worst']})" if "grad" in over else "")
+        )
     if r["counts"] != 0:
         bad.append(f"{name}: LFB counts differ by {r['counts']:g}")
-    return (f"{name}: logits {fmt(r['logits'])} loss {fmt(r['loss'])} grad {fmt(r['grad'])}"
-            f" margin {fmt(r['margin'])}")
+    return (
+        f"{name}: logits {fmt(r['logits'])} loss {fmt(r['loss'])} grad {fmt(r['grad'])}"
+        f" margin {fmt(r['margin'])}"
+    )
 
 
 def cuda_cases() -> list[tuple[str, dict]]:
@@ -193,15 +221,28 @@ def cuda_cases() -> list[tuple[str, dict]]:
     from dormouse.model.arms import why_not
 
     fla = not why_not("kda", "fla", "cuda", shape={"head_dim": 16})
-    moe = [a for a in ("grouped", "batched")
-           if not why_not("moe", a, "cuda", shape={"d_model": 64, "d_ffn": 128})]
+    moe = [
+        a
+        for a in ("grouped", "batched")
+        if not why_not("moe", a, "cuda", shape={"d_model": 64, "d_ffn": 128})
+    ]
     train = {"dropout": 0.1, "moe_lb_coef": 0.01}
-    cases = [(f"cuda torch/{m} " + (f"cap{c}" if c else "dropless"),
-              {"kda_impl": "torch", "moe_impl": m, "moe_capacity": c, **train})
-             for m in moe for c in (0.0, 1.0)]
+    cases = [
+        (
+            f"cuda torch/{m} " + (f"cap{c}" if c else "dropless"),
+            {"kda_impl": "torch", "moe_impl": m, "moe_capacity": c, **train},
+        )
+        for m in moe
+        for c in (0.0, 1.0)
+    ]
     if fla:
-        cases += [(f"cuda fla/{m} every expert",
-                   {"kda_impl": "fla", "moe_impl": m, "moe_topk": 4, **train}) for m in moe]
+        cases += [
+            (
+                f"cuda fla/{m} every expert",
+                {"kda_impl": "fla", "moe_impl": m, "moe_topk": 4, **train},
+            )
+            for m in moe
+        ]
     return cases
 
 
@@ -248,5 +289,13 @@ def run(cuda: bool = False) -> Record:
            f"routing margins >= {MARGIN} (else the fixture fails); chi-square under its "
            f"p = 1e-6 critical value, no draw outside the top-k")  # fmt: skip
     env = environment("none", torch.cuda.get_device_name(0) if cuda else "cpu")
-    return Record("g32_reference_model", CLAIM, instrument, measured, tol, not bad, env,
-                  details={"failures": bad})
+    return Record(
+        "g32_reference_model",
+        CLAIM,
+        instrument,
+        measured,
+        tol,
+        not bad,
+        env,
+        details={"failures": bad},
+    )

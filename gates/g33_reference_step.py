@@ -38,8 +38,10 @@ from gates.status import Record, environment
 
 CUDA = False
 
-CLAIM = ("the single-process trainer equals the training equations step for step "
-         "(references/step.py, which shares nothing with dormouse.train)")
+CLAIM = (
+    "the single-process trainer equals the training equations step for step "
+    "(references/step.py, which shares nothing with dormouse.train)"
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,24 +59,93 @@ COMMON = ("seq_len=32", "log_every=1", "ckpt_every=0", "val_bytes=264", "eval_ba
 TRAIN_BYTES = 7 * 4 * 33 + 20  # 7 blocks of 4 windows of 33 bytes, 20 never read in a pass
 
 CASES = (
-    Case("mix", ("opt=mix", "batch=2", "global_batch=4", "steps=16", "warmup=4", "lr=3e-3",
-                 "min_lr_frac=0.2", "wd=0.3", "grad_clip=2.0", "moe_lb_coef=0.02",
-                 "dropout=0.1", "engram_lr_mult=3", "muon_momentum=0.9", "adam_betas=0.85,0.98",
-                 "adam_eps=1e-7", "ns_kind=polar_express", "ns_steps=4", "muon_sf=jordan",
-                 "muon_variant=nesterov", "eval_every=3", "early_stop=3"),
-         stop_at=6, poison=7),
-    Case("adamw-ram", ("opt=adamw", "engram_ram=true", "batch=4", "steps=12", "warmup=3",
-                       "schedule=wsd", "wsd_decay_frac=0.5", "lr=2e-3", "wd=0.2", "grad_clip=0",
-                       "moe_capacity=1.0", "moe_lb_coef=0.01", "engram_lr_mult=7",
-                       "adam_betas=0.8,0.99", "eval_every=4", "ckpt_every=4"),
-         stop_at=8, poison=3),  # a skip on an evaluation (and checkpoint) step
-    Case("mix-ram", ("opt=mix", "engram_ram=true", "batch=2", "global_batch=4", "steps=10",
-                     "warmup=2", "schedule=constant", "lr=2e-3", "grad_clip=1.0",
-                     "dropout=0.2", "muon_variant=plain", "muon_sf=rms", "engram_lr_mult=2",
-                     "eval_every=5")),
-    Case("adamw", ("opt=adamw", "batch=4", "steps=10", "warmup=5", "lr=2e-3", "wd=0.5",
-                   "grad_clip=1.5", "moe_lb_coef=0.03", "moe_capacity=0.5", "dropout=0.1",
-                   "engram_lr_mult=4", "eval_every=5")),
+    Case(
+        "mix",
+        (
+            "opt=mix",
+            "batch=2",
+            "global_batch=4",
+            "steps=16",
+            "warmup=4",
+            "lr=3e-3",
+            "min_lr_frac=0.2",
+            "wd=0.3",
+            "grad_clip=2.0",
+            "moe_lb_coef=0.02",
+            "dropout=0.1",
+            "engram_lr_mult=3",
+            "muon_momentum=0.9",
+            "adam_betas=0.85,0.98",
+            "adam_eps=1e-7",
+            "ns_kind=polar_express",
+            "ns_steps=4",
+            "muon_sf=jordan",
+            "muon_variant=nesterov",
+            "eval_every=3",
+            "early_stop=3",
+        ),
+        stop_at=6,
+        poison=7,
+    ),
+    Case(
+        "adamw-ram",
+        (
+            "opt=adamw",
+            "engram_ram=true",
+            "batch=4",
+            "steps=12",
+            "warmup=3",
+            "schedule=wsd",
+            "wsd_decay_frac=0.5",
+            "lr=2e-3",
+            "wd=0.2",
+            "grad_clip=0",
+            "moe_capacity=1.0",
+            "moe_lb_coef=0.01",
+            "engram_lr_mult=7",
+            "adam_betas=0.8,0.99",
+            "eval_every=4",
+            "ckpt_every=4",
+        ),
+        stop_at=8,
+        poison=3,
+    ),  # a skip on an evaluation (and checkpoint) step
+    Case(
+        "mix-ram",
+        (
+            "opt=mix",
+            "engram_ram=true",
+            "batch=2",
+            "global_batch=4",
+            "steps=10",
+            "warmup=2",
+            "schedule=constant",
+            "lr=2e-3",
+            "grad_clip=1.0",
+            "dropout=0.2",
+            "muon_variant=plain",
+            "muon_sf=rms",
+            "engram_lr_mult=2",
+            "eval_every=5",
+        ),
+    ),
+    Case(
+        "adamw",
+        (
+            "opt=adamw",
+            "batch=4",
+            "steps=10",
+            "warmup=5",
+            "lr=2e-3",
+            "wd=0.5",
+            "grad_clip=1.5",
+            "moe_lb_coef=0.03",
+            "moe_capacity=0.5",
+            "dropout=0.1",
+            "engram_lr_mult=4",
+            "eval_every=5",
+        ),
+    ),
 )
 
 #: fp32 trainer vs fp64 reference, worst of the four cases (torch 2.13, CPU); each about 5x:
@@ -224,23 +295,31 @@ def checkpoint_errors(ck: dict, snap: dict, start: dict, run_json: str) -> tuple
         bad.append(f"data position {data}, the reference's {snap['data']}")
     stored, asked = json.loads(ck["config"]), json.loads(run_json)
     # a field left on "auto" is stored as what it resolved to
-    differ = [k for part in ("model", "train") for k, v in asked[part].items()
-              if v != "auto" and stored[part].get(k) != v]
+    differ = [
+        k
+        for part in ("model", "train")
+        for k, v in asked[part].items()
+        if v != "auto" and stored[part].get(k) != v
+    ]
     if differ or stored["source"] != asked["source"]:
         bad.append(f"the stored run config differs from the run's in {differ or ['source']}")
     extra = ck.get("extra", {})
     for k in ("best_step", "since_best"):
         if extra.get(k) != snap[k]:
             bad.append(f"{k} {extra.get(k)!r}, the reference's {snap[k]!r}")
-    if snap["best_loss"] is not None and abs((extra.get("best_loss") or math.inf)
-                                             - snap["best_loss"]) > TOL["eval"]:
+    if (
+        snap["best_loss"] is not None
+        and abs((extra.get("best_loss") or math.inf) - snap["best_loss"]) > TOL["eval"]
+    ):
         bad.append(f"best_loss {extra.get('best_loss')!r}, the reference's {snap['best_loss']:.6f}")
     hist = extra.get("history") or []
     if [h[0] for h in hist] != [h[0] for h in snap["history"]] or any(
             abs(a[1] - b[1]) > TOL["eval"] or (abs(a[2] - b[2]) > TOL["loss"])
             for a, b in zip(hist, snap["history"]) if math.isfinite(b[2])):  # fmt: skip
-        bad.append(f"history {[h[0] for h in hist]}, the reference's "
-                   f"{[h[0] for h in snap['history']]} (or their losses differ)")
+        bad.append(
+            f"history {[h[0] for h in hist]}, the reference's "
+            f"{[h[0] for h in snap['history']]} (or their losses differ)"
+        )
     fig["where"] = worst
     return fig, bad
 
@@ -250,10 +329,18 @@ def compare(got: dict, ref: dict) -> tuple[dict, list[str]]:
     bad = []
     steps = sorted(got["gnorms"])
     fig = {
-        "loss": max((abs(got["losses"][s] - ref["losses"][s]) for s in got["losses"]
-                     if s in ref["losses"]), default=0.0),
-        "gnorm": max((abs(got["gnorms"][s] - ref["gnorms"][s]) / ref["gnorms"][s]
-                      for s in steps if s in ref["gnorms"]), default=0.0),
+        "loss": max(
+            (abs(got["losses"][s] - ref["losses"][s]) for s in got["losses"] if s in ref["losses"]),
+            default=0.0,
+        ),
+        "gnorm": max(
+            (
+                abs(got["gnorms"][s] - ref["gnorms"][s]) / ref["gnorms"][s]
+                for s in steps
+                if s in ref["gnorms"]
+            ),
+            default=0.0,
+        ),
     }
     if set(got["losses"]) != {s for s in ref["losses"] if s >= min(steps, default=0)}:
         bad.append(f"logged steps {sorted(got['losses'])[:3]}.., the reference's differ")
@@ -262,10 +349,13 @@ def compare(got: dict, ref: dict) -> tuple[dict, list[str]]:
         bad.append(f"skipped steps {got['skipped']}, the reference's {skipped}")
     evals = ref["evals"]
     if [e[0] for e in got["evals"]] != [e[0] for e in evals]:
-        bad.append(f"evaluations at {[e[0] for e in got['evals']]}, the reference's at "
-                   f"{[e[0] for e in evals]}")
-    fig["eval"] = max((max(abs(a[1] - b[1]), abs(a[2] - b[2]))
-                       for a, b in zip(got["evals"], evals)), default=0.0)
+        bad.append(
+            f"evaluations at {[e[0] for e in got['evals']]}, the reference's at "
+            f"{[e[0] for e in evals]}"
+        )
+    fig["eval"] = max(
+        (max(abs(a[1] - b[1]), abs(a[2] - b[2])) for a, b in zip(got["evals"], evals)), default=0.0
+    )
     return fig, bad
 
 
@@ -278,17 +368,22 @@ def one(case: Case, work: Path) -> tuple[dict, list[str], str]:
     model = woken(run)
     start = {k: v.detach().clone() for k, v in model.state_dict().items()}
     # engram_ram's tables are no parameters: the state dict has them all the same
-    ref = ReferenceRun(run, start, data).run(poison=(case.poison,) if case.poison >= 0 else (),
-                                            snapshots=(case.stop_at,) if case.stop_at else ())
+    ref = ReferenceRun(run, start, data).run(
+        poison=(case.poison,) if case.poison >= 0 else (),
+        snapshots=(case.stop_at,) if case.stop_at else (),
+    )
     figs, bad = {}, []
     if case.stop_at:
         first = train(run, model, stop_at=case.stop_at, poison=case.poison)
-        f, b = checkpoint_errors(first["checkpoint"], ref["snapshots"][case.stop_at], start,
-                                 run.to_json())
+        f, b = checkpoint_errors(
+            first["checkpoint"], ref["snapshots"][case.stop_at], start, run.to_json()
+        )
         bad += [f"at the resume ({case.stop_at}): {x}" for x in b]
         second = train(run, woken(run), resume=True, poison=case.poison, start=case.stop_at)
-        got = {k: ({**first[k], **second[k]} if isinstance(first[k], dict) else first[k])
-               for k in ("losses", "gnorms")}
+        got = {
+            k: ({**first[k], **second[k]} if isinstance(first[k], dict) else first[k])
+            for k in ("losses", "gnorms")
+        }
         got["skipped"] = first["skipped"] + second["skipped"]
         got["evals"] = first["evals"] + [e for e in second["evals"] if e[0] > case.stop_at]
         got["end"], got["checkpoint"] = second["end"], second["checkpoint"]
@@ -305,12 +400,15 @@ def one(case: Case, work: Path) -> tuple[dict, list[str], str]:
     where = f.pop("where")
     figs.update(f)
     figs["margin"] = ref["margin"]
-    text = (f"{case.name}: {len(got['gnorms'])} steps (end {got['end']}, skipped "
-            f"{got['skipped'] or 'none'}, evals at {[e[0] for e in got['evals']]}"
-            + (f", resumed at {case.stop_at}" if case.stop_at else "") + "): "
-            + ", ".join(f"{k} {fmt(v)}" for k, v in figs.items() if k != "margin")
-            + f" (worst update {where['update']}, state {where['state']}); routing margin "
-            f"{fmt(ref['margin'])}")
+    text = (
+        f"{case.name}: {len(got['gnorms'])} steps (end {got['end']}, skipped "
+        f"{got['skipped'] or 'none'}, evals at {[e[0] for e in got['evals']]}"
+        + (f", resumed at {case.stop_at}" if case.stop_at else "")
+        + "): "
+        + ", ".join(f"{k} {fmt(v)}" for k, v in figs.items() if k != "margin")
+        + f" (worst update {where['update']}, state {where['state']}); routing margin "
+        f"{fmt(ref['margin'])}"
+    )
     return figs, bad, text
 
 
@@ -325,8 +423,10 @@ def run(cuda: bool = False) -> Record:
                 if key in TOL and not v <= TOL[key]:
                     b.append(f"{k} {fmt(v)} > {fmt(TOL[key])}")
             if figs["margin"] < MARGIN:
-                b.append(f"routing margin {fmt(figs['margin'])} < {fmt(MARGIN)}: fp32 and fp64 "
-                         f"may pick other experts (the fixture, not the trainer)")
+                b.append(
+                    f"routing margin {fmt(figs['margin'])} < {fmt(MARGIN)}: fp32 and fp64 "
+                    f"may pick other experts (the fixture, not the trainer)"
+                )
             parts.append(text)
             bad += [f"{case.name}: {x}" for x in b]
     measured = "; ".join(parts)
@@ -345,8 +445,16 @@ def run(cuda: bool = False) -> Record:
            + "; steps, skips, evaluation steps, step counts, data position, best step and "
            "early-stop counter exact (fp32 round-off against fp64; update: the worst tensor's "
            "relative error, Adam amplifies round-off on small gradients)")  # fmt: skip
-    return Record("g33_reference_step", CLAIM, instrument, measured, tol, not bad,
-                  environment("none", "cpu"), details={"mismatches": bad})
+    return Record(
+        "g33_reference_step",
+        CLAIM,
+        instrument,
+        measured,
+        tol,
+        not bad,
+        environment("none", "cpu"),
+        details={"mismatches": bad},
+    )
 
 
 #: Below this, fp32 affinities (exact to ~1e-7) may route unlike fp64; woken routers stay above.

@@ -13,8 +13,8 @@ import contextlib
 import hashlib
 import math
 import warnings
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 
@@ -82,8 +82,9 @@ def state_hash(model: torch.nn.Module, opt) -> dict[str, str]:
         "gradients": _digest([(n, "none" if p.grad is None else p.grad) for n, p in params]),
         "buffers": _digest(sorted(model.named_buffers(), key=lambda kv: kv[0])),
         "host tables": _digest([m.table for m in hosts]),
-        "host row gradients": _digest([[leaf.grad for _, leaf in m._leaves
-                                        if leaf.grad is not None] for m in hosts]),  # fmt: skip
+        "host row gradients": _digest(
+            [[leaf.grad for _, leaf in m._leaves if leaf.grad is not None] for m in hosts]
+        ),
         "optimizer": _digest(opt.state_dict()) if opt is not None else "",
     }
 
@@ -107,7 +108,7 @@ def plain_tensors(named) -> dict[str, torch.Tensor]:
     for n, t in named:
         if not hasattr(t, "full_tensor"):
             out[n] = t.to("cpu").contiguous().clone()
-        elif (t.device_mesh.ndim == 1 and tuple(t.placements) == (Shard(0),) and t.ndim >= 1):
+        elif t.device_mesh.ndim == 1 and tuple(t.placements) == (Shard(0),) and t.ndim >= 1:
             groups.setdefault((t.device_mesh, t.dtype), []).append((n, t))
         else:  # any other layout: torch's own gather, one tensor at a time
             out[n] = t.full_tensor().to("cpu").contiguous().clone()
@@ -122,12 +123,14 @@ def plain_tensors(named) -> dict[str, torch.Tensor]:
         local = [t.to_local() for _, t in items]
         for (n, t), loc, s in zip(items, local, sizes):
             if loc.shape[0] != s[me]:
-                raise RuntimeError(f"{n}: rank {me} holds {loc.shape[0]} rows of {t.shape[0]}, "
-                                   f"torch.chunk gives {s[me]}: not FSDP2's dim-0 sharding")
+                raise RuntimeError(
+                    f"{n}: rank {me} holds {loc.shape[0]} rows of {t.shape[0]}, "
+                    f"torch.chunk gives {s[me]}: not FSDP2's dim-0 sharding"
+                )
         send = torch.zeros(sum(span), dtype=dtype, device=local[0].device)
         at = 0
         for loc, L in zip(local, span):
-            send[at:at + loc.numel()] = loc.reshape(-1)
+            send[at : at + loc.numel()] = loc.reshape(-1)
             at += L
         recv = torch.empty(world * send.numel(), dtype=dtype, device=send.device)
         with warnings.catch_warnings():  # torch 2.13 renames it; 2.11 (the GPU box) has no new name
@@ -136,7 +139,7 @@ def plain_tensors(named) -> dict[str, torch.Tensor]:
         recv = recv.view(world, -1).to("cpu")
         at = 0
         for (n, t), s, w, L in zip(items, sizes, rows, span):
-            out[n] = torch.cat([recv[r, at:at + s[r] * w] for r in range(world)]).view(t.shape)
+            out[n] = torch.cat([recv[r, at : at + s[r] * w] for r in range(world)]).view(t.shape)
             at += L
     return {n: out[n] for n, _ in named}
 

@@ -16,7 +16,6 @@ from gates.cache import cached, work_dir
 from gates.fixtures import FleetSpec, batches_of, exact_fp32, fixture_run, threads
 from gates.recorder import Recorder, no_plot, record_inputs
 
-
 #: Fields a one-process run never reads (the fleet's reduce, sharding, buckets and timeout):
 #: two gates whose references differ only there share one reference run.
 _FLEET_ONLY = {"dist_shard": "none", "dist_reduce": "auto", "bucket_mb": 0.0,

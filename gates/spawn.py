@@ -20,8 +20,8 @@ import pickle
 import socket
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 
@@ -29,9 +29,13 @@ from gates import ROOT, mutations
 from gates.cache import cached, work_dir
 from gates.fixtures import FleetSpec, exact_fp32, fixture_run
 from gates.recorder import (
-    Recorder, compiled_graphs, log_lines, no_plot, read_journal, record_inputs,
+    Recorder,
+    compiled_graphs,
+    log_lines,
+    no_plot,
+    read_journal,
+    record_inputs,
 )
-
 
 #: Collective timeout inside a gate's fleet: a rank stuck in a collective longer than this
 #: fails the gate instead of hanging it (generous: two ranks share two loaded cores).
@@ -70,8 +74,10 @@ def fleet(spec: FleetSpec, *, allow_errors: bool = False) -> list[dict]:
     results = _fleet(spec)
     errors = [(r["rank"], r["error"]) for r in results if r.get("error")]
     if errors and not allow_errors:
-        raise FleetFailed(f"fleet {spec.name}: rank(s) {[i for i, _ in errors]} raised:\n"
-                          + "\n".join(e for _, e in errors))
+        raise FleetFailed(
+            f"fleet {spec.name}: rank(s) {[i for i, _ in errors]} raised:\n"
+            + "\n".join(e for _, e in errors)
+        )
     return results
 
 
@@ -82,8 +88,9 @@ def _fleet(spec: FleetSpec) -> list[dict]:
         for attempt in (1, 2):
             out = work_dir(f"fleet-{spec.name}")
             try:
-                wall = spawn(_rank_main, (spec, str(out), free_port()), spec.world,
-                             _limits(spec)[1])
+                wall = spawn(
+                    _rank_main, (spec, str(out), free_port()), spec.world, _limits(spec)[1]
+                )
                 break
             except FleetFailed as e:
                 errors = "".join(f"\n--- rank error ---\n{p.read_text()[-3000:]}"
@@ -177,7 +184,7 @@ def _rank_body(rank: int, spec: FleetSpec, out: Path) -> dict:
             raise
         stopped = True
         report = {"checkpoint": str(Path(run.train.out_dir) / f"{run.train.ckpt_name}.pt")}
-    except Exception:  # noqa: BLE001 - what this rank recorded before it failed is evidence
+    except Exception:
         with contextlib.suppress(Exception):
             dist.destroy_process_group()
         return {"rank": rank, "rec": recorder.rec, "error": traceback.format_exc()[-3000:],
@@ -330,11 +337,14 @@ def child_env(env: dict, fault: str = "") -> dict:
         site = work_dir("mutant-site")
         (site / "sitecustomize.py").write_text(
             "from gates.mutations import apply_from_env\napply_from_env()\n"
-            "from gates.faults import apply_from_env as plant_fault\nplant_fault()\n")
+            "from gates.faults import apply_from_env as plant_fault\nplant_fault()\n"
+        )
         path.insert(0, str(site))
         env["DORMOUSE_MUTATION"] = mutations.ACTIVE_MUTATION
         env["DORMOUSE_FAULT"] = fault
-    env["PYTHONPATH"] = os.pathsep.join(path + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    env["PYTHONPATH"] = os.pathsep.join(
+        path + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
+    )
     return env
 
 
@@ -355,8 +365,11 @@ LAUNCH_ENV = {"OMP_NUM_THREADS": "1", "NCCL_NVLS_ENABLE": "0",
 
 def launch_env(fault: str = "") -> dict:
     """os.environ for a torchrun a gate starts: no inherited fleet variables, LAUNCH_ENV."""
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    }
     env.update(LAUNCH_ENV)
     return child_env(env, fault)
 

@@ -12,15 +12,14 @@ import hashlib
 import platform
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import torch
 
 from gates import ROOT
 from gates.fixtures import threads
-
 
 #: Every gate module, in the order of the status table.
 GATES = [
@@ -79,7 +78,7 @@ def timed(gate: str, fn: Callable[[], Record]) -> Record:
     try:
         with threads(1):  # the gate's own references: tiny matmuls, one core each
             rec = fn()
-    except Exception as e:  # noqa: BLE001 - a gate that crashes has failed, visibly
+    except Exception as e:
         rec = Record(gate, "(gate crashed)", "", f"{type(e).__name__}: {e}"[:2000], "", False,
                      details={"traceback": traceback.format_exc()})  # fmt: skip
     rec.seconds = time.perf_counter() - t0
@@ -117,13 +116,14 @@ def load_cuda_records() -> list[tuple[Record, bool]]:
     for e in json.loads(CUDA_RECORDS.read_text()):
         source = e.pop("source", "")
         rec = Record(**e)
-        fresh = (ROOT / "gates" / f"{rec.gate}.py").exists() and source == gate_source_hash(rec.gate)
+        fresh = (ROOT / "gates" / f"{rec.gate}.py").exists() and source == gate_source_hash(
+            rec.gate
+        )
         out.append((rec, not fresh))
     return out
 
 
-def write_status(records: list[Record], path: Path,
-                 extra: list[tuple[Record, bool]] = ()) -> None:
+def write_status(records: list[Record], path: Path, extra: list[tuple[Record, bool]] = ()) -> None:
     """The status table: `records` (this run), each followed by the saved GPU rows of the same
     gate from `extra` (marked stale where the gate changed after they ran)."""
     env = records[0].env if records else {}
@@ -139,10 +139,12 @@ def write_status(records: list[Record], path: Path,
         "| gate | claim | instrument | measured | tolerance | verdict |",
         "|---|---|---|---|---|---|",
     ]
+
     def row(r: Record, stale: bool = False) -> str:
         world = r.env.get("world", "-")
-        verdict = (f"{r.verdict()} ({r.env.get('backend', '-')}, {r.env.get('device', '-')}"
-                   + (f", world {world})" if world != "-" else ")"))
+        verdict = f"{r.verdict()} ({r.env.get('backend', '-')}, {r.env.get('device', '-')}" + (
+            f", world {world})" if world != "-" else ")"
+        )
         if stale:
             verdict += " STALE: the gate changed since this row ran"
         cells = [r.gate, r.claim, r.instrument, r.measured, r.tolerance, verdict]

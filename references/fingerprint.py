@@ -22,7 +22,7 @@ def _clean(name: str) -> str:
         changed = False
         for p in _PREFIXES:
             if name.startswith(p):
-                name, changed = name[len(p):], True
+                name, changed = name[len(p) :], True
     return name
 
 

@@ -29,7 +29,7 @@ def rank_windows(corpus: bytes, shapes: list[tuple[int, int]]):
     out, off = [], 0
     for b, t in shapes:
         n = b * (t + 1)
-        raw = np.frombuffer(corpus[off:off + n], dtype=np.uint8).astype(np.int64)
+        raw = np.frombuffer(corpus[off : off + n], dtype=np.uint8).astype(np.int64)
         assert raw.shape[0] == n, "the corpus is shorter than one fleet step"
         w = torch.from_numpy(raw).view(b, t + 1)
         out.append((w[:, :-1], w[:, 1:]))
@@ -37,9 +37,16 @@ def rank_windows(corpus: bytes, shapes: list[tuple[int, int]]):
     return out
 
 
-def token_weighted_step(model: torch.nn.Module, corpus: bytes, shapes: list[tuple[int, int]],
-                        train_cfg, weights: list[float] | None = None, *,
-                        device: str = "cpu", reverse: bool = False) -> dict:
+def token_weighted_step(
+    model: torch.nn.Module,
+    corpus: bytes,
+    shapes: list[tuple[int, int]],
+    train_cfg,
+    weights: list[float] | None = None,
+    *,
+    device: str = "cpu",
+    reverse: bool = False,
+) -> dict:
     """One optimizer step of `model` with sum_r w_r g_r (w_r = t_r / sum_t unless given).
 
     The run's schedule must give step 0 the full lr (warmup=0: factor 1). Returns the
@@ -64,7 +71,7 @@ def token_weighted_step(model: torch.nn.Module, corpus: bytes, shapes: list[tupl
     local = []
     model.train()
     pairs = list(zip(rank_windows(corpus, shapes), weights))
-    for (x, y), w in (pairs[::-1] if reverse else pairs):
+    for (x, y), w in pairs[::-1] if reverse else pairs:
         model.zero_grad(set_to_none=True)
         _, loss, _ = model(x.to(device), y.to(device))
         local.append(float(loss.detach()))
@@ -92,5 +99,4 @@ def token_weighted_step(model: torch.nn.Module, corpus: bytes, shapes: list[tupl
     opt.step()
     opt.zero_grad(set_to_none=True)
     model.lfb_update()  # one process saw every rank's tokens: its counts ARE the fleet's
-    return {"local_losses": local, "weights": list(weights), "tokens": tokens,
-            "grads": weighted}
+    return {"local_losses": local, "weights": list(weights), "tokens": tokens, "grads": weighted}

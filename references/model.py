@@ -124,7 +124,7 @@ def causal_taps(u: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """y[t, c] = sum_j w[c, j] u[t - (K-1) + j, c], zeros before the start (no activation)."""
     T, K = u.shape[1], w.shape[-1]
     padded = torch.cat([u.new_zeros(u.shape[0], K - 1, u.shape[2]), u], dim=1)
-    return sum(w[:, j] * padded[:, j:j + T] for j in range(K))
+    return sum(w[:, j] * padded[:, j : j + T] for j in range(K))
 
 
 class ReferenceModel:
@@ -160,7 +160,7 @@ class ReferenceModel:
         e = table[torch.arange(nt), idx].flatten(-2)  # [B, T, nt * dim]
         k = e @ self.p("engram.key.weight").t()
         v = e @ self.p("engram.value.weight").t()
-        sim = (rms(h, self.p("engram.norm_h.weight")) * rms(k, self.p("engram.norm_k.weight")))
+        sim = rms(h, self.p("engram.norm_h.weight")) * rms(k, self.p("engram.norm_k.weight"))
         gate = torch.sigmoid(sim.sum(-1, keepdim=True) / math.sqrt(c.d_model))
         return causal_taps(gate * v, self.p("engram.conv.weight")[:, 0])
 
@@ -180,13 +180,13 @@ class ReferenceModel:
         seg = c.segment_len if 0 < c.segment_len < T else T
         outs, tail, S = [], None, None
         for a in range(0, T, seg):
-            xs = x[:, a:a + seg]
+            xs = x[:, a : a + seg]
             qkv = torch.cat([self._proj(pre, n, xs, it, f"{n}_proj") for n in "qkv"], dim=-1)
             # a later segment's conv reads the previous one's last inputs, gradient cut there
             full = qkv if tail is None else torch.cat([tail.detach(), qkv], dim=1)
             conv = short_conv_silu(full, self.p(f"{pre}.qkv_conv.weight"))
-            conv = conv if tail is None else conv[:, tail.shape[1]:]
-            tail = full[:, -(K - 1):] if K > 1 else full[:, :0]
+            conv = conv if tail is None else conv[:, tail.shape[1] :]
+            tail = full[:, -(K - 1) :] if K > 1 else full[:, :0]
             q, k, v = qk_l2norm(conv, H)
             f = self.p(f"{pre}.dt_bias").expand(B, xs.shape[1], -1)
             if self.p(f"{pre}.f_down.weight") is not None:
@@ -195,9 +195,11 @@ class ReferenceModel:
             beta = torch.sigmoid(xs @ self.p(f"{pre}.b_proj.weight").t())
             o, S = kda_naive(q, k, v, g, beta, initial_state=None if S is None else S.detach(),
                              output_final_state=True)  # fmt: skip
-            gate = torch.sigmoid((xs @ self.p(f"{pre}.g_down.weight").t())
-                                 @ self.p(f"{pre}.g_up.weight").t() + self.p(f"{pre}.g_up.bias"))
-            o = (rms(o, self.p(f"{pre}.o_norm.weight")) * gate.reshape(B, -1, H, Dh))
+            gate = torch.sigmoid(
+                (xs @ self.p(f"{pre}.g_down.weight").t()) @ self.p(f"{pre}.g_up.weight").t()
+                + self.p(f"{pre}.g_up.bias")
+            )
+            o = rms(o, self.p(f"{pre}.o_norm.weight")) * gate.reshape(B, -1, H, Dh)
             outs.append(self._proj(pre, "o", o.reshape(B, -1, H * Dh), it, "o_proj"))
         return torch.cat(outs, dim=1)
 
@@ -241,7 +243,7 @@ class ReferenceModel:
 
         h = drop(self.p("embed.weight")[x], 0)
         h = h + drop(self.engram(h, x), 1)
-        counts = {l: 0.0 for l in range(c.n_layers)}
+        counts = dict.fromkeys(range(c.n_layers), 0.0)
         margin = math.inf
         for it in range(c.max_iter):
             for l in range(c.n_layers):

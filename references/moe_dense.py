@@ -45,8 +45,10 @@ def moe_dense(
     for t in range(rows.shape[0]):
         xt = rows[t]
         s = [torch.sigmoid(router_w[e] @ xt) for e in range(n_experts)]
-        score = [float(s[e].detach()) + (float(bias[e]) if bias is not None else 0.0)
-                 for e in range(n_experts)]
+        score = [
+            float(s[e].detach()) + (float(bias[e]) if bias is not None else 0.0)
+            for e in range(n_experts)
+        ]
         picked = sorted(range(n_experts), key=lambda e: -score[e])[:topk]
         total = sum(s[e] for e in picked)
         y = torch.zeros_like(xt)

@@ -21,13 +21,14 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import replace
+
 import torch
 
 from dormouse.config import RunConfig
 from dormouse.model import DormouseModel
 from dormouse.train import step as loop
-from dormouse.train.step import Callbacks
 from dormouse.train.run import train_run
+from dormouse.train.step import Callbacks
 
 
 def build_model(run: RunConfig) -> DormouseModel:

@@ -89,7 +89,7 @@ def split(raw: np.ndarray, t) -> tuple[np.ndarray, np.ndarray]:
     n = raw.shape[0]
     want = t.val_bytes if t.val_bytes > 0 else math.ceil(t.val_frac * n)
     n_val = max(want, window) if want else 0
-    return raw[: n - n_val], raw[n - n_val:]
+    return raw[: n - n_val], raw[n - n_val :]
 
 
 def as_windows(raw: np.ndarray, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -115,13 +115,13 @@ class Blocks:
             block, phase = i, 0
         start = (phase + block * self.stride) % n
         ring = np.concatenate([self.train, self.train])
-        return as_windows(ring[start:start + self.stride], self.seq_len)
+        return as_windows(ring[start : start + self.stride], self.seq_len)
 
 
 def val_batches(val: np.ndarray, count: int, batch: int, seq_len: int) -> list:
     window = batch * (seq_len + 1)
     starts = [(i * (len(val) - window)) // (count - 1) if count > 1 else 0 for i in range(count)]
-    return [as_windows(val[s:s + window], seq_len) for s in starts]
+    return [as_windows(val[s : s + window], seq_len) for s in starts]
 
 
 # ---- routing and the optimizers ---------------------------------------------------------------
@@ -133,8 +133,9 @@ def owner(name: str, shape: tuple[int, ...], opt: str) -> tuple[str, bool]:
         return "engram", False
     if len(shape) <= 1:
         return "adamw", False
-    if name in ("embed.weight", "head.weight") or any("conv" in part
-                                                      for part in name.split(".")[:-1]):
+    if name in ("embed.weight", "head.weight") or any(
+        "conv" in part for part in name.split(".")[:-1]
+    ):
         return "adamw", True
     if len(shape) > 3 or min(shape[-2:]) == 1:
         return "adamw", True
@@ -153,11 +154,17 @@ class Optimizer:
             if kind == "muon":
                 self.state[n] = {"momentum_buffer": torch.zeros_like(p)}
             elif kind == "adamw":
-                self.state[n] = {"step": torch.zeros((), dtype=p.dtype),
-                                 "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
+                self.state[n] = {
+                    "step": torch.zeros((), dtype=p.dtype),
+                    "exp_avg": torch.zeros_like(p),
+                    "exp_avg_sq": torch.zeros_like(p),
+                }
             else:
-                self.state[n] = {"step": torch.zeros(p.shape[:-1], dtype=torch.int64),
-                                 "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
+                self.state[n] = {
+                    "step": torch.zeros(p.shape[:-1], dtype=torch.int64),
+                    "exp_avg": torch.zeros_like(p),
+                    "exp_avg_sq": torch.zeros_like(p),
+                }
 
     @torch.no_grad()
     def step(self, params: dict[str, torch.Tensor], factor: float) -> None:
@@ -171,8 +178,11 @@ class Optimizer:
             kind, decay = self.kind[n]
             wd = t.wd if decay else 0.0
             if kind == "muon":
-                mats = [(p, g, st["momentum_buffer"])] if p.dim() == 2 else [
-                    (p[e], g[e], st["momentum_buffer"][e]) for e in range(p.shape[0])]
+                mats = (
+                    [(p, g, st["momentum_buffer"])]
+                    if p.dim() == 2
+                    else [(p[e], g[e], st["momentum_buffer"][e]) for e in range(p.shape[0])]
+                )
                 for pm, gm, mm in mats:
                     new_p, new_m = muon_single_step(
                         pm, gm, mm, lr, wd, t.muon_momentum, t.muon_variant == "nesterov",
@@ -191,8 +201,17 @@ class Optimizer:
                 count = st["step"].view(-1)
                 count[rows] += 1
                 pr, mr, vr = pv[rows], m[rows], v[rows]
-                _adam(pr, gv[rows], mr, vr, count[rows].to(p.dtype).unsqueeze(1),
-                      lr * t.engram_lr_mult, b1, b2, t.adam_eps)
+                _adam(
+                    pr,
+                    gv[rows],
+                    mr,
+                    vr,
+                    count[rows].to(p.dtype).unsqueeze(1),
+                    lr * t.engram_lr_mult,
+                    b1,
+                    b2,
+                    t.adam_eps,
+                )
                 pv[rows], m[rows], v[rows] = pr, mr, vr
 
 
@@ -241,8 +260,9 @@ class ReferenceRun:
         losses, counts = [], {b: torch.zeros_like(c) for b, c in self.counts.items()}
         for j in range(k):
             sl = slice(j * (self.windows // k), (j + 1) * (self.windows // k))
-            _, loss, aux = self.model.forward(x[sl], y[sl], training=True,
-                                              keys=None if keys is None else keys[sl])
+            _, loss, aux = self.model.forward(
+                x[sl], y[sl], training=True, keys=None if keys is None else keys[sl]
+            )
             (loss / k).backward()
             losses.append(float(loss.detach()))
             self.margin = min(self.margin, aux["margin"])
@@ -331,10 +351,19 @@ class ReferenceRun:
             model[f"blocks.{b}.moe.lfb_bias"] = bias.clone()
             model[f"blocks.{b}.moe.lfb_counts"] = torch.zeros_like(bias)
         opt = {n: {k: v.clone() for k, v in st.items()} for n, st in self.opt.state.items()}
-        data = {"step": step, "n_bytes": int(self.blocks.train.shape[0]),
-                "stride": self.blocks.stride,
-                "shuffle_seed": self.t.seed if self.t.shuffle else None}
-        return {"step": step, "model": model, "optimizer": opt, "data": data,
-                "best_step": self.best_step,
-                "best_loss": self.best_loss if self.best_step is not None else None,
-                "since_best": self.since, "history": [list(h) for h in self.history]}
+        data = {
+            "step": step,
+            "n_bytes": int(self.blocks.train.shape[0]),
+            "stride": self.blocks.stride,
+            "shuffle_seed": self.t.seed if self.t.shuffle else None,
+        }
+        return {
+            "step": step,
+            "model": model,
+            "optimizer": opt,
+            "data": data,
+            "best_step": self.best_step,
+            "best_loss": self.best_loss if self.best_step is not None else None,
+            "since_best": self.since,
+            "history": [list(h) for h in self.history],
+        }

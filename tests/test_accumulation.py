@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from trainlog import train
 
 from dormouse.config import apply_sets, preset
 from dormouse.train.context import DPContext, RankShape, accumulate
 from dormouse.train.fleet.launch import parse_capacity
 from references.single import build_model
-from trainlog import train
 
 
 @pytest.mark.parametrize("share, cap, want", [

@@ -9,8 +9,8 @@ import random
 import pytest
 
 from dormouse.config import preset
-from dormouse.train.fleet.balance import Balancer, RateMeter, rank_window_cap, split_capped
 from dormouse.train.context import DistError
+from dormouse.train.fleet.balance import Balancer, RateMeter, rank_window_cap, split_capped
 from dormouse.train.plan.fit import estimate
 
 

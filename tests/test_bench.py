@@ -54,7 +54,9 @@ def test_tiny_on_cpu_prints_the_table_and_writes_it(tmp_path, capsys):
     assert float(row["step ms (median)"]) > 0
     assert row["MFU (datasheet)"].startswith("n/a")
     # no peak on the CPU unless --peak-tflops gives one; the step's FLOPs are counted anyway
-    assert row["MFU (measured peak)"].startswith("n/a") and row["HFU (measured peak)"].startswith("n/a")
+    assert row["MFU (measured peak)"].startswith("n/a") and row["HFU (measured peak)"].startswith(
+        "n/a"
+    )
     assert "Peak (MFU and HFU, measured peak): none on the CPU" in printed
     assert row["peak memory"].endswith("RSS")
     assert row["KDA arm"] == "torch"
@@ -202,7 +204,9 @@ def test_gpt_params_formula_counts_the_built_model():
 
     for name in ("gpt-small", "gpt-small-ne"):
         m = preset(name).model
-        assert gpt_params(m.d_model, m.n_layers, m.d_ffn, m.d_attn, m.max_seq_len) == count_params(m)
+        assert gpt_params(m.d_model, m.n_layers, m.d_ffn, m.d_attn, m.max_seq_len) == count_params(
+            m
+        )
 
 
 @pytest.mark.parametrize("name", ["tiny", "small", "medium", "b1"])
@@ -271,9 +275,11 @@ def test_baseline_compile_is_timed_apart_and_a_failure_names_the_escape(monkeypa
     monkeypatch.setattr(torch, "compile", lambda model, **kw: Broken())
     assert main_bench(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err[-1] == ("bench: torch.compile of gpt 64 x 3 (twin of tiny) failed on cpu "
-                       "(RuntimeError: inductor: no C++ compiler); rerun with --set "
-                       "compile=false")
+    assert err[-1] == (
+        "bench: torch.compile of gpt 64 x 3 (twin of tiny) failed on cpu "
+        "(RuntimeError: inductor: no C++ compiler); rerun with --set "
+        "compile=false"
+    )
 
 
 def test_baseline_refusals(capsys):
@@ -295,7 +301,9 @@ def test_step_bench_runs_a_gpt_preset(capsys):
 def test_profile_prints_the_step_and_its_phases(capsys):
     assert main_bench(["profile", "tiny", "--device", "cpu", "--steps", "1", "--warmup", "0"]) == 0
     out = capsys.readouterr().out
-    phases = {line.split("|")[2].strip() for line in out.splitlines() if line.startswith("| tiny |")}
+    phases = {
+        line.split("|")[2].strip() for line in out.splitlines() if line.startswith("| tiny |")
+    }
     # the loop's own ranges (loop.PHASES) reach the profile: forward, backward, clip, optimizer
     assert {"forward", "backward", "clip", "optimizer"} <= phases
     assert "GPU busy" in out and "n/a (CPU)" in out
@@ -324,8 +332,11 @@ def test_fleet_divides_each_fleet_by_the_solo_rates_around_it(capsys):
     # the solo rates before the first fleet and after each of the three
     for when in ("before the first fleet", "after fleet 1", "after fleet 2", "after fleet 3"):
         assert f"| {when} |" in out
-    solo = [sum(float(c.strip().replace(",", "")) for c in ln.split("|")[2:-1])
-            for ln in out.splitlines() if ln.startswith(("| before the first", "| after fleet"))]
+    solo = [
+        sum(float(c.strip().replace(",", "")) for c in ln.split("|")[2:-1])
+        for ln in out.splitlines()
+        if ln.startswith(("| before the first", "| after fleet"))
+    ]
     rows = [ln for ln in out.splitlines() if ln.startswith("| 1 |") and ln.count("|") > 12]
     assert [r.split("|")[2].strip() for r in rows] == ["equal", "start-up auto",
                                                        "re-balanced auto"]  # fmt: skip
@@ -377,9 +388,11 @@ def test_fleet_side_by_side_walls_leave_out_the_blocks_and_divide_by_the_blocks_
     # steps end at 1, 2, 3 | block after 3 steps, resumed at 10 | steps end at 11, 12, 13.5 |
     # block after 6 steps, resumed at 20 | steps end at 22, 24
     stamps = [1.0, 2.0, 3.0, 11.0, 12.0, 13.5, 22.0, 24.0]
-    blocks = [{"after": 0, "rate": 10.0, "resume": None},
-              {"after": 3, "rate": 20.0, "resume": 10.0},
-              {"after": 6, "rate": 40.0, "resume": 20.0}]
+    blocks = [
+        {"after": 0, "rate": 10.0, "resume": None},
+        {"after": 3, "rate": 20.0, "resume": 10.0},
+        {"after": 6, "rate": 40.0, "resume": 20.0},
+    ]
     walls = _walls(stamps, blocks)
     # step 3 starts when the block after step 2 ended (10), not at step 2's end (3)
     assert walls == [None, 1.0, 1.0, 1.0, 1.0, 1.5, 2.0, 2.0]
@@ -424,11 +437,13 @@ def test_kda_flops_match_a_hand_count_for_tiny():
     assert model.blocks[0].mixer.impl == "torch"
     # tiny: 4 heads of 16 (K = V = 16), one block applied twice (max_iter 2); the torch arm's
     # chunk kda_chunk = 16, so P = 16 * 17 / 2 = 136 causal pairs a chunk. Per head and chunk:
-    per_chunk = (2 * 16 * 16 * 16  # the scores Aqk and Akk: 256 pairs of 16
-                 + 16 * 255 // 3  # (I + A)^-1 by substitution: 1360
-                 + 2 * 136 * 32  # [U | W] = (I + A)^-1 [beta V | beta exp(G) K]: 8704
-                 + 2 * 136 * 16  # Aqk D: 4352
-                 + 6 * 16 * 16 * 16)  # W S0, (Q exp G) S0, K'^T D: 24576
+    per_chunk = (
+        2 * 16 * 16 * 16  # the scores Aqk and Akk: 256 pairs of 16
+        + 16 * 255 // 3  # (I + A)^-1 by substitution: 1360
+        + 2 * 136 * 32  # [U | W] = (I + A)^-1 [beta V | beta exp(G) K]: 8704
+        + 2 * 136 * 16  # Aqk D: 4352
+        + 6 * 16 * 16 * 16
+    )  # W S0, (Q exp G) S0, K'^T D: 24576
     assert per_chunk == 47184 == kda_chunk_flops(16, 16, 16)
     # the preset's 4 x 64 windows: 4 chunks each, x 4 heads x 2 applications
     assert kda_forward_flops(model, 4, 64) == 4 * 4 * 2 * 4 * 47184
@@ -495,7 +510,8 @@ def test_a_given_peak_prints_mfu_and_hfu_on_the_cpu(capsys):
     assert row["MFU (datasheet)"] == "n/a (CPU)"  # no datasheet for a CPU
     # printed to 3 significant digits: that rounding (0.5%) is the tolerance
     assert _cell(row, "MFU (measured peak)") == pytest.approx(
-        100 * _cell(row, "model TFLOP/s") / 0.01, rel=1e-2, abs=0.05)
+        100 * _cell(row, "model TFLOP/s") / 0.01, rel=1e-2, abs=0.05
+    )
     parts, total = row["TFLOP/step: 6N + mixer + polar"].split(" = ")
     six_n, kda, polar = (float(v) for v in parts.split(" + "))
     assert sum((six_n, kda, polar)) == pytest.approx(float(total), rel=1e-2)
@@ -530,18 +546,20 @@ def test_parts_table_sums_the_parts_and_sets_them_beside_the_step(capsys):
     from dormouse.bench.step import PARTS_HEADER
 
     assert rows[at] == PARTS_HEADER
-    parts = {r[1].split(" (")[0]: dict(zip(PARTS_HEADER, r)) for r in rows[at + 2:]}
+    parts = {r[1].split(" (")[0]: dict(zip(PARTS_HEADER, r)) for r in rows[at + 2 :]}
     assert list(parts) == ["forward + backward", "forward", "backward", "clip", "optimizer",
                            "lfb", "sum of parts", "step", "step / sum of parts"]  # fmt: skip
     ms = {k: float(v["ms (median)"].rstrip("x")) for k, v in parts.items()}
     # printed to 0.01 ms: each cell rounds by 0.005
     assert ms["backward"] == pytest.approx(ms["forward + backward"] - ms["forward"], abs=0.011)
     assert ms["sum of parts"] == pytest.approx(
-        sum(ms[k] for k in ("forward", "backward", "clip", "optimizer", "lfb")), abs=0.03)
+        sum(ms[k] for k in ("forward", "backward", "clip", "optimizer", "lfb")), abs=0.03
+    )
     assert ms["step"] == pytest.approx(_cell(step_row, "step ms (median)"), abs=0.051)
     assert ms["step / sum of parts"] == pytest.approx(ms["step"] / ms["sum of parts"], abs=0.006)
     assert _cell(parts["optimizer"], "share of the step") == pytest.approx(
-        100 * ms["optimizer"] / ms["step"], abs=0.06)
+        100 * ms["optimizer"] / ms["step"], abs=0.06
+    )
     assert all(ms[k] > 0 for k in ("forward", "forward + backward", "optimizer"))
     assert "Parts (--parts, parts.py)" in printed
 

@@ -15,8 +15,8 @@ import torch
 
 from dormouse.config import apply_sets, preset
 from dormouse.model import DormouseModel
-from dormouse.train.store import checkpoint as ckpt
 from dormouse.train.optim.mix import MixOptimizer
+from dormouse.train.store import checkpoint as ckpt
 from dormouse.train.store.folder import RunDir
 
 
@@ -159,7 +159,7 @@ def _snapshot(net, opt) -> dict:
 
 
 def test_a_format_1_optimizer_state_is_refused_and_its_model_still_loads(tmp_path):
-    path, model = _save(tmp_path)
+    path, _model = _save(tmp_path)
     ck = ckpt.read_checkpoint(path)
     ck["format"] = 1  # the model state of format 1 is format 2's
     fresh = DormouseModel(preset("tiny").model)
@@ -209,7 +209,10 @@ def test_ddp_wrapped_model_uses_the_same_functions_and_names(one_rank_group, tin
     _step(net, opt)
     saved = _snapshot(net, opt)
     assert saved["model"].keys() == model.state_dict().keys()  # no `module.` prefix
-    assert "engram.store.table" in saved["model"] and "engram.store.table" in saved["optimizer"]["state"]
+    assert (
+        "engram.store.table" in saved["model"]
+        and "engram.store.table" in saved["optimizer"]["state"]
+    )
     fresh = tiny_model(1, engram_ram=True)
     net2 = DDP(fresh)
     opt2 = MixOptimizer(net2, lr=0.01, opt="mix")
@@ -281,7 +284,10 @@ def _fsdp_rank(rank: int, tmp: str, tiny_model) -> None:
             saved = torch.load(f"{tmp}/full-{ram}.pt", weights_only=True)
             ckpt.load_model_state(model, saved["model"])
             ckpt.load_optimizer_state(model, opt, saved["optimizer"])
-            again = {"model": ckpt.model_state(model), "optimizer": ckpt.optimizer_state(model, opt)}
+            again = {
+                "model": ckpt.model_state(model),
+                "optimizer": ckpt.optimizer_state(model, opt),
+            }
             if rank == 0:
                 torch.save(again, f"{tmp}/again-{ram}.pt")
             dist.barrier()
@@ -316,8 +322,15 @@ def _sharded(tmp_path, model, opt=None, step=1):
     """A sharded checkpoint written by one process (no process group): the same writer."""
     opt = opt if opt is not None else MixOptimizer(model, lr=0.01, opt="adamw")
     path = tmp_path / "ckpt.pt"
-    ckpt.save_sharded(path, model, opt, run=preset("tiny"), step=step,
-                      data_state={"kind": "stream", "step": step}, data_fingerprint=None)
+    ckpt.save_sharded(
+        path,
+        model,
+        opt,
+        run=preset("tiny"),
+        step=step,
+        data_state={"kind": "stream", "step": step},
+        data_fingerprint=None,
+    )
     return path, model, opt
 
 
@@ -468,8 +481,12 @@ def test_export_to_a_path_under_a_file_names_to(tmp_path):
     afile = tmp_path / "afile"
     afile.write_text("x")
     for dest in (afile / "model.pt", afile / "sub" / "model.pt"):
-        with pytest.raises(ckpt.CheckpointError, match=re.escape(
-                f"--to {dest}: {afile} is a file, not a folder; name a file in a folder")):
+        with pytest.raises(
+            ckpt.CheckpointError,
+            match=re.escape(
+                f"--to {dest}: {afile} is a file, not a folder; name a file in a folder"
+            ),
+        ):
             ckpt.export_checkpoint(path, dest)
     assert afile.read_text() == "x"
 
@@ -516,8 +533,7 @@ def _sharded_fleet_rank(rank: int, world: int, tmp: str, mode: str, tiny_model) 
 
 @pytest.mark.slow
 @pytest.mark.skipif(not torch.distributed.is_available(), reason="torch built without distributed")
-def test_a_2_rank_sharded_checkpoint_reshards_to_3_ranks_and_to_one_process(tmp_path,
-                                                                            tiny_model):
+def test_a_2_rank_sharded_checkpoint_reshards_to_3_ranks_and_to_one_process(tmp_path, tiny_model):
     import torch.multiprocessing as mp
 
     mp.start_processes(_sharded_fleet_rank, args=(2, str(tmp_path), "save", tiny_model),

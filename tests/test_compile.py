@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from dormouse.config import ConfigError, RunConfig, apply_sets, preset, validate
-from dormouse.train.step import Callbacks
 from dormouse.train.run import train_run
+from dormouse.train.step import Callbacks
 
 
 def _losses(tmp_path, name, sets, graphs=None):
@@ -98,7 +98,9 @@ def test_compile_auto_resolves_by_device_and_shape(monkeypatch, caplog):
     assert resolved((9, 0), ["compile=false"]) == (False, "default")
     assert resolved(None, ["compile=true"], device="cpu") == (True, "default")
     assert resolved((9, 0), ["compile_mode=max-autotune-no-cudagraphs"]) == (
-        True, "max-autotune-no-cudagraphs")
+        True,
+        "max-autotune-no-cudagraphs",
+    )
 
 
 def test_compile_reads_words_and_bools():

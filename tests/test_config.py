@@ -6,8 +6,15 @@ import json
 import pytest
 
 from dormouse.config import (
-    PRESET_PARAMS, ConfigError, ModelConfig, RunConfig, TrainConfig, apply_sets, preset,
-    preset_names, validate,
+    PRESET_PARAMS,
+    ConfigError,
+    ModelConfig,
+    RunConfig,
+    TrainConfig,
+    apply_sets,
+    preset,
+    preset_names,
+    validate,
 )  # fmt: skip
 
 
@@ -22,8 +29,18 @@ def test_presets_validate_and_round_trip(name):
 
 
 def test_set_types_each_field_kind():
-    run = apply_sets(preset("tiny"), ["d_model=32", "lr=2e-4", "dist=true", "schedule=wsd",
-                                       "model.rank=0", "train.steps=7", "engram_orders=2,3,4"])
+    run = apply_sets(
+        preset("tiny"),
+        [
+            "d_model=32",
+            "lr=2e-4",
+            "dist=true",
+            "schedule=wsd",
+            "model.rank=0",
+            "train.steps=7",
+            "engram_orders=2,3,4",
+        ],
+    )
     assert run.model.d_model == 32 and run.train.lr == 2e-4 and run.train.dist is True
     assert run.model.rank == 0 and run.train.steps == 7 and run.model.engram_orders == (2, 3, 4)
     assert run.train.schedule == "wsd"
@@ -103,10 +120,14 @@ def test_preset_param_targets_listed():
         (["ckpt_name=a/b"], "not a plain file name"),
         (["ckpt_name=.."], "not a plain file name"),
         (["ckpt_name="], "not a plain file name"),
-        (["compile=true", "compile_mode=reduce-overhead", "global_batch=8"],
-         "reduce-overhead with accumulation"),
-        (["compile=true", "compile_backend=aot_eager", "compile_mode=reduce-overhead"],
-         "has no modes"),
+        (
+            ["compile=true", "compile_mode=reduce-overhead", "global_batch=8"],
+            "reduce-overhead with accumulation",
+        ),
+        (
+            ["compile=true", "compile_backend=aot_eager", "compile_mode=reduce-overhead"],
+            "has no modes",
+        ),
         (["dist_capacity=4,2"], "no --dist"),
         (["d_model=16777216"], "beyond any model"),
         (["n_experts=4096", "d_ffn=16777215"], "beyond any card"),

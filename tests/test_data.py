@@ -10,6 +10,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 import torch
+from trainlog import lines_to
 
 from dormouse.config import TrainConfig
 from dormouse.train import data as D
@@ -25,7 +26,6 @@ from dormouse.train.data import (
     val_length,
     windows,
 )
-from trainlog import lines_to
 
 
 def _file(tmp_path, n, name="c.bin", seed=0):
@@ -88,6 +88,7 @@ def test_unreadable_file(tmp_path, monkeypatch):
     except PermissionError:
         bites = True
     if not bites:
+
         def deny(*_a, **_k):
             raise PermissionError(13, "Permission denied")
 

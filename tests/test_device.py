@@ -93,8 +93,13 @@ def test_grouped_mm_follows_the_torch_version():
 def test_cpu_policy():
     cpu = DeviceRecord(0, "cpu", "cpu", None, GiB, GiB, None, None, 2)
     p = policy_for(cpu)
-    assert (p.bf16, p.fp16, p.auto, p.fla_kda, p.grouped_mm_fused) == (True, True, "fp32",
-                                                                         False, False)
+    assert (p.bf16, p.fp16, p.auto, p.fla_kda, p.grouped_mm_fused) == (
+        True,
+        True,
+        "fp32",
+        False,
+        False,
+    )
     # explicit bf16 and fp16 on the CPU are honoured (CPU autocast runs both); auto stays fp32
     assert resolve_dtype("bf16", cpu)[0] is torch.bfloat16
     assert resolve_dtype("fp16", cpu)[0] is torch.float16

@@ -29,7 +29,6 @@ from dormouse.train.fleet.launch import (
     split_by_rates,
 )
 
-
 TORCHRUN = {"RANK": "0", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
 
 
@@ -187,7 +186,9 @@ def test_fuzz_parse_capacity_well_formed_specs(entries, world, sep):
     world = len(entries) if world is None else world  # mostly the matching fleet size
     spec = sep.join(str(b) if t is None else f"{b}x{t}" for b, t in entries)
     outcome = _check_parse(spec, world, 2, 32, 64, expect_total=sum(b for b, _ in entries))
-    sound = len(entries) == world and all(b >= 1 and (t is None or 1 <= t <= 64) for b, t in entries)
+    sound = len(entries) == world and all(
+        b >= 1 and (t is None or 1 <= t <= 64) for b, t in entries
+    )
     assert (outcome == "parsed") == sound, spec
 
 
@@ -249,12 +250,21 @@ def test_nccl_safety_env():
     "sets, cause, escape",
     [
         (["dist_shard=fsdp", "optim_8bit=true"], "optim_8bit", "optim_8bit=false"),
-        (["dist_shard=fsdp", "muon_state_dtype=int8"], "muon_state_dtype=int8",
-         "muon_state_dtype=bf16"),
-        (["dist_shard=fsdp", "engram_state_dtype=int8"], "engram_state_dtype=int8",
-         "dist_shard=none"),
-        (["compile=true", "compile_mode=reduce-overhead"], "compile_mode=reduce-overhead",
-         "compile_mode=default"),
+        (
+            ["dist_shard=fsdp", "muon_state_dtype=int8"],
+            "muon_state_dtype=int8",
+            "muon_state_dtype=bf16",
+        ),
+        (
+            ["dist_shard=fsdp", "engram_state_dtype=int8"],
+            "engram_state_dtype=int8",
+            "dist_shard=none",
+        ),
+        (
+            ["compile=true", "compile_mode=reduce-overhead"],
+            "compile_mode=reduce-overhead",
+            "compile_mode=default",
+        ),
     ],
 )
 def test_refusals_name_cause_and_escape(sets, cause, escape, tiny_run):

@@ -87,18 +87,29 @@ def test_every_path_a_page_names_exists(page):
 
 def test_the_check_sees_a_missing_path(tmp_path):
     page = tmp_path / "p.md"
-    page.write_text("see `bench/optim_bench.py`, [x](nothing.md) and `dormouse/train/loop.py`;"
-                    " not `runs/x` nor `$OUT/metrics.jsonl`\n```\npython docs/gone.png\n```\n"
-                    "\n    python -m dormouse compare docs/runs/a\n")
-    assert _missing(page) == ["link (nothing.md)", "`docs/gone.png`", "`docs/runs/a`",
-                              "`bench/optim_bench.py`"]
+    page.write_text(
+        "see `bench/optim_bench.py`, [x](nothing.md) and `dormouse/train/loop.py`;"
+        " not `runs/x` nor `$OUT/metrics.jsonl`\n```\npython docs/gone.png\n```\n"
+        "\n    python -m dormouse compare docs/runs/a\n"
+    )
+    assert _missing(page) == [
+        "link (nothing.md)",
+        "`docs/gone.png`",
+        "`docs/runs/a`",
+        "`bench/optim_bench.py`",
+    ]
 
 
 def test_the_docs_are_small():
     files = [p for p in (ROOT / "docs").rglob("*") if p.is_file()]
     assert len(files) <= 20, f"docs/ holds {len(files)} files; raw outputs belong elsewhere"
-    long = {p.name: n for p in PAGES if p.parent.name == "docs" and p.name not in GENERATED
-            and (n := len(p.read_text().splitlines())) > MAX_LINES}
+    long = {
+        p.name: n
+        for p in PAGES
+        if p.parent.name == "docs"
+        and p.name not in GENERATED
+        and (n := len(p.read_text().splitlines())) > MAX_LINES
+    }
     assert not long, f"pages over {MAX_LINES} lines: {long}"
     assert len((ROOT / "README.md").read_text().splitlines()) <= 200
 

@@ -21,9 +21,7 @@ from dormouse.config import preset
 from dormouse.model import DormouseModel
 from dormouse.model.engram import HostTables
 from dormouse.train.context import DPContext, RankShape, merge_row_grads
-from dormouse.train.fleet.parallelize import params_without_grad, parallelize
-
-
+from dormouse.train.fleet.parallelize import parallelize, params_without_grad
 
 
 def _part(rows: list[int], grads: list[list[float]]):

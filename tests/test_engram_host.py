@@ -17,16 +17,14 @@ import torch
 from dormouse.config import preset
 from dormouse.model import DormouseModel, count_params
 from dormouse.model.engram import HostTables, VramTables
-from dormouse.train.store import checkpoint as ckpt
 from dormouse.train.optim.mix import MixOptimizer
 from dormouse.train.optim.rowadam import row_adam_
+from dormouse.train.store import checkpoint as ckpt
 from gates.compare import rel_to_peak
 
 TINY = preset("tiny")
 KW = dict(lr=0.02, wd=0.1, ns_dtype="fp32", engram_lr_mult=5.0)  # lr large: a wrong row shows
 B, T = 2, 32
-
-
 
 
 def _model(ram: bool, rows: int | None = None, seed: int = 0) -> DormouseModel:
@@ -88,8 +86,11 @@ def _cycle(model, opt, step: int, micro: int = 1, clip: float = 0.0):
 def _table_state(model, opt) -> dict[str, torch.Tensor]:
     """The table's row-sparse Adam state: the optimizer's, under the parameter or the name."""
     store = model.engram.store
-    return opt.host_state["engram.store.table"] if isinstance(store, HostTables) else (
-        opt.state[store.table])
+    return (
+        opt.host_state["engram.store.table"]
+        if isinstance(store, HostTables)
+        else (opt.state[store.table])
+    )
 
 
 def _state(model, opt) -> dict[str, torch.Tensor]:
@@ -247,7 +248,7 @@ def test_gathers_without_grad_record_nothing():
         model(*_batch(0))
     cache = model.init_cache()
     for t in range(4):
-        model.step(_batch(1)[0][:, t:t + 1], cache)  # decoding: one gather per byte
+        model.step(_batch(1)[0][:, t : t + 1], cache)  # decoding: one gather per byte
     assert model.engram.store._leaves == []
 
 

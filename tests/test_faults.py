@@ -526,8 +526,20 @@ def test_plan_world_has_a_ceiling(tmp_path):
 
 
 def test_sample_bytes_has_a_ceiling(tmp_path, trained):
-    one_line(dm("sample", trained[0] / "ckpt.pt", "--bytes", 1_000_000_000, "--device", "cpu",
-                cwd=tmp_path, timeout=60), "--bytes 1000000000", "at most 1048576 bytes")
+    one_line(
+        dm(
+            "sample",
+            trained[0] / "ckpt.pt",
+            "--bytes",
+            1_000_000_000,
+            "--device",
+            "cpu",
+            cwd=tmp_path,
+            timeout=60,
+        ),
+        "--bytes 1000000000",
+        "at most 1048576 bytes",
+    )
 
 
 # ---- damaged files are one line ---------------------------------------------------------------
@@ -537,7 +549,7 @@ def _tamper(shard: Path, how: str, tmp: Path) -> None:
     if how == "bytes":  # the same size, other bytes in the middle (a tensor's record)
         raw = bytearray(shard.read_bytes())
         mid = len(raw) // 2
-        raw[mid:mid + 64] = b"\xff" * 64
+        raw[mid : mid + 64] = b"\xff" * 64
         shard.write_bytes(bytes(raw))
     elif how == "truncated":
         os.truncate(shard, shard.stat().st_size // 2)
@@ -575,8 +587,11 @@ def test_a_ckpt_name_out_of_the_run_folder_is_refused(tmp_path, trained):
     cfg["train"]["ckpt_name"] = "../elsewhere/ckpt"
     (run / "config.json").write_text(json.dumps(cfg))
     before = hashes(tmp_path, run)
-    one_line(dm("export", run, "--to", tmp_path / "out.pt", cwd=tmp_path),
-             f"{run / 'config.json'} is not a dormouse run config", "not a plain file name")
+    one_line(
+        dm("export", run, "--to", tmp_path / "out.pt", cwd=tmp_path),
+        f"{run / 'config.json'} is not a dormouse run config",
+        "not a plain file name",
+    )
     assert not (tmp_path / "out.pt").exists() and hashes(tmp_path, run) == before
 
 
@@ -652,8 +667,14 @@ class Fleet:
                "-m", "dormouse", *map(str, train_args(data, out, 100000)), "--dist",
                "--set", "eval_every=0", "--set", "ckpt_every=5", "--set", "log_every=1",
                *[x for s in sets for x in ("--set", s)]]  # fmt: skip
-        self.p = subprocess.Popen(cmd, cwd=tmp, env=_env(), stdout=subprocess.DEVNULL,
-                                  stderr=subprocess.DEVNULL, start_new_session=True)
+        self.p = subprocess.Popen(
+            cmd,
+            cwd=tmp,
+            env=_env(),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
         self.pids: list[int] = []
 
     def log(self, rank: int, name: str) -> str:

@@ -16,7 +16,7 @@ import dormouse.model as dm
 from dormouse.cli import main as cli_main
 from dormouse.config import ModelConfig, RunConfig, TrainConfig, preset
 from dormouse.train.plan import fit
-from dormouse.train.plan.fit import GiB, FitError, ParamSplit, estimate, plan_fit
+from dormouse.train.plan.fit import FitError, GiB, ParamSplit, estimate, plan_fit
 
 COMPONENTS = ("masters", "grads", "adamw", "muon", "engram", "casts", "act", "opt_work")
 
@@ -163,7 +163,7 @@ def test_8bit_only_where_bitsandbytes_is_found(hand_split, monkeypatch):
 
     monkeypatch.setattr(fit.importlib.util, "find_spec",
                         lambda n: object() if n == "bitsandbytes" else real(n))  # fmt: skip
-    planned, est, engaged = plan_fit(run, gb)
+    planned, _est, engaged = plan_fit(run, gb)
     assert "optim_8bit" in engaged and planned.train.optim_8bit
 
 

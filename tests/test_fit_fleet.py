@@ -76,7 +76,8 @@ def test_host_tables_stay_off_the_card_on_a_fleet():
         e = estimate(ram, world=2, shard=shard)
         assert e.engram == 0
         assert e.params == estimate(preset("medium"), world=2, shard=shard).params - (
-            tables // (2 if shard == "fsdp" else 1))
+            tables // (2 if shard == "fsdp" else 1)
+        )
 
 
 def test_max_share_is_the_largest_micro_batch_that_fits():
@@ -124,11 +125,17 @@ def test_the_fleet_refusals_name_cause_and_escape():
     run = preset("medium")
     with pytest.raises(FitError, match=r"names 3 cards but --world is 2: give one GB per rank"):
         plan_fleet(run, [16.0, 8.0, 8.0], 2)
-    with pytest.raises(FitError, match=r"global_batch=9 does not split over 2 ranks; .*"
-                                       r"--set global_batch=8"):
+    with pytest.raises(
+        FitError,
+        match=r"global_batch=9 does not split over 2 ranks; .*"
+        r"--set global_batch=8",
+    ):
         plan_fleet(_sets(run, "global_batch=9"), [16.0], 2)
-    with pytest.raises(FitError, match=r"rank 1's 12 GB card of a fleet of 2 \(DDP\) does not "
-                                       r"fit\..*Escapes:.*--shard fsdp \(est"):
+    with pytest.raises(
+        FitError,
+        match=r"rank 1's 12 GB card of a fleet of 2 \(DDP\) does not "
+        r"fit\..*Escapes:.*--shard fsdp \(est",
+    ):
         plan_fleet(_sets(preset("b1"), "dist_shard=none"), [80.0, 12.0])
     with pytest.raises(FitError, match=r"'x' is not a card size"):
         fit.parse_budgets("8,x")
@@ -151,8 +158,11 @@ def test_train_fit_plans_with_the_runs_shard_and_world(caplog):
     with caplog.at_level(logging.INFO, logger=fit.__name__):
         planned = fit.apply_fit(run, 2)
     want = estimate(planned, world=2, shard="fsdp")
-    assert caplog.records[-1].getMessage().startswith(f"fit=12GB usable=10.80GiB "
-                                                      f"est_peak={want.total / fit.GiB:.2f}GiB")
+    assert (
+        caplog.records[-1]
+        .getMessage()
+        .startswith(f"fit=12GB usable=10.80GiB est_peak={want.total / fit.GiB:.2f}GiB")
+    )
     # the one-process plan of the same card is another plan (DDP's, too)
     assert estimate(planned).total != want.total
     assert estimate(planned, world=2, shard="none").total > want.total
@@ -169,7 +179,7 @@ def test_cli_plan_b1_on_two_16gb_cards_sharded():
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     head = next(i for i, ln in enumerate(lines) if ln.startswith("rank "))
-    rows = [ln.split() for ln in lines[head + 1:head + 3]]
+    rows = [ln.split() for ln in lines[head + 1 : head + 3]]
     assert [r[0] for r in rows] == ["0", "1"] and all(r[1] == "16" for r in rows)
     assert all(r[-1] == "yes" for r in rows)
     assert "FSDP2, per-rank shards" in out.stdout and "--set dist_shard=fsdp" in out.stdout
@@ -208,8 +218,11 @@ def test_the_estimate_is_what_the_ranks_hold():
         exact = r["rank"] == 0
         for k in ("params", "grads"):
             assert r[k] == est[k] if exact else r[k] <= est[k], (r, k)
-        assert 0 <= r["optimizer"] - est["optimizer"] <= state_tol if exact else (
-            r["optimizer"] <= est["optimizer"] + state_tol), r
+        assert (
+            0 <= r["optimizer"] - est["optimizer"] <= state_tol
+            if exact
+            else (r["optimizer"] <= est["optimizer"] + state_tol)
+        ), r
         assert r["buckets"] == est["buckets"], r  # DDP: 4 B a gradient; FSDP2: none
         assert r["host"] == 0
     fsdp0 = next(r for r in rows if r["shard"] == "fsdp" and r["rank"] == 0)

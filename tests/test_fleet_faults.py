@@ -23,12 +23,15 @@ import pytest
 import torch
 
 from dormouse.config import apply_sets, preset, validate
-from dormouse.train.store import checkpoint as ckpt
 from dormouse.train.context import RankShape
 from dormouse.train.fleet.launch import (
-    PER_RANK_FIELDS, agreement_fields, disagreement, disagreement_message,
+    PER_RANK_FIELDS,
+    agreement_fields,
+    disagreement,
+    disagreement_message,
 )  # fmt: skip
 from dormouse.train.fleet.watchdog import WATCHDOG_EXIT
+from dormouse.train.store import checkpoint as ckpt
 from gates.spawn import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -357,7 +360,7 @@ def _rank_main(rank: int, world: int, port: int, tmp: str, name: str) -> None:
         run, kw = _case(name, rank, Path(tmp))
         train_run(run, device_type="cpu", **kw)
         res["ok"] = True
-    except Exception as e:  # noqa: BLE001 - the test judges what was raised
+    except Exception as e:
         res.update(ok=False, error=type(e).__name__, message=str(e), user=isinstance(e, UserError))
     res["seconds"] = time.monotonic() - t0
     (Path(tmp) / f"rank{rank}.json").write_text(json.dumps(res))
@@ -424,7 +427,9 @@ def test_different_bytes_behind_the_same_data_path_are_refused(tmp_path):
 
 @pytest.mark.usefixtures("nodes")
 def test_the_same_bytes_under_other_paths_are_accepted(tmp_path):
-    (tmp_path / "node1" / "corpus.txt").write_bytes((tmp_path / "node0" / "corpus.txt").read_bytes())
+    (tmp_path / "node1" / "corpus.txt").write_bytes(
+        (tmp_path / "node0" / "corpus.txt").read_bytes()
+    )
     assert all(r["ok"] for r in _fleet(tmp_path, "paths"))
 
 
@@ -478,8 +483,12 @@ def test_the_disagreement_names_fields_and_ranks():
     table = [[1, 2, 3], [1, 9, 3], [1, 9, 4]]
     diff = disagreement(table, names)
     assert diff == {"wd": [1, 2], "data bytes": [2]}
-    msg = disagreement_message(diff, {"lr": "0.1", "wd": "0.2", "data bytes": "x"}, 2,
-                               [{"path": "/d/c.txt", "size": 10, "digest": "ab" * 16}])
+    msg = disagreement_message(
+        diff,
+        {"lr": "0.1", "wd": "0.2", "data bytes": "x"},
+        2,
+        [{"path": "/d/c.txt", "size": 10, "digest": "ab" * 16}],
+    )
     assert "wd (ranks 1, 2 differ from rank 0)" in msg and "data bytes (rank 2 differs" in msg
     assert "wd=0.2" in msg and "/d/c.txt (10 bytes" in msg and "lr" not in msg.split(".")[0]
 

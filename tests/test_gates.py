@@ -73,8 +73,13 @@ def test_references_shared_only_where_a_process_cannot_tell(tmp_path):
         assert trained((f"{k}={v}",)) == base, k
     plain = FleetSpec("a", steps=3)
     assert _reference_key(plain, [2, 2], None) == _reference_key(
-        dataclasses.replace(plain, name="b", capacity="3,1",
-                            sets=tuple(f"{k}={v}" for k, v in other.items())), [3, 1], None)
+        dataclasses.replace(
+            plain, name="b", capacity="3,1", sets=tuple(f"{k}={v}" for k, v in other.items())
+        ),
+        [3, 1],
+        None,
+    )
     assert _reference_key(plain, [2, 2], None) != _reference_key(
-        dataclasses.replace(plain, sets=("lr=2e-3",)), [2, 2], None)
+        dataclasses.replace(plain, sets=("lr=2e-3",)), [2, 2], None
+    )
     assert _reference_key(plain, [2, 2], None) != _reference_key(plain, [3, 2], None)

@@ -90,7 +90,7 @@ def test_torch_arm_gradients_match_naive():
 
     ref = grads(kda_naive)
     got = grads(kda_torch, chunk_size=4)  # 11 = 4 + 4 + 3: state passing and a padded tail
-    for name, a, b in zip("q k v g beta S0".split(), got, ref):
+    for name, a, b in zip(["q", "k", "v", "g", "beta", "S0"], got, ref):
         assert torch.allclose(a, b, atol=1e-9, rtol=0), name
 
 
@@ -141,6 +141,7 @@ def _early_grad(segment_len):
     out[:, -1].pow(2).sum().backward()  # a loss in the last segment only
     return h.grad[:, : T - seg].abs().max().item(), h.grad[:, T - seg :].abs().max().item()
 
+
 def test_segment_borders_cut_the_gradient():
     early, late = _early_grad(segment_len=8)
     assert late > 0
@@ -171,13 +172,11 @@ def test_decode_byte_by_byte_matches_full_forward(segment_len, prefill):
         full = [m(h, iteration=it)[0] for it in range(m.max_iter)]
         cache: dict = {}
         steps = [[] for _ in range(m.max_iter)]
-        t = 0
         if prefill:
             for it in range(m.max_iter):
                 o, cache = m(h[:, :prefill], iteration=it, cache=cache)
                 steps[it].append(o)
-            t = prefill
-        for t in range(t, T):
+        for t in range(prefill or 0, T):
             for it in range(m.max_iter):  # ONE dict for the block, every iteration
                 o, cache = m(h[:, t : t + 1], iteration=it, cache=cache)
                 steps[it].append(o)
@@ -320,7 +319,7 @@ def test_fla_arm_gradients_match_torch_arm():
         ((o * w).sum() + S.sum()).backward()
         return [x.grad for x in xs]
 
-    for name, a, b in zip("q k v g beta S0".split(), grads(kda_fla), grads(kda_torch)):
+    for name, a, b in zip(["q", "k", "v", "g", "beta", "S0"], grads(kda_fla), grads(kda_torch)):
         assert _rel_err(a, b) <= 1e-2, (name, _rel_err(a, b))
 
 
@@ -361,8 +360,10 @@ def test_mixer_fla_gradients_match_torch_arm():
     gt, gf = grads(m_t), grads(m_f)
     assert m_f.impl == "fla" and gt.keys() == gf.keys()
     errs = {n: _rel_err(gf[n], gt[n]) for n in gt if gt[n] is not None and gt[n].abs().max() > 0}
-    print("mixer fla vs torch, relative grad error:",
-          {n: f"{e:.1e}" for n, e in sorted(errs.items(), key=lambda kv: -kv[1])[:6]})
+    print(
+        "mixer fla vs torch, relative grad error:",
+        {n: f"{e:.1e}" for n, e in sorted(errs.items(), key=lambda kv: -kv[1])[:6]},
+    )
     assert all(gf[n] is not None for n in gt if gt[n] is not None)
     # 1e-2 relative, the kernel-level bound above: fla's fp32 dots run in TF32; a wrong
     # tap, a dropped norm term or a gate's wrong sign moves a gradient by O(1)
@@ -423,7 +424,7 @@ def test_fused_conv_silu_matches_the_torch_conv():
         truth = F.silu(pre)
     yb = run(xb, True)[0]
     assert yb.dtype == torch.bfloat16
-    assert _rel_err(yb, truth) <= 2 ** -7, _rel_err(yb, truth)
+    assert _rel_err(yb, truth) <= 2**-7, _rel_err(yb, truth)
     # a window split in two (the second half with the first's tail), and byte by byte
     with torch.no_grad():
         whole, tail = conv.silu(xb, None, fused=True)
@@ -435,8 +436,10 @@ def test_fused_conv_silu_matches_the_torch_conv():
             y, t = conv.silu(xb[:, i : i + 1], t, fused=True)
             steps.append(y)
         assert torch.equal(torch.cat(steps, 1), whole[:, :20])
-        assert torch.equal(conv.silu(xb[:, :2], None, fused=True)[1],
-                           conv.silu(xb[:, :2], None, fused=False)[1])  # a tail padded by zeros
+        assert torch.equal(
+            conv.silu(xb[:, :2], None, fused=True)[1], conv.silu(xb[:, :2], None, fused=False)[1]
+        )  # a tail padded by zeros
+
     # compiled (the op one node of inductor's graph): the same kernels, the same bits (the
     # factor 2 around it is exact in any dtype)
     def f(x):
@@ -506,7 +509,7 @@ def test_qk_l2norm_op_matches_the_torch_norm():
         assert q.dtype == dx.dtype == torch.bfloat16
         for name, a, truth, eager in (("q", q, q64, q0), ("k", k, k64, k0),
                                       ("dx", dx, dx64, dx0)):  # fmt: skip
-            assert _rel_err(a, truth) <= 2 ** -7, (name, _rel_err(a, truth), _rel_err(eager, truth))
+            assert _rel_err(a, truth) <= 2**-7, (name, _rel_err(a, truth), _rel_err(eager, truth))
 
     # compiled (the op one node of inductor's graph): the same kernels, the same bits
     def f(x):
@@ -514,8 +517,10 @@ def test_qk_l2norm_op_matches_the_torch_norm():
 
     x, dys = case(2, 64, 3, 64, torch.bfloat16)
     compiled = torch.compile(f, dynamic=False)
-    (outs_c, dx_c), (outs_e, dx_e) = run(lambda x, H: compiled(x), x, dys, 3), run(
-        lambda x, H: f(x), x, dys, 3)
+    (outs_c, dx_c), (outs_e, dx_e) = (
+        run(lambda x, H: compiled(x), x, dys, 3),
+        run(lambda x, H: f(x), x, dys, 3),
+    )
     assert all(torch.equal(a, b) for a, b in zip(outs_c, outs_e)) and torch.equal(dx_c, dx_e)
 
 
@@ -538,8 +543,7 @@ def test_kda_op_equals_fla_autograd(keep, monkeypatch):
     from dormouse.model import kda_fla
 
     if keep and not kda_fla._keeps_intermediates():
-        pytest.skip(f"this fla-core release is not in kda_fla._SAVES_KNOWN "
-                    f"{kda_fla._SAVES_KNOWN}")
+        pytest.skip(f"this fla-core release is not in kda_fla._SAVES_KNOWN {kda_fla._SAVES_KNOWN}")
     monkeypatch.setattr(kda_fla, "_keeps", keep)
     calls = []
     real_fwd = fla_chunk.chunk_kda_fwd
@@ -555,9 +559,9 @@ def test_kda_op_equals_fla_autograd(keep, monkeypatch):
 
     eager = run(lambda *a: kda_fla(*a)[0])
     calls.clear()
-    op = run(lambda *a: torch.ops.dormouse.kda_chunk(*a, 64 ** -0.5)[0])
+    op = run(lambda *a: torch.ops.dormouse.kda_chunk(*a, 64**-0.5)[0])
     assert len(calls) == (1 if keep else 2), calls  # forwards per forward + backward
-    for name, a, b in zip("o dq dk dv dg dbeta".split(), op, eager):
+    for name, a, b in zip(["o", "dq", "dk", "dv", "dg", "dbeta"], op, eager):
         assert a.dtype == b.dtype and a.shape == b.shape, name
         assert torch.equal(a, b), (name, _rel_err(a, b))
 
@@ -589,5 +593,5 @@ def test_kda_compiled_matches_eager(mode):
         # memory pool until the next replay: kept as copies
         outs.append([o.detach().clone(), *(x.grad.clone() for x in xs)])
     for got in outs[1:]:
-        for name, a, b in zip("o dq dk dv dg dbeta".split(), got, outs[0]):
+        for name, a, b in zip(["o", "dq", "dk", "dv", "dg", "dbeta"], got, outs[0]):
             assert _rel_err(a, b) <= 1e-2, (mode, name, _rel_err(a, b))

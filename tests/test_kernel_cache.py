@@ -24,8 +24,10 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_placement_fills_only_what_the_user_left_unset(tmp_path):
     env = {"DORMOUSE_CACHE": str(tmp_path)}
     assert cache.place_kernel_caches(env) == {
-        "TRITON_CACHE_DIR": str(tmp_path / "triton"), "TRITON_CACHE_AUTOTUNING": "1",
-        "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
+        "TRITON_CACHE_DIR": str(tmp_path / "triton"),
+        "TRITON_CACHE_AUTOTUNING": "1",
+        "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"),
+    }
     mine = {"DORMOUSE_CACHE": str(tmp_path), "TRITON_CACHE_DIR": "/mine",
             "TRITON_CACHE_AUTOTUNING": "0", "TORCHINDUCTOR_CACHE_DIR": "/ind"}  # fmt: skip
     assert cache.place_kernel_caches(mine) == {}
@@ -94,8 +96,10 @@ def test_first_fla_call_per_shape_is_said_and_timed(fake_fla, caplog):
     o, _ = kda_fla.kda_fla(*_inputs())
     o.sum().backward()
     lines = [r.getMessage() for r in caplog.records if r.name == "dormouse.model.kda_fla"]
-    assert lines[0].startswith("kda: first fla call for shape 2 x 16 x 2 x 8 (float32); on a "
-                               "fresh machine its kernels autotune for ~3 minutes")
+    assert lines[0].startswith(
+        "kda: first fla call for shape 2 x 16 x 2 x 8 (float32); on a "
+        "fresh machine its kernels autotune for ~3 minutes"
+    )
     assert f"cached in {os.environ['TRITON_CACHE_DIR']}; later runs start in seconds" in lines[0]
     assert lines[1] == "kda: first fla forward for shape 2 x 16 x 2 x 8 (float32) took 10.0 s"
     assert lines[2] == "kda: first fla backward for shape 2 x 16 x 2 x 8 (float32) took 10.0 s"
@@ -123,8 +127,10 @@ def test_warm_on_cpu_has_nothing_to_warm(capsys):
 
     assert main(["bench", "warm", "tiny", "--device", "cpu"]) == 0
     out = capsys.readouterr().out
-    assert out.startswith("bench warm: nothing to warm on cpu: no Triton kernel runs and nothing "
-                          "compiles here (tiny: ")
+    assert out.startswith(
+        "bench warm: nothing to warm on cpu: no Triton kernel runs and nothing "
+        "compiles here (tiny: "
+    )
     assert "device cpu is not CUDA" in out and "|" not in out  # nothing built, nothing timed
 
 
@@ -140,5 +146,6 @@ def test_warm_runs_a_step_and_an_eval_per_shape(monkeypatch, capsys):
             if ln.startswith("|")][2:]  # fmt: skip
     assert [r[3:5] for r in rows] == [
         ["4 x 64", "train step (forward + backward + optimizer) x 2 micro-batches"],
-        ["4 x 64", "eval forward"]]
+        ["4 x 64", "eval forward"],
+    ]
     assert all(float(r[5]) >= 0 for r in rows) and "kernel cache: " in out

@@ -97,7 +97,7 @@ def test_no_import_cycle():
         path.append(m)
         for d in sorted(graph.get(m, ())):
             if state.get(d) == 1:
-                raise AssertionError("import cycle: " + " -> ".join(path[path.index(d):] + [d]))
+                raise AssertionError("import cycle: " + " -> ".join(path[path.index(d) :] + [d]))
             if d not in state:
                 visit(d)
         path.pop()

@@ -18,8 +18,8 @@ from dormouse.model import make_model
 from dormouse.model.layers import KeyedDropout, row_keys
 from dormouse.train.data import ByteCorpus, DataSource, Source
 from dormouse.train.loop import _Best
-from dormouse.train.store.folder import best_path
 from dormouse.train.run import AUTO_DROPOUT, resolve_dropout, train_run
+from dormouse.train.store.folder import best_path
 
 # ---- keyed dropout ----------------------------------------------------------------------------
 
@@ -106,7 +106,7 @@ def test_best_record_says_overfitting_once_per_best():
     points = [(100, 1.5, 1.2), (200, 1.4, 1.0), (300, 1.45, 0.9), (400, 1.5, 0.8),
               (500, 1.6, 0.7), (600, 1.7, 0.6), (700, 1.3, 0.5)]  # fmt: skip
     for step, val, tr in points:
-        improved, line = b.see(step, val, tr)
+        _improved, line = b.see(step, val, tr)
         said.append(line)
     assert [s is not None for s in said] == [False] * 4 + [True, False, False]
     assert "val up 3 evals in a row (1.4000 -> 1.6000)" in said[4]
@@ -186,7 +186,7 @@ def test_gpt_is_causal_and_its_cache_decodes_what_forward_computes():
     assert torch.equal(m(y)[0][:, :12], full[:, :12])  # a later byte changes nothing before it
     cache = m.init_cache()
     got = [m.step(x[:, :5], cache)]  # a prompt, then one byte at a time
-    got += [m.step(x[:, t:t + 1], cache) for t in range(5, 20)]
+    got += [m.step(x[:, t : t + 1], cache) for t in range(5, 20)]
     want = full[:, 4:]
     assert torch.allclose(torch.stack(got, 1), want, atol=1e-5)
 

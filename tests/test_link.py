@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 
-from dormouse.train.plan.device import DeviceRecord
 from dormouse.train.fleet.link import (
     LINK_EFFICIENCY,
     LinkError,
@@ -15,6 +14,7 @@ from dormouse.train.fleet.link import (
     link_rate,
     main_link,
 )
+from dormouse.train.plan.device import DeviceRecord
 
 MiB = 1 << 20
 

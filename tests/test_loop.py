@@ -9,14 +9,14 @@ import signal
 
 import pytest
 import torch
+from trainlog import train
 
 from dormouse.cli import main as cli_main
 from dormouse.config import apply_sets, preset
 from dormouse.model import DormouseModel
-from dormouse.train.store import checkpoint as ckpt
 from dormouse.train.loop import TrainingError
 from dormouse.train.step import lr_factor
-from trainlog import train
+from dormouse.train.store import checkpoint as ckpt
 from references.fingerprint import fingerprint
 
 
@@ -31,7 +31,7 @@ def _model(run, seed=0):
 
 
 def test_exact_resume(tmp_path, corpus):
-    quiet = lambda _line: None  # noqa: E731
+    quiet = lambda _line: None
     full_run = _run(corpus, tmp_path / "full", 20, "moe_lb_coef=0.01")
     full = _model(full_run)
     train(full, full_run, log=quiet)
@@ -77,7 +77,7 @@ def _signal_at(step: int, sig, lines: list, before=None):
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_a_signal_stops_between_steps_and_resumes_exactly(tmp_path, corpus, sig, default_signals):
-    quiet = lambda _line: None  # noqa: E731
+    quiet = lambda _line: None
     full_run = _run(corpus, tmp_path / "full", 12, "log_every=1", "ckpt_every=0")
     full = _model(full_run)
     train(full, full_run, log=quiet)
@@ -190,12 +190,16 @@ def test_a_skipped_step_keeps_the_eval_and_checkpoint_cadence(tmp_path, corpus, 
     monkeypatch.setattr(model, "forward", poisoned)
     saved = []
     real_save = ckpt.save_state
-    monkeypatch.setattr(ckpt, "save_state", lambda *a, step, **kw: (saved.append(step),
-                                                                     real_save(*a, step=step,
-                                                                               **kw))[1])
+    monkeypatch.setattr(
+        ckpt,
+        "save_state",
+        lambda *a, step, **kw: (saved.append(step), real_save(*a, step=step, **kw))[1],
+    )
     evals, skipped = [], []
-    cb = Callbacks(on_eval=lambda i: evals.append(i["step"]),
-                   after_step=lambda i: skipped.append(not i["stepped"]))
+    cb = Callbacks(
+        on_eval=lambda i: evals.append(i["step"]),
+        after_step=lambda i: skipped.append(not i["stepped"]),
+    )
     train(model, run, callbacks=cb)
     assert skipped == [False, False, False, True, False, False]
     assert evals == [0, 4, 6] and 4 in saved
@@ -233,7 +237,9 @@ def test_a_gpu_trained_checkpoint_evaluates_and_samples_on_the_cpu(tmp_path, cor
     torch.save(raw, path)
     capsys.readouterr()
     assert cli_main(["eval", str(path), "--batches", "1", "--device", "cpu"]) == 0
-    assert cli_main(["sample", str(path), "--prompt", "def ", "--bytes", "8", "--device", "cpu"]) == 0
+    assert (
+        cli_main(["sample", str(path), "--prompt", "def ", "--bytes", "8", "--device", "cpu"]) == 0
+    )
     said = capsys.readouterr()
     said = said.out + said.err
     assert "trained with kda_impl=fla" in said and "(kda_impl=auto)" in said
@@ -253,7 +259,7 @@ def test_a_train_validates_its_config_once(tmp_path, monkeypatch):
     entry (train.run.prepare), not again by each layer it passes through."""
     import sys
 
-    import dormouse.train.run  # noqa: F401  (every module on the path, imported before the count)
+    import dormouse.train.run
     import dormouse.train.store.folder  # noqa: F401
     from dormouse import config
     from dormouse.cli import main

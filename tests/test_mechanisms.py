@@ -54,8 +54,6 @@ WINDOWS = 20260601
 FLIP_WINDOWS = 2024
 
 
-
-
 @functools.cache
 def _windows(seed: int = WINDOWS) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:
     g = torch.Generator().manual_seed(seed)
@@ -82,8 +80,13 @@ def _floats(model) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in model.state_dict().items() if v.is_floating_point()}
 
 
-def _train(model_sets=(), train_sets=(), load: dict | None = None, device: str = "cpu",
-           windows: int = WINDOWS) -> Trace:
+def _train(
+    model_sets=(),
+    train_sets=(),
+    load: dict | None = None,
+    device: str = "cpu",
+    windows: int = WINDOWS,
+) -> Trace:
     run = replace(RUN, model=replace(RUN.model, **dict(model_sets)),
                   train=replace(RUN.train, **dict(train_sets)))  # fmt: skip
     torch.manual_seed(run.train.seed)
@@ -201,9 +204,11 @@ def test_exact_mechanism_equals_off(case, record_property):
     p_rel, p_name = _worst(on.final, off.final)
     record_property("grad_max_rel", g_rel)
     record_property("param_max_rel", p_rel)
-    print(f"{case}: first-step grads max rel {g_rel:.1e}{f' ({g_name})' if g_rel else ''}, "
-          f"params after {STEPS} steps max rel {p_rel:.1e}{f' ({p_name})' if p_rel else ''}; "
-          f"autograd kept {on.kept} vs {off.kept} tensors, {on.offloaded} packed to host")
+    print(
+        f"{case}: first-step grads max rel {g_rel:.1e}{f' ({g_name})' if g_rel else ''}, "
+        f"params after {STEPS} steps max rel {p_rel:.1e}{f' ({p_name})' if p_rel else ''}; "
+        f"autograd kept {on.kept} vs {off.kept} tensors, {on.offloaded} packed to host"
+    )
     # Measured (torch 2.13 CPU): 0.0 and 0.0 for every case (bit-identical).
     assert g_rel <= EXACT_TOL, f"{case}: gradient {g_name} differs by {g_rel:.2e} relative"
     assert p_rel <= EXACT_TOL, f"{case}: parameter {p_name} differs by {p_rel:.2e} relative"
@@ -258,8 +263,15 @@ def test_bf16_engram_moments_deviation(ram, record_property):
     model = dict(engram_ram=True) if ram else {}
     off = _train(model)
     on = _train(model, train_sets=dict(engram_state_dtype="bf16"))
-    states = list(on.opt.host_state.values()) if ram else [
-        st for st in on.opt.state.values() if "exp_avg" in st and st["step"].dtype == torch.int32]
+    states = (
+        list(on.opt.host_state.values())
+        if ram
+        else [
+            st
+            for st in on.opt.state.values()
+            if "exp_avg" in st and st["step"].dtype == torch.int32
+        ]
+    )
     assert states and all(st["exp_avg"].dtype == st["exp_avg_sq"].dtype == torch.bfloat16
                           for st in states)  # fmt: skip
     f = _report(f"engram_state_dtype=bf16 ({'host' if ram else 'vram'})", on, off,
@@ -302,8 +314,11 @@ def test_int8_engram_moments_deviation(ram, record_property):
     model = dict(engram_ram=True) if ram else {}
     off = _train(model)
     on = _train(model, train_sets=dict(engram_state_dtype="int8"))
-    states = list(on.opt.host_state.values()) if ram else [
-        st for st in on.opt.state.values() if "exp_avg_q" in st]
+    states = (
+        list(on.opt.host_state.values())
+        if ram
+        else [st for st in on.opt.state.values() if "exp_avg_q" in st]
+    )
     assert states and all(st["exp_avg_q"].dtype == torch.int8
                           and st["exp_avg_sq_q"].dtype == torch.uint8 for st in states)  # fmt: skip
     f = _report(f"engram_state_dtype=int8 ({'host' if ram else 'vram'})", on, off,

@@ -8,13 +8,13 @@ import json
 import pytest
 
 pytest.importorskip("tensorboard")
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: E402
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from test_loop import _model, _run
+from trainlog import train
 
-from dormouse.cli import main as cli_main  # noqa: E402
-from dormouse.train.step import Callbacks  # noqa: E402
-from dormouse.train.store.metrics import TensorBoardSink  # noqa: E402
-from test_loop import _model, _run  # noqa: E402
-from trainlog import train  # noqa: E402
+from dormouse.cli import main as cli_main
+from dormouse.train.step import Callbacks
+from dormouse.train.store.metrics import TensorBoardSink
 
 
 def _events(folder) -> dict[str, list[tuple[int, float]]]:

@@ -132,7 +132,7 @@ def test_dropless_matches_dense(arm):
     out, aux, _ = compare_with_reference(m, x)
     assert out.shape == x.shape and out.dtype == x.dtype
     assert int(aux["dropped"]) == 0
-    s, experts, _ = m.route(x.reshape(-1, D))
+    _s, experts, _ = m.route(x.reshape(-1, D))
     want = torch.bincount(experts.reshape(-1), minlength=E).float() / (10 * K)
     torch.testing.assert_close(aux["load"], want, atol=0, rtol=0)
     assert not aux["load"].requires_grad
@@ -273,7 +273,7 @@ def test_capacity_ties_keep_the_earlier_token(arm):
     x[:, 0] = 1.0
     x[1, 1] = 0.5  # token 1 differs off the router's axis: affinities tie exactly
     assert m.capacity_of(2) == 1
-    out, aux, _ = compare_with_reference(m, x, drop={(1, 0)})
+    _out, aux, _ = compare_with_reference(m, x, drop={(1, 0)})
     assert int(aux["dropped"]) == 1
 
 

@@ -21,7 +21,9 @@ PAIRS = [(m, g) for m in MUTATIONS for g in m.gates]
 @pytest.mark.parametrize("mutation, gate", PAIRS, ids=[f"{m.name}-{g}" for m, g in PAIRS])
 def test_gate_catches_mutation(mutation, gate):
     row = run_one(mutation, gate)
-    assert row["outcome"] == "caught", f"{mutation.name} -> {gate}: {row['outcome']}: {row['measured']}"
+    assert row["outcome"] == "caught", (
+        f"{mutation.name} -> {gate}: {row['outcome']}: {row['measured']}"
+    )
 
 
 def test_every_gate_has_a_mutation():

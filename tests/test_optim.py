@@ -16,15 +16,13 @@ from torch import nn
 
 from dormouse.config import ConfigError, TrainConfig
 from dormouse.model.engram import HostTables
-from dormouse.train.store import checkpoint as ckpt
 from dormouse.train.optim.mix import MixOptimizer
 from dormouse.train.optim.quant import BLOCK, dequantize_signed
 from dormouse.train.optim.routing import format_routes, route_params, strip_name
+from dormouse.train.store import checkpoint as ckpt
 from references.muon_single import muon_single_step
 
 D = 32
-
-
 
 
 class _Store(nn.Module):
@@ -471,9 +469,9 @@ def test_int8_momentum_is_per_parameter_blocks_of_one_stack():
             assert not q.any() and not a.any(), n
             continue
         m, g = dequantize_signed(q, a).reshape(-1), g.reshape(-1)
-        assert not m[g.numel():].any(), n
-        bound = a.repeat_interleave(BLOCK)[:g.numel()] / 254 * (1 + 2**-20)  # + fp32 slack
-        assert bool(((m[:g.numel()] - g).abs() <= bound).all()), n
+        assert not m[g.numel() :].any(), n
+        bound = a.repeat_interleave(BLOCK)[: g.numel()] / 254 * (1 + 2**-20)  # + fp32 slack
+        assert bool(((m[: g.numel()] - g).abs() <= bound).all()), n
 
 
 def test_load_refuses_a_state_from_another_model():

@@ -53,8 +53,15 @@ def test_dense_row_adam_equals_the_row_sparse_step_bit_for_bit(state_dtype, chun
 TORCH_KDA = {"kda_impl": "torch"}
 
 
-def _run(tiny_model, device_side: bool, steps: int = 6, device: str = "cpu",
-         capture: bool = False, keep: str = "auto", **kw) -> tuple[DormouseModel, MixOptimizer]:
+def _run(
+    tiny_model,
+    device_side: bool,
+    steps: int = 6,
+    device: str = "cpu",
+    capture: bool = False,
+    keep: str = "auto",
+    **kw,
+) -> tuple[DormouseModel, MixOptimizer]:
     model = tiny_model(**TORCH_KDA).to(device)
     opt = MixOptimizer(model, lr=0.02, wd=0.1, ns_dtype="fp32", **kw)
     if device_side:
@@ -71,7 +78,7 @@ def _run(tiny_model, device_side: bool, steps: int = 6, device: str = "cpu",
 
 def _max_rel(a: DormouseModel, b: DormouseModel) -> float:
     worst = 0.0
-    for (n, x), (_, y) in zip(a.named_parameters(), b.named_parameters(), strict=True):
+    for (_n, x), (_, y) in zip(a.named_parameters(), b.named_parameters(), strict=True):
         d = (x.detach().double() - y.detach().double()).norm() / y.detach().double().norm()
         worst = max(worst, float(d))
     return worst
@@ -125,8 +132,9 @@ def test_captured_step_replays_the_eager_step_on_cuda(tiny_model):
     (73.4, 94.4, False),  # b1 on the H200: the eager step touches only the touched rows
     (10.0, 10.4, True),   # within GRAPH_KEEP: a tie keeps the graph
 ])  # fmt: skip
-def test_the_graph_stays_only_when_its_replay_is_not_slower(eager, replay, kept, caplog,
-                                                            tiny_model):
+def test_the_graph_stays_only_when_its_replay_is_not_slower(
+    eager, replay, kept, caplog, tiny_model
+):
     """capture_step(keep="auto") times the warm-up's eager steps and the first replays on the
     device; the choice itself is held here on the CPU with those times given."""
     import logging

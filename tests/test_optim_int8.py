@@ -24,7 +24,11 @@ from dormouse.model import DormouseModel
 from dormouse.train.fleet.launch import RefusedError, refuse_incompatible
 from dormouse.train.optim.mix import MixOptimizer, _refuse_sharded_int8
 from dormouse.train.optim.quant import (
-    BLOCK, dequantize_signed, dequantize_sqrt, quantize_signed_, quantize_sqrt_,
+    BLOCK,
+    dequantize_signed,
+    dequantize_sqrt,
+    quantize_signed_,
+    quantize_sqrt_,
 )  # fmt: skip
 from dormouse.train.optim.rowadam import moments, row_adam_, row_state
 
@@ -166,8 +170,13 @@ def test_state_dict_round_trips_through_a_weights_only_file(ram, tiny_model):
     assert muon and all(st.keys() == {"momentum_q", "momentum_absmax"} for st in muon)
     assert all(st["momentum_q"].dtype == torch.int8 and st["momentum_q"].shape[1] == BLOCK
                for st in muon)  # fmt: skip
-    table = sd["host"]["engram.store.table"] if ram else sd["state"][
-        next(i for g in sd["param_groups"] if g["kind"] == "engram" for i in g["params"])]
+    table = (
+        sd["host"]["engram.store.table"]
+        if ram
+        else sd["state"][
+            next(i for g in sd["param_groups"] if g["kind"] == "engram" for i in g["params"])
+        ]
+    )
     assert table["exp_avg_q"].any() and table["exp_avg_sq_q"].any()  # rows were stepped
     blob = io.BytesIO()
     torch.save(sd, blob)
@@ -194,8 +203,11 @@ def test_a_state_of_another_state_dtype_is_refused_naming_the_knobs(tiny_model):
 def test_fsdp2_with_int8_state_is_refused_and_ddp_is_not(tiny_run):
     int8 = [f"{k}={v}" for k, v in INT8.items()]
     for knob in INT8:
-        with pytest.raises(RefusedError, match=rf"dist_shard=fsdp with {knob}=int8.*"
-                                               rf"--set {knob}=bf16 or dist_shard=none"):
+        with pytest.raises(
+            RefusedError,
+            match=rf"dist_shard=fsdp with {knob}=int8.*"
+            rf"--set {knob}=bf16 or dist_shard=none",
+        ):
             refuse_incompatible(tiny_run("dist_shard=fsdp", f"{knob}=int8"), 2)
         refuse_incompatible(tiny_run(f"{knob}=int8"), 2)  # DDP: every rank steps the whole state
     refuse_incompatible(tiny_run("dist_shard=fsdp", *int8), 1)  # one process shards nothing
@@ -239,7 +251,7 @@ def _trajectory(muon: str, engram: str) -> tuple[tuple[float, ...], dict]:
     losses = []
     for _ in range(STEPS):
         at = torch.randint(0, len(data) - 65, (4,), generator=g).tolist()
-        w = torch.stack([data[a:a + 65] for a in at])
+        w = torch.stack([data[a : a + 65] for a in at])
         _, loss, _ = model(w[:, :-1], w[:, 1:])
         loss.backward()
         opt.clip_grad_norm_(run.train.grad_clip)
@@ -262,8 +274,10 @@ def test_int8_state_follows_the_fp32_trajectory_within_a_few_times_bf16():
     for arm in ("bf16", "int8"):
         losses, w = _trajectory(arm, arm)
         dev[arm] = max(abs(a - b) for a, b in zip(losses, ref))
-        print(f"muon and engram state {arm}: max|dloss| over {STEPS} steps {dev[arm]:.2e}, "
-              f"param_rel {_param_rel(w, ref_w):.2e}")
+        print(
+            f"muon and engram state {arm}: max|dloss| over {STEPS} steps {dev[arm]:.2e}, "
+            f"param_rel {_param_rel(w, ref_w):.2e}"
+        )
     assert dev["bf16"] > 0 and dev["int8"] > 0  # both rounded something
     # Measured (torch 2.13 CPU, one thread): max|dloss| bf16 6.1e-05, int8 1.5e-04 (2.5x);
     # param_rel bf16 5.1e-04, int8 1.0e-03. Muon's momentum carries most of int8's (alone

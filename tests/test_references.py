@@ -49,8 +49,11 @@ def test_no_reference_but_the_fleet_layer_imports_dormouse_train():
 
 def test_the_equation_references_load_no_dormouse_module():
     """At run time, transitively: importing the equation layer loads not one dormouse module."""
-    code = ("import sys\n" + "".join(f"import {m}\n" for m in EQUATIONS)
-            + "print(sorted(m for m in sys.modules if m.split('.')[0] == 'dormouse'))")
+    code = (
+        "import sys\n"
+        + "".join(f"import {m}\n" for m in EQUATIONS)
+        + "print(sorted(m for m in sys.modules if m.split('.')[0] == 'dormouse'))"
+    )
     got = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
                          text=True, timeout=120, check=True)  # fmt: skip
     assert got.stdout.strip() == "[]", got.stdout
@@ -111,43 +114,83 @@ def _fields():
     d = TrainConfig()
     mix = ("muon",)
     return {
-        "lr": (_floats(d.lr, 1e-5, 0.1), lambda o, t, v: all(
-            g["base_lr"] == (v * t.engram_lr_mult if g["kind"] == "engram" else v)
-            for g in o.param_groups)),
-        "wd": (_floats(d.wd, 0.0, 1.0), lambda o, t, v: all(
-            g["weight_decay"] == v for k in ("muon", "adamw") for g in _groups(o, k))),
-        "opt": (_nondefault(d.opt, ["mix", "adamw"]), lambda o, t, v: (
-            bool(_groups(o, "muon")) == (v == "mix"))),
-        "ns_steps": (st.integers(1, 9).filter(lambda v: v != d.ns_steps), lambda o, t, v: all(
-            g["ns_steps"] == v for g in _groups(o, "muon"))),
-        "ns_kind": (_nondefault(d.ns_kind, ["quintic", "polar_express"]), lambda o, t, v: all(
-            g["ns_kind"] == v for g in _groups(o, "muon"))),
-        "ns_dtype": (_nondefault(d.ns_dtype, ["fp32", "bf16"]), lambda o, t, v: all(
-            g["ns_dtype"] == v for g in _groups(o, "muon"))),
-        "muon_state_dtype": (_nondefault(d.muon_state_dtype, ["fp32", "bf16", "int8"]),
-                             lambda o, t, v: (
-            "momentum_q" in _state(o, "muon") if v == "int8" else
-            _state(o, "muon")["momentum_buffer"].dtype == {"fp32": torch.float32,
-                                                           "bf16": torch.bfloat16}[v])),
-        "engram_state_dtype": (_nondefault(d.engram_state_dtype, ["fp32", "bf16", "int8"]),
-                               lambda o, t, v: (
-            "exp_avg_q" in _state(o, "engram") if v == "int8" else
-            _state(o, "engram")["exp_avg"].dtype == {"fp32": torch.float32,
-                                                     "bf16": torch.bfloat16}[v])),
-        "muon_variant": (_nondefault(d.muon_variant, ["nesterov", "plain"]), lambda o, t, v: all(
-            g["nesterov"] == (v == "nesterov") for g in _groups(o, "muon"))),
-        "muon_sf": (_nondefault(d.muon_sf, ["rms", "jordan"]), lambda o, t, v: all(
-            g["muon_sf"] == v for g in _groups(o, "muon"))),
-        "muon_momentum": (_floats(d.muon_momentum, 0.0, 0.999), lambda o, t, v: all(
-            g["momentum"] == v for g in _groups(o, "muon"))),
-        "adam_betas": (st.tuples(_floats(d.adam_betas[0], 0.0, 0.999),
-                                 _floats(d.adam_betas[1], 0.0, 0.999)), lambda o, t, v: all(
-            tuple(g["betas"]) == tuple(v) for k in ("adamw", "adamw_nodecay", "engram")
-            for g in _groups(o, k))),
-        "adam_eps": (_floats(d.adam_eps, 1e-12, 1e-3), lambda o, t, v: all(
-            g["eps"] == v for k in ("adamw", "adamw_nodecay", "engram") for g in _groups(o, k))),
-        "engram_lr_mult": (_floats(d.engram_lr_mult, 0.0, 50.0), lambda o, t, v: (
-            _groups(o, "engram")[0]["base_lr"] == t.lr * v)),
+        "lr": (
+            _floats(d.lr, 1e-5, 0.1),
+            lambda o, t, v: all(
+                g["base_lr"] == (v * t.engram_lr_mult if g["kind"] == "engram" else v)
+                for g in o.param_groups
+            ),
+        ),
+        "wd": (
+            _floats(d.wd, 0.0, 1.0),
+            lambda o, t, v: all(
+                g["weight_decay"] == v for k in ("muon", "adamw") for g in _groups(o, k)
+            ),
+        ),
+        "opt": (
+            _nondefault(d.opt, ["mix", "adamw"]),
+            lambda o, t, v: bool(_groups(o, "muon")) == (v == "mix"),
+        ),
+        "ns_steps": (
+            st.integers(1, 9).filter(lambda v: v != d.ns_steps),
+            lambda o, t, v: all(g["ns_steps"] == v for g in _groups(o, "muon")),
+        ),
+        "ns_kind": (
+            _nondefault(d.ns_kind, ["quintic", "polar_express"]),
+            lambda o, t, v: all(g["ns_kind"] == v for g in _groups(o, "muon")),
+        ),
+        "ns_dtype": (
+            _nondefault(d.ns_dtype, ["fp32", "bf16"]),
+            lambda o, t, v: all(g["ns_dtype"] == v for g in _groups(o, "muon")),
+        ),
+        "muon_state_dtype": (
+            _nondefault(d.muon_state_dtype, ["fp32", "bf16", "int8"]),
+            lambda o, t, v: (
+                "momentum_q" in _state(o, "muon")
+                if v == "int8"
+                else _state(o, "muon")["momentum_buffer"].dtype
+                == {"fp32": torch.float32, "bf16": torch.bfloat16}[v]
+            ),
+        ),
+        "engram_state_dtype": (
+            _nondefault(d.engram_state_dtype, ["fp32", "bf16", "int8"]),
+            lambda o, t, v: (
+                "exp_avg_q" in _state(o, "engram")
+                if v == "int8"
+                else _state(o, "engram")["exp_avg"].dtype
+                == {"fp32": torch.float32, "bf16": torch.bfloat16}[v]
+            ),
+        ),
+        "muon_variant": (
+            _nondefault(d.muon_variant, ["nesterov", "plain"]),
+            lambda o, t, v: all(g["nesterov"] == (v == "nesterov") for g in _groups(o, "muon")),
+        ),
+        "muon_sf": (
+            _nondefault(d.muon_sf, ["rms", "jordan"]),
+            lambda o, t, v: all(g["muon_sf"] == v for g in _groups(o, "muon")),
+        ),
+        "muon_momentum": (
+            _floats(d.muon_momentum, 0.0, 0.999),
+            lambda o, t, v: all(g["momentum"] == v for g in _groups(o, "muon")),
+        ),
+        "adam_betas": (
+            st.tuples(_floats(d.adam_betas[0], 0.0, 0.999), _floats(d.adam_betas[1], 0.0, 0.999)),
+            lambda o, t, v: all(
+                tuple(g["betas"]) == tuple(v)
+                for k in ("adamw", "adamw_nodecay", "engram")
+                for g in _groups(o, k)
+            ),
+        ),
+        "adam_eps": (
+            _floats(d.adam_eps, 1e-12, 1e-3),
+            lambda o, t, v: all(
+                g["eps"] == v for k in ("adamw", "adamw_nodecay", "engram") for g in _groups(o, k)
+            ),
+        ),
+        "engram_lr_mult": (
+            _floats(d.engram_lr_mult, 0.0, 50.0),
+            lambda o, t, v: _groups(o, "engram")[0]["base_lr"] == t.lr * v,
+        ),
     }, mix
 
 
@@ -188,13 +231,18 @@ def test_from_config_reads_exactly_the_fields_this_test_checks(tiny_model):
     MixOptimizer.from_config(tiny_model, cfg, "cpu")
     assert cfg.read - ELSEWHERE == set(fields), (
         f"from_config reads {sorted(cfg.read - ELSEWHERE - set(fields))} that no check here "
-        f"holds, and not {sorted(set(fields) - cfg.read)} that one does")
-    assert ELSEWHERE <= cfg.read, f"from_config no longer reads {ELSEWHERE - cfg.read}"
+        f"holds, and not {sorted(set(fields) - cfg.read)} that one does"
+    )
+    assert cfg.read >= ELSEWHERE, f"from_config no longer reads {ELSEWHERE - cfg.read}"
 
 
 # no shrinking: the failure names the field and its value already (shrinking one took 150 s)
-@settings(max_examples=12, deadline=None, phases=[Phase.explicit, Phase.generate],
-          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=12,
+    deadline=None,
+    phases=[Phase.explicit, Phase.generate],
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
 @given(data=st.data())
 def test_every_optimizer_field_reaches_the_optimizer(tiny_model, data):
     from dormouse.config import TrainConfig

@@ -18,16 +18,16 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from trainlog import train
 
 from dormouse.cli import main as cli_main
 from dormouse.config import ConfigError, apply_sets, preset
 from dormouse.errors import UserError
 from dormouse.model import DormouseModel
 from dormouse.model.sample import SampleError
-from dormouse.train.store import checkpoint as ckpt
 from dormouse.train.data import DataError
 from dormouse.train.loop import TrainingError
-from trainlog import train
+from dormouse.train.store import checkpoint as ckpt
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ["--device", "cpu", "--set", "batch=2", "--set", "seq_len=32"]
@@ -76,17 +76,36 @@ def test_out_of_device_memory_is_one_line_not_a_traceback(tmp_path, corpus, caps
     def oom(*a, **k):
         raise torch.cuda.OutOfMemoryError(
             "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of "
-            "139.80 GiB of which 1.25 GiB is free.")
+            "139.80 GiB of which 1.25 GiB is free."
+        )
 
     monkeypatch.setattr(run_mod, "train_run", oom)
     rc, _, err = _train(capsys, corpus, tmp_path / "run")
-    _refused(rc, err, "out of memory on the GPU", "Tried to allocate 2.00 GiB", "--set batch",
-             "--fit GB", "compile_mode=default")
+    _refused(
+        rc,
+        err,
+        "out of memory on the GPU",
+        "Tried to allocate 2.00 GiB",
+        "--set batch",
+        "--fit GB",
+        "compile_mode=default",
+    )
     # any other exception is still a bug and keeps its traceback
     monkeypatch.setattr(run_mod, "train_run", lambda *a, **k: 1 / 0)
     with pytest.raises(ZeroDivisionError):
-        cli_main(["train", "tiny", "--data", str(corpus), "--steps", "2", "--out",
-                  str(tmp_path / "run2"), *SMALL])
+        cli_main(
+            [
+                "train",
+                "tiny",
+                "--data",
+                str(corpus),
+                "--steps",
+                "2",
+                "--out",
+                str(tmp_path / "run2"),
+                *SMALL,
+            ]
+        )
 
 
 # ---- the run folder: never lose a run ------------------------------------------------------
@@ -185,8 +204,8 @@ def test_every_optimizer_hyperparameter_given_on_resume_is_applied(tmp_path, cor
     """A resume with other optimizer settings steps with this run's groups, entry for entry
     (a fresh optimizer's for the new config), not the checkpoint's: adam_eps used to be
     logged as changed and then stepped with the file's value."""
-    from dormouse.train.step import Callbacks
     from dormouse.train.run import _optimizer
+    from dormouse.train.step import Callbacks
 
     run = _run(corpus, tmp_path / "r", "steps=4")
     torch.manual_seed(0)
@@ -219,8 +238,15 @@ def test_resume_on_other_bytes_of_the_same_size_is_refused(tmp_path, corpus, cap
     body[:4096] = bytes(4096)  # the same size, other bytes
     data.write_bytes(bytes(body))
     rc, _, err = _cli(capsys, *argv, "--steps", 4, "--resume", "auto")
-    _refused(rc, err, "was trained on other bytes", str(data), "same size (20000 bytes)",
-             "Restore the file", "--overwrite")
+    _refused(
+        rc,
+        err,
+        "was trained on other bytes",
+        str(data),
+        "same size (20000 bytes)",
+        "Restore the file",
+        "--overwrite",
+    )
     assert ckpt.read_checkpoint(out / "ckpt.pt")["step"] == 2  # nothing trained on it
     data.write_bytes(corpus.read_bytes())  # restored: the resume goes on
     assert _cli(capsys, *argv, "--steps", 4, "--resume", "auto")[0] == 0
@@ -287,8 +313,9 @@ def test_bad_devices_are_one_line(tmp_path, corpus, capsys, device):
     # 6 fp32 columns are 24 bytes, not a multiple of the kernel's 16-byte loads
     (["moe_impl=grouped", "d_model=6", "n_heads=1", "head_dim=6"], "moe_impl=grouped cannot run"),
 ])  # fmt: skip
-def test_arms_that_cannot_run_here_are_refused_before_training(tmp_path, corpus, capsys, sets,
-                                                               needle):
+def test_arms_that_cannot_run_here_are_refused_before_training(
+    tmp_path, corpus, capsys, sets, needle
+):
     args = [x for s in sets for x in ("--set", s)]
     rc, said, err = _train(capsys, corpus, tmp_path / "r", *args)
     _refused(rc, err, needle)
@@ -338,16 +365,25 @@ def test_empty_flag_values_are_refused_not_defaulted(tmp_path, corpus, capsys, m
     monkeypatch.chdir(tmp_path)
     out = tmp_path / "r"
     dry = ["train", "tiny", "--steps", 2, "--dry-run", "--set", "batch=2", "--set", "seq_len=32"]
-    _refused(*_cli(capsys, *dry, "--out", out, "--data", "")[::2], "--data ''", "empty path",
-             "omit --data")
+    _refused(
+        *_cli(capsys, *dry, "--out", out, "--data", "")[::2],
+        "--data ''",
+        "empty path",
+        "omit --data",
+    )
     _refused(*_cli(capsys, *dry, "--out", out, "--data", corpus, "")[::2], "empty path")
-    _refused(*_cli(capsys, *dry, "--data", corpus, "--out", "")[::2], "out_dir=''",
-             "not a usable path")
-    _refused(*_cli(capsys, *dry, "--data", corpus, "--out", out, "--device", "")[::2],
-             "device '' is not a device")
+    _refused(
+        *_cli(capsys, *dry, "--data", corpus, "--out", "")[::2], "out_dir=''", "not a usable path"
+    )
+    _refused(
+        *_cli(capsys, *dry, "--data", corpus, "--out", out, "--device", "")[::2],
+        "device '' is not a device",
+    )
     for cmd in ("eval", "sample"):
-        _refused(*_cli(capsys, cmd, tmp_path / "nothing.pt", "--device", "")[::2],
-                 "--device '' is not a device")
+        _refused(
+            *_cli(capsys, cmd, tmp_path / "nothing.pt", "--device", "")[::2],
+            "--device '' is not a device",
+        )
     assert not (tmp_path / "runs").exists() and not out.exists()
     assert _train(capsys, corpus, out)[0] == 0
     _refused(*_cli(capsys, "eval", out / "ckpt.pt", "--data", "")[::2], "--data ''", "empty path")
@@ -474,18 +510,30 @@ def test_compare_refuses_damaged_metrics_and_images_it_cannot_write(tmp_path, ca
     suffix) wrote DIR.png beside it while the log named DIR."""
     row = {"kind": "eval", "step": 2, "loss": 5.5, "train_s": 0.1, "bytes": 100}
     a = _evals(tmp_path / "a", row, {**row, "step": 4, "loss": 5.4})
-    damaged = {"list": [1, 2], "noloss": {k: v for k, v in row.items() if k != "loss"},
-               "strloss": {**row, "loss": "x"}, "strbytes": {**row, "bytes": "1k"}}
+    damaged = {
+        "list": [1, 2],
+        "noloss": {k: v for k, v in row.items() if k != "loss"},
+        "strloss": {**row, "loss": "x"},
+        "strbytes": {**row, "bytes": "1k"},
+    }
     for name, bad in damaged.items():
         b = _evals(tmp_path / name, row, bad)
-        _refused(*_cli(capsys, "compare", a, b, "--out", tmp_path / "c.png")[::2],
-                 f"{b / 'metrics.jsonl'}: line 2", "damaged")
-    _refused(*_cli(capsys, "compare", a, a, "--out", tmp_path / "c.txt")[::2], "--out",
-             "c.txt", "name the image .png")
+        _refused(
+            *_cli(capsys, "compare", a, b, "--out", tmp_path / "c.png")[::2],
+            f"{b / 'metrics.jsonl'}: line 2",
+            "damaged",
+        )
+    _refused(
+        *_cli(capsys, "compare", a, a, "--out", tmp_path / "c.txt")[::2],
+        "--out",
+        "c.txt",
+        "name the image .png",
+    )
     pics = tmp_path / "pics"
     pics.mkdir()
-    _refused(*_cli(capsys, "compare", a, a, "--out", pics)[::2], "is a folder",
-             str(pics / "compare.png"))
+    _refused(
+        *_cli(capsys, "compare", a, a, "--out", pics)[::2], "is a folder", str(pics / "compare.png")
+    )
     _refused(*_cli(capsys, "compare", a, a, "--out", "")[::2], "--out . is a folder")
     rc, said, _ = _cli(capsys, "compare", a, a, "--out", tmp_path / "plot")
     assert rc == 0 and f"written to {tmp_path / 'plot'}" in said
@@ -560,8 +608,8 @@ def test_checkpoints_honour_the_umask(tmp_path, umask, mode):
 
 
 def test_user_errors_share_one_base_class():
-    from dormouse.train.plan.device import DeviceError, DtypeError
     from dormouse.train.context import DistError, LaunchError, RefusedError
+    from dormouse.train.plan.device import DeviceError, DtypeError
     from dormouse.train.plan.fit import FitError
 
     for cls in (ConfigError, DataError, ckpt.CheckpointError, TrainingError, SampleError,
@@ -588,15 +636,52 @@ def test_dry_run_trains_nothing_and_writes_nothing(tmp_path, corpus, capsys):
 # ---- the fuzz: every input is accepted or refused in one line ---------------------------------
 
 _KEYS = sorted(
-    k for k in {**preset("tiny").to_dict()["model"], **preset("tiny").to_dict()["train"]}
+    k
+    for k in {**preset("tiny").to_dict()["model"], **preset("tiny").to_dict()["train"]}
     if k not in ("data", "out_dir")  # paths: held by their own tests, and the fuzz writes nowhere
 )
 _VALUES = st.one_of(
     st.integers(-3, 70).map(str),
-    st.sampled_from(["0", "1", "-1", "nan", "inf", "-inf", "1e30", "0.5", "1e-3", "2**3", "",
-                     "true", "false", "yes", "abc", "1,2", "2,3,4", "(0.9,0.95)", "cuda:abc",
-                     "cpu", "cuda", "auto", "fla", "torch", "grouped", "batched", "triton", "..",
-                     "a/b", "fp16", "bf16", "fsdp", "wsd", "adamw", "0x10", "99999999999"]),
+    st.sampled_from(
+        [
+            "0",
+            "1",
+            "-1",
+            "nan",
+            "inf",
+            "-inf",
+            "1e30",
+            "0.5",
+            "1e-3",
+            "2**3",
+            "",
+            "true",
+            "false",
+            "yes",
+            "abc",
+            "1,2",
+            "2,3,4",
+            "(0.9,0.95)",
+            "cuda:abc",
+            "cpu",
+            "cuda",
+            "auto",
+            "fla",
+            "torch",
+            "grouped",
+            "batched",
+            "triton",
+            "..",
+            "a/b",
+            "fp16",
+            "bf16",
+            "fsdp",
+            "wsd",
+            "adamw",
+            "0x10",
+            "99999999999",
+        ]
+    ),
     st.text(alphabet="ab01.,-_:/ x", max_size=6),
 )
 _DEFAULTS = {**preset("tiny").to_dict()["model"], **preset("tiny").to_dict()["train"]}

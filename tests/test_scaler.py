@@ -156,8 +156,8 @@ def test_fleet_overflow_skips_on_both_ranks_and_halves_both_scales():
 def test_resume_restores_the_scale_exactly(tmp_path):
     """Growth every 2 clean steps, so the scale moves (up, and down on an overflow) before and
     after the checkpoint: the resumed run's scales and losses are the uninterrupted run's."""
-    from dormouse.train.store.checkpoint import read_checkpoint
     from dormouse.train.run import train_run
+    from dormouse.train.store.checkpoint import read_checkpoint
     from gates.fixtures import FleetSpec, fixture_run
     from gates.recorder import Recorder
 
@@ -172,8 +172,10 @@ def test_resume_restores_the_scale_exactly(tmp_path):
     whole = go(tmp_path / "whole")
     first = go(tmp_path / "cut", stop_at=5)
     ck = read_checkpoint(tmp_path / "cut" / "ckpt.pt")
-    assert ck["extra"]["loss_scale"] == {"scale": first["scales"][-1],
-                                         "clean": ck["extra"]["loss_scale"]["clean"]}
+    assert ck["extra"]["loss_scale"] == {
+        "scale": first["scales"][-1],
+        "clean": ck["extra"]["loss_scale"]["clean"],
+    }
     rest = go(tmp_path / "cut", resume=True)
     assert len(set(whole["scales"])) > 1  # the scale did move
     assert first["scales"] + rest["scales"] == whole["scales"]

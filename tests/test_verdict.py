@@ -134,8 +134,9 @@ def _device_side_optimizer(monkeypatch):
     monkeypatch.setattr(MixOptimizer, "from_config", classmethod(from_config))
 
 
-def test_the_loop_reading_verdicts_a_step_late_trains_as_the_host_verdict(tmp_path, corpus,
-                                                                          monkeypatch, tiny_model):
+def test_the_loop_reading_verdicts_a_step_late_trains_as_the_host_verdict(
+    tmp_path, corpus, monkeypatch, tiny_model
+):
     """14 steps, a NaN loss at step 2 and an infinite gradient at steps 4 and 5 (0-based,
     whose ends are an evaluation, at 5, and a checkpoint, at 6: skipped steps that both keep),
     logs every 3: the same parameters, LFB buffers, checkpoint, metrics rows and skip lines as
@@ -177,8 +178,8 @@ def test_verdict_device_is_refused_where_it_cannot_hold(tmp_path, corpus, tiny_m
     with pytest.raises(ConfigError, match="verdict=device: host-RAM Engram tables"):
         train(DormouseModel(ram.model), ram)
     from dormouse.train.context import DPContext
-    from dormouse.train.step import device_verdict
     from dormouse.train.optim.scaler import LossScaler
+    from dormouse.train.step import device_verdict
 
     one = _run(tmp_path, corpus, "fp16", "verdict=device").train
     opt = MixOptimizer(tiny_model(kda_impl="torch"), lr=0.01)

@@ -7,7 +7,7 @@ one entry point) and hands each logged line to `fn`, so a test can act when a li
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from gates.recorder import log_lines as lines_to
 

@@ -26,8 +26,9 @@ def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="dormouse bench", description=__doc__.splitlines()[0],
         epilog="No sub-command runs step: `dormouse bench [PRESET ...] [flags]`.")  # fmt: skip
-    sub = ap.add_subparsers(dest="bench",
-                            metavar="{step,profile,optim,memory,shards,fleet,warm,kernels,race}")
+    sub = ap.add_subparsers(
+        dest="bench", metavar="{step,profile,optim,memory,shards,fleet,warm,kernels,race}"
+    )
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     common.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
@@ -46,8 +47,19 @@ def main_bench(argv: list[str]) -> int:
     """`python -m dormouse bench [step|profile|optim|memory|shards|fleet|warm|kernels|race]
     [flags]`: print (and --out) a report."""
     argv = list(argv[1:] if argv[:1] == ["--"] else argv)
-    if not argv or argv[0] not in ("step", "profile", "optim", "memory", "shards", "fleet", "warm",
-                                    "kernels", "race", "-h", "--help"):
+    if not argv or argv[0] not in (
+        "step",
+        "profile",
+        "optim",
+        "memory",
+        "shards",
+        "fleet",
+        "warm",
+        "kernels",
+        "race",
+        "-h",
+        "--help",
+    ):
         argv = ["step", *argv]  # the default sub-benchmark
     args = _parser().parse_args(argv)
 

@@ -115,7 +115,7 @@ def windows(run: RunConfig, n: int) -> list[torch.Tensor]:
 
 
 def shape_text(run: RunConfig) -> str:
-    """"B x T" of a step, with its micro-batches where global_batch accumulates."""
+    """ "B x T" of a step, with its micro-batches where global_batch accumulates."""
     from ..train.context import accumulate
 
     t = run.train
@@ -184,5 +184,3 @@ def table(header, rows) -> str:
 def report(title: str, machine: list[str], body: str, notes: list[str]) -> str:
     bullets = lambda lines: [f"- {line}" for line in lines]
     return "\n".join([f"## {title}", "", *bullets(machine), "", body, "", *bullets(notes)]) + "\n"
-
-

@@ -56,8 +56,9 @@ def add_args(ap) -> None:
     ap.add_argument("--seq", type=int, default=64, help="window length (default 64)")
     ap.add_argument("--steps", type=int, default=60, help="steps per fleet run (default 60)")
     ap.add_argument("--every", type=int, default=10, help="rebalance_every (default 10)")
-    ap.add_argument("--rounds", type=int, default=1,
-                    help="repeat the three splits this many times (default 1)")
+    ap.add_argument(
+        "--rounds", type=int, default=1, help="repeat the three splits this many times (default 1)"
+    )
     ap.add_argument("--micro", type=int, default=0,
                     help="run every step (solo and fleet) as micro-batches of at most this many "
                          "windows, so a window costs the same at any share (0: each rank's share "
@@ -256,20 +257,25 @@ def _where(walls: list, splits: list[str], computes: list[dict], half: int) -> d
     fleet's own cost: all-reduce wait past the last gradient, clip, verdict, optimizer, the
     loop); and the step the ranks' in-fleet rates would give at a perfect split, the global
     batch over the sum of each rank's median windows per compute second."""
-    steps = [i for i in range(max(half, 1), len(walls))
-             if walls[i] is not None and all(i in c for c in computes)]
+    steps = [
+        i
+        for i in range(max(half, 1), len(walls))
+        if walls[i] is not None and all(i in c for c in computes)
+    ]
     if not steps:  # the last step's compute is never read (no next step stops its timer)
         return {"where_n": 0}
     shares = {i: [int(w) for w in splits[i].split(",")] for i in steps}
     floor = [max(c[i] for c in computes) for i in steps]
-    rates = [statistics.median(shares[i][r] / c[i] for i in steps)
-             for r, c in enumerate(computes)]
+    rates = [statistics.median(shares[i][r] / c[i] for i in steps) for r, c in enumerate(computes)]
     total = sum(shares[steps[0]])
     wall = statistics.median(walls[i] for i in steps)
-    return {"where_n": len(steps), "wall_ms": 1000 * wall,
-            "floor_ms": 1000 * statistics.median(floor),
-            "own_ms": 1000 * statistics.median(walls[i] - f for i, f in zip(steps, floor)),
-            "ideal_ms": 1000 * total / sum(rates)}
+    return {
+        "where_n": len(steps),
+        "wall_ms": 1000 * wall,
+        "floor_ms": 1000 * statistics.median(floor),
+        "own_ms": 1000 * statistics.median(walls[i] - f for i, f in zip(steps, floor)),
+        "ideal_ms": 1000 * total / sum(rates),
+    }
 
 
 def _where_row(rnd: int, name: str, f: dict) -> list[str] | None:
@@ -295,21 +301,25 @@ def _side_fractions(args, walls: list, blocks: list[list[dict]], half: int) -> d
     fracs, sums = [], []
     for k in range(len(after) - 1):
         lo, hi = after[k], after[k + 1]
-        seg = [w for w in walls[max(lo, 1):hi] if w is not None]
+        seg = [w for w in walls[max(lo, 1) : hi] if w is not None]
         if lo < half or not seg:
             continue
         total = sum((r[k]["rate"] + r[k + 1]["rate"]) / 2 for r in blocks)
         sums.append(total)
         fracs.append(tokens / statistics.median(seg) / total)
-    return {"side_sum": statistics.median(sums) if sums else float("nan"),
-            "side": statistics.median(fracs) if fracs else float("nan"),
-            "side_n": len(fracs)}
+    return {
+        "side_sum": statistics.median(sums) if sums else float("nan"),
+        "side": statistics.median(fracs) if fracs else float("nan"),
+        "side_n": len(fracs),
+    }
 
 
 def run(args, command: str) -> str:
     if args.global_batch < 16:
-        log.info("note: a global batch under 16 windows cannot split 2:1 finely (8 windows: 5/3 "
-                 "at best, 0.89 of the sum)")
+        log.info(
+            "note: a global batch under 16 windows cannot split 2:1 finely (8 windows: 5/3 "
+            "at best, 0.89 of the sum)"
+        )
     if args.rounds < 1:
         raise UserError(f"bench fleet: --rounds {args.rounds}; give at least 1")
     if not 0 <= args.micro <= args.global_batch:
@@ -357,60 +367,121 @@ def run(args, command: str) -> str:
                         f"{max(fs):.3f}",
                         *([f"{statistics.median(fb):.3f}", f"{min(fb):.3f}", f"{max(fb):.3f}"]
                           if fb else ["-", "-", "-"])])  # fmt: skip
-    body = (table(["measurement"] + [f"rank {r} solo tokens/s" for r in range(args.world)],
-                  [[("before the first fleet" if i == 0 else f"after fleet {i}")]
-                   + [f"{v:,.0f}" for v in row] for i, row in enumerate(solos)])
-            + "\n\n"
-            + table(["round", "split", "first", "last", "re-splits", "fleet tokens/s",
-                     "sum of solo rates (mean of the two around it)", "solo drift across it",
-                     "of the sum", "solo step ms at the shares (per rank)", "fleet step ms",
-                     "sum of solo rates at the last split's shares",
-                     "of that sum", "side-by-side solo sum (second half)",
-                     "of the side-by-side sum (median of its segments)"], rows)
-            + "\n\n"
-            + table(["split", "runs", "median of the sum", "min", "max",
-                     "median at the shares", "min", "max", "median side by side", "min",
-                     "max"], summary)
-            + "\n")
+    body = (
+        table(
+            ["measurement"] + [f"rank {r} solo tokens/s" for r in range(args.world)],
+            [
+                [("before the first fleet" if i == 0 else f"after fleet {i}")]
+                + [f"{v:,.0f}" for v in row]
+                for i, row in enumerate(solos)
+            ],
+        )
+        + "\n\n"
+        + table(
+            [
+                "round",
+                "split",
+                "first",
+                "last",
+                "re-splits",
+                "fleet tokens/s",
+                "sum of solo rates (mean of the two around it)",
+                "solo drift across it",
+                "of the sum",
+                "solo step ms at the shares (per rank)",
+                "fleet step ms",
+                "sum of solo rates at the last split's shares",
+                "of that sum",
+                "side-by-side solo sum (second half)",
+                "of the side-by-side sum (median of its segments)",
+            ],
+            rows,
+        )
+        + "\n\n"
+        + table(
+            [
+                "split",
+                "runs",
+                "median of the sum",
+                "min",
+                "max",
+                "median at the shares",
+                "min",
+                "max",
+                "median side by side",
+                "min",
+                "max",
+            ],
+            summary,
+        )
+        + "\n"
+    )
     where = [w for w in (_where_row(rnd, name, f) for rnd, name, f, *_ in runs) if w]
     if where:
-        body += ("\n" + table(["round", "split", "last", "fleet step ms", "slowest rank's compute "
-                               "ms (the floor)", "over the floor: the fleet's own cost ms",
-                               "step at the in-fleet rates' sum ms", "of the fleet step"], where)
-                 + "\n")
-    notes = [f"{args.preset}, global batch {args.global_batch} windows of {args.seq}, "
-             + (f"in micro-batches of at most {args.micro} (solo and fleet alike), "
-                if args.micro else "each rank's share in one forward, ")
-             + f"{args.steps} steps per fleet, rebalance_every={args.every}; fleet tokens/s = "
-             f"global batch x seq / median step wall over the second half of the steps (rank 0)",
-             f"EMULATION: --slow {args.slow}: that rank sleeps FACTOR x its own compute each step "
-             f"and its start-up matmul rate is divided by 1 + FACTOR (emulate_slow)",
-             "every process one torch thread; the solo rates are measured one rank at a time, "
-             "before the first fleet and after each fleet; a fleet's fraction divides by the "
-             "mean of the two measurements around it (a drift over 10% says: this box's speed "
-             "moved; repeat)",
-             ("at the shares: right after each fleet, each rank alone on the windows it held "
-              "at that fleet's last split (batch = its share, 8 steps, the median of the last "
-              "6), summed; a rank pays the whole optimizer step per step there as in the fleet, "
-              "so this sum is what the same ranks with the same work could do without each "
-              "other, and a fraction under 1 is the fleet's own cost: waiting for the slower "
-              "rank (the split's imbalance), the all-reduce, and on one box the ranks sharing "
-              "its cores' cache and memory bandwidth, which each solo run had alone"),
-             (f"side by side: inside each fleet run, every {args.every} steps all ranks stop "
-              f"together and each trains its own solo trainer (the whole global batch, its "
-              f"emulation on) for {args.side:g} s at the same time as the others, then they "
-              "resume together (those blocks are left out of the fleet's walls); each segment "
-              "of fleet steps is divided by the mean of the summed solo rates of the two blocks "
-              "around it, seconds apart, so the box's drift cancels, and the solo ranks share "
-              "the box as the fleet's ranks do; the median over the segments in the second "
-              "half (n in the cell)" if args.side > 0 else "side by side: off (--side 0)"),
-             ("where the step goes (last table; fleets whose ranks all time themselves, i.e. "
-              "re-balancing): each rank's compute per step as its balancer times it (the step's "
-              "start to its last gradient, the emulated sleep included), second half; the floor "
-              "is the slowest rank's compute that step, what is over it the fleet's own cost "
-              "(the all-reduce's tail, the clip, the verdict, the optimizer, the loop), and the "
-              "in-fleet rates' step the global batch over the sum of the ranks' median windows "
-              "per compute second: the step of a perfect split with no per-step cost or noise. "
-              "Drift-free (every figure from the same steps), but timed by the code under test")]
-    return report("Mixed fleet (CPU emulation)", machine_lines(torch.device("cpu"), command),
-                  body, notes)
+        body += (
+            "\n"
+            + table(
+                [
+                    "round",
+                    "split",
+                    "last",
+                    "fleet step ms",
+                    "slowest rank's compute ms (the floor)",
+                    "over the floor: the fleet's own cost ms",
+                    "step at the in-fleet rates' sum ms",
+                    "of the fleet step",
+                ],
+                where,
+            )
+            + "\n"
+        )
+    notes = [
+        f"{args.preset}, global batch {args.global_batch} windows of {args.seq}, "
+        + (
+            f"in micro-batches of at most {args.micro} (solo and fleet alike), "
+            if args.micro
+            else "each rank's share in one forward, "
+        )
+        + f"{args.steps} steps per fleet, rebalance_every={args.every}; fleet tokens/s = "
+        f"global batch x seq / median step wall over the second half of the steps (rank 0)",
+        f"EMULATION: --slow {args.slow}: that rank sleeps FACTOR x its own compute each step "
+        f"and its start-up matmul rate is divided by 1 + FACTOR (emulate_slow)",
+        "every process one torch thread; the solo rates are measured one rank at a time, "
+        "before the first fleet and after each fleet; a fleet's fraction divides by the "
+        "mean of the two measurements around it (a drift over 10% says: this box's speed "
+        "moved; repeat)",
+        (
+            "at the shares: right after each fleet, each rank alone on the windows it held "
+            "at that fleet's last split (batch = its share, 8 steps, the median of the last "
+            "6), summed; a rank pays the whole optimizer step per step there as in the fleet, "
+            "so this sum is what the same ranks with the same work could do without each "
+            "other, and a fraction under 1 is the fleet's own cost: waiting for the slower "
+            "rank (the split's imbalance), the all-reduce, and on one box the ranks sharing "
+            "its cores' cache and memory bandwidth, which each solo run had alone"
+        ),
+        (
+            f"side by side: inside each fleet run, every {args.every} steps all ranks stop "
+            f"together and each trains its own solo trainer (the whole global batch, its "
+            f"emulation on) for {args.side:g} s at the same time as the others, then they "
+            "resume together (those blocks are left out of the fleet's walls); each segment "
+            "of fleet steps is divided by the mean of the summed solo rates of the two blocks "
+            "around it, seconds apart, so the box's drift cancels, and the solo ranks share "
+            "the box as the fleet's ranks do; the median over the segments in the second "
+            "half (n in the cell)"
+            if args.side > 0
+            else "side by side: off (--side 0)"
+        ),
+        (
+            "where the step goes (last table; fleets whose ranks all time themselves, i.e. "
+            "re-balancing): each rank's compute per step as its balancer times it (the step's "
+            "start to its last gradient, the emulated sleep included), second half; the floor "
+            "is the slowest rank's compute that step, what is over it the fleet's own cost "
+            "(the all-reduce's tail, the clip, the verdict, the optimizer, the loop), and the "
+            "in-fleet rates' step the global batch over the sum of the ranks' median windows "
+            "per compute second: the step of a perfect split with no per-step cost or noise. "
+            "Drift-free (every figure from the same steps), but timed by the code under test"
+        ),
+    ]
+    return report(
+        "Mixed fleet (CPU emulation)", machine_lines(torch.device("cpu"), command), body, notes
+    )

@@ -54,7 +54,8 @@ def implied_k(run, est, peak: int) -> float | None:
         return None
     m = run.model
     return (peak - est.resident - est.casts) / (
-        est.tokens * m.d_model * (m.n_layers * m.max_iter + fit.BACKWARD_WORKSET))
+        est.tokens * m.d_model * (m.n_layers * m.max_iter + fit.BACKWARD_WORKSET)
+    )
 
 
 def measure(run, device: torch.device) -> tuple[int | None, str]:

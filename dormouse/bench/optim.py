@@ -19,6 +19,7 @@ from .common import configure, machine_lines, report, resolve_device, table, tim
 
 log = logging.getLogger(__name__)
 
+
 def add_args(ap) -> None:
     ap.add_argument("--preset", default="medium", help="whose parameter set (default medium)")
     ap.add_argument("--steps", "--repeats", dest="steps", type=int,
@@ -71,8 +72,11 @@ def run(args, command: str) -> str:
     muon = {id(p): p for g in opt.param_groups if g["kind"] == "muon" for p in g["params"]}
     per_matrix, n_mat = per_matrix_muon(opt)
     rows = []
-    arms = (("batched Muon", True, opt.step), ("per-matrix Muon", True, per_matrix),
-            ("full step (batched Muon + AdamW)", False, opt.step))
+    arms = (
+        ("batched Muon", True, opt.step),
+        ("per-matrix Muon", True, per_matrix),
+        ("full step (batched Muon + AdamW)", False, opt.step),
+    )
     for label, muon_only, fn in arms:
         for p, g in grads.items():
             p.grad = None if muon_only and id(p) not in muon else g

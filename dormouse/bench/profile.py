@@ -44,7 +44,18 @@ from .common import (
 
 log = logging.getLogger(__name__)
 
-HEADER = ["preset", "batch x seq", "compile", "step ms (median)", "tokens/s", "GPU busy", "kernels/step", "GPU ms/step", "step ms (unprofiled)", "GPU busy (unprofiled wall)"]
+HEADER = [
+    "preset",
+    "batch x seq",
+    "compile",
+    "step ms (median)",
+    "tokens/s",
+    "GPU busy",
+    "kernels/step",
+    "GPU ms/step",
+    "step ms (unprofiled)",
+    "GPU busy (unprofiled wall)",
+]
 PHASE_HEADER = ["preset", "phase", "wall ms/step", "GPU ms/step", "kernels/step"]
 TOP_HEADER = ["preset", "op", "calls/step", "self GPU ms/step", "share of GPU time"]
 COMPILE_MODES = ("auto", "off", "default", "reduce-overhead", "max-autotune-no-cudagraphs")
@@ -66,8 +77,11 @@ def add_args(ap) -> None:
 def _annotation(e) -> bool:
     """A range someone named (record_function, Optimizer.step#...), not work: the profiler
     mirrors such ranges onto the GPU's timeline, where they would count as kernels."""
-    return bool(getattr(e, "is_user_annotation", False)) or e.name.startswith("dormouse.") or (
-        "#" in e.name and e.name.split("#", 1)[0].endswith(".step"))
+    return (
+        bool(getattr(e, "is_user_annotation", False))
+        or e.name.startswith("dormouse.")
+        or ("#" in e.name and e.name.split("#", 1)[0].endswith(".step"))
+    )
 
 
 def _device_events(events) -> list:
@@ -136,12 +150,16 @@ def profile_preset(run, device, steps: int, warmup: int, compile: str, top: int)
     first = "off"
     if h.train.compile:
         try:
-            first = (f"{compile_text(h.train)} ("
-                     f"{timed(lambda i: step(0, data[0]), 1, 0, device)[0] / 1000:.1f} s first step)")
+            first = (
+                f"{compile_text(h.train)} ("
+                f"{timed(lambda i: step(0, data[0]), 1, 0, device)[0] / 1000:.1f} s first step)"
+            )
         except Exception as e:
             msg = (str(e).strip().splitlines() or [""])[0][:300]
-            raise BenchError(f"torch.compile ({compile}) of {run.source} failed on {device} "
-                             f"({type(e).__name__}: {msg}); rerun with --compile off") from e
+            raise BenchError(
+                f"torch.compile ({compile}) of {run.source} failed on {device} "
+                f"({type(e).__name__}: {msg}); rerun with --compile off"
+            ) from e
     timed(lambda i: step(i, data[i]), warmup, 0, device)
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     ms = []
@@ -227,11 +245,17 @@ def run(args, command: str) -> str:
              "Phases: record_function ranges of loop.train_step; a kernel counts for the phase "
              "whose range holds the start of the op that launched it ('other': outside every "
              "range, e.g. the data's copy to the device)."]  # fmt: skip
-    notes.append("Verdict on the device (the run's `verdict=...: on the device` line): the "
-                 "steps are timed back to back, profiled and unprofiled, as the loop runs them "
-                 "(the host queues a step while the device runs the one before), each step's ms "
-                 "their mean; a phase's wall is the host's time in it (the optimizer's includes "
-                 "the wait for the step before to reach its own optimizer: the host runs about a "
-                 "step ahead).")
-    return report("dormouse bench profile: where the step's time goes",
-                  machine_lines(device, command), body, notes)
+    notes.append(
+        "Verdict on the device (the run's `verdict=...: on the device` line): the "
+        "steps are timed back to back, profiled and unprofiled, as the loop runs them "
+        "(the host queues a step while the device runs the one before), each step's ms "
+        "their mean; a phase's wall is the host's time in it (the optimizer's includes "
+        "the wait for the step before to reach its own optimizer: the host runs about a "
+        "step ahead)."
+    )
+    return report(
+        "dormouse bench profile: where the step's time goes",
+        machine_lines(device, command),
+        body,
+        notes,
+    )

@@ -44,14 +44,23 @@ TIMED_STEPS = 5
 def add_args(ap) -> None:
     names = ", ".join(n for n in preset_names() if not n.startswith("gpt"))
     ap.add_argument("preset", metavar="PRESET", help=f"a dormouse preset ({names})")
-    ap.add_argument("--seconds", type=float, required=True,
-                    help="training seconds each model gets (evaluation and checkpoints apart)")
+    ap.add_argument(
+        "--seconds",
+        type=float,
+        required=True,
+        help="training seconds each model gets (evaluation and checkpoints apart)",
+    )
     ap.add_argument("--data", nargs="+", help="byte corpora (default: the embedded corpus)")
-    ap.add_argument("--evals", type=int, default=10,
-                    help="evaluations over each run (default 10): eval_every = steps / evals")
+    ap.add_argument(
+        "--evals",
+        type=int,
+        default=10,
+        help="evaluations over each run (default 10): eval_every = steps / evals",
+    )
     ap.add_argument("--runs", default="runs/race", help="where the two run folders go")
-    ap.add_argument("--overwrite", action="store_true",
-                    help="replace the runs an earlier race left in --runs")
+    ap.add_argument(
+        "--overwrite", action="store_true", help="replace the runs an earlier race left in --runs"
+    )
 
 
 def step_ms(run, device: torch.device) -> float:
@@ -77,8 +86,12 @@ def best_of(folder: Path) -> dict:
     if not ev:
         raise BenchError(f"{folder}: no evaluation after step 0; give more --seconds or --evals")
     best = min(ev, key=lambda r: r["loss"])
-    return {"loss": best["loss"], "bpb": best["bpb"], "step": best["step"],
-            "train_s": ev[-1]["train_s"]}
+    return {
+        "loss": best["loss"],
+        "bpb": best["bpb"],
+        "step": best["step"],
+        "train_s": ev[-1]["train_s"],
+    }
 
 
 def run(args, command: str) -> str:
@@ -124,5 +137,9 @@ def run(args, command: str) -> str:
              f"train_s (evaluation, checkpoints and the first, compiling step excluded).",
              "The GPT twin: model/gpt.py `gpt_twin`, equal total parameters, the same train "
              "config (windows, dtype, optimizer routing, schedule)."]  # fmt: skip
-    return report("dormouse bench race: equal wall-clock", machine_lines(device, command),
-                  table(HEADER, rows), notes)
+    return report(
+        "dormouse bench race: equal wall-clock",
+        machine_lines(device, command),
+        table(HEADER, rows),
+        notes,
+    )

@@ -25,6 +25,7 @@ from .common import table
 
 log = logging.getLogger(__name__)
 
+
 def add_args(p) -> None:
     p.add_argument("presets", nargs="*", default=["medium"], help="presets (default medium)")
     p.add_argument("--worlds", default="2,4", help="fleet sizes, comma separated (default 2,4)")
@@ -130,13 +131,22 @@ def compare(name: str, rows: list[dict], sets: list[str] = ()) -> list[dict]:
     """One line per (world, shard): the largest rank's measured bytes next to the estimate."""
     run = configure(name, list(sets))
     out = []
-    for world, shard in sorted({(r["world"], r["shard"]) for r in rows},
-                               key=lambda ws: (ws[0], ws[1] != "none")):  # DDP first
+    for world, shard in sorted(
+        {(r["world"], r["shard"]) for r in rows}, key=lambda ws: (ws[0], ws[1] != "none")
+    ):  # DDP first
         mine = [r for r in rows if (r["world"], r["shard"]) == (world, shard)]
-        got = {k: max(r[k] for r in mine) for k in ("params", "param_storage", "grads",
-                                                    "optimizer", "buckets", "host")}
-        out.append({"world": world, "shard": shard, "measured": got,
-                    "estimated": estimated(run, world, shard)})
+        got = {
+            k: max(r[k] for r in mine)
+            for k in ("params", "param_storage", "grads", "optimizer", "buckets", "host")
+        }
+        out.append(
+            {
+                "world": world,
+                "shard": shard,
+                "measured": got,
+                "estimated": estimated(run, world, shard),
+            }
+        )
     return out
 
 
@@ -148,8 +158,12 @@ def run(args, command: str) -> str:
     worlds = [int(w) for w in args.worlds.split(",") if w]
     if not worlds or min(worlds) < 2:
         raise UserError(f"--worlds {args.worlds}: a fleet has at least 2 ranks")
-    lines = [f"# Per-rank bytes: measured (gloo, CPU, torch {torch.__version__}) vs --fit's "
-             f"estimate", "", f"    {command}", ""]
+    lines = [
+        f"# Per-rank bytes: measured (gloo, CPU, torch {torch.__version__}) vs --fit's estimate",
+        "",
+        f"    {command}",
+        "",
+    ]
     mib = 2**20
     body = []
     for name in args.presets:

@@ -61,7 +61,26 @@ PEAK_TFLOPS: tuple[tuple[str, tuple[str, ...], dict[str, float]], ...] = (
     ("A100", (), {"bf16": 312.0, "fp32": 19.5}),
     ("RTX 4090", (), {"bf16": 165.0, "fp32": 82.6}),
 )
-HEADER = ["preset", "params (M)", "active params/token (M)", "batch x seq", "KDA arm", "MoE arm", "dtype", "compile", "first step s", "step ms (median)", "step ms (min)", "tokens/s", "model TFLOP/s", "MFU (datasheet)", "MFU (measured peak)", "TFLOP/step: 6N + mixer + polar", "HFU (measured peak)", "peak memory"]
+HEADER = [
+    "preset",
+    "params (M)",
+    "active params/token (M)",
+    "batch x seq",
+    "KDA arm",
+    "MoE arm",
+    "dtype",
+    "compile",
+    "first step s",
+    "step ms (median)",
+    "step ms (min)",
+    "tokens/s",
+    "model TFLOP/s",
+    "MFU (datasheet)",
+    "MFU (measured peak)",
+    "TFLOP/step: 6N + mixer + polar",
+    "HFU (measured peak)",
+    "peak memory",
+]
 NOTES = (
     "Step = forward + backward + clip + MixOptimizer step + LFB update on random bytes, by wall "
     "clock with the device synchronised around each step; with the verdict on the device (the "
@@ -225,7 +244,10 @@ def bench_preset(run: RunConfig, device: torch.device, steps: int, warmup: int,
     if run.model.arch == "gpt":
         arms = ["- (SDPA attention)", "- (GELU MLP)"]
     else:
-        arms = [model.blocks[0].mixer.impl, model.blocks[0].moe.arm(device, dtype or torch.float32).name]
+        arms = [
+            model.blocks[0].mixer.impl,
+            model.blocks[0].moe.arm(device, dtype or torch.float32).name,
+        ]
     label = run.source.removeprefix("preset:")
     row = [label, f"{count_params(run.model) / 1e6:.2f}", f"{active / 1e6:.2f}",
            shape_text(run), *arms, dt, compile_text(h.train), f"{start_s:.1f}",
@@ -285,9 +307,11 @@ def run(args, command: str) -> str:
     twin_compile = {"on": "compile=true", "off": "compile=false"}.get(args.compile or "auto")
     for r in runs:  # a pinned kda_impl=fla that cannot run here, refused before any timing
         if args.baseline and r.model.arch != "dormouse":
-            raise BenchError(f"--baseline gpt pairs a dormouse preset with its GPT twin; "
-                             f"{r.source.removeprefix('preset:')} is already arch={r.model.arch}: "
-                             f"drop --baseline or name a dormouse preset (tiny, small, ...)")
+            raise BenchError(
+                f"--baseline gpt pairs a dormouse preset with its GPT twin; "
+                f"{r.source.removeprefix('preset:')} is already arch={r.model.arch}: "
+                f"drop --baseline or name a dormouse preset (tiny, small, ...)"
+            )
         try:
             if r.model.arch == "dormouse":  # the GPT has no kernel arms
                 require_arms(r.model, device)
@@ -316,8 +340,11 @@ def run(args, command: str) -> str:
             ratio = _tok_s(rows[-2]) / _tok_s(rows[-1])
             rows[-2].append(f"{ratio:.2f}x")
             rows[-1].append("-")
-    notes = [f"Method: {warmup} untimed warm-up step(s), then {steps} timed step(s) per preset, "
-             "built as `dormouse train` builds them.", *NOTES]
+    notes = [
+        f"Method: {warmup} untimed warm-up step(s), then {steps} timed step(s) per preset, "
+        "built as `dormouse train` builds them.",
+        *NOTES,
+    ]
     header = HEADER
     if args.baseline:
         header = [*HEADER, *BASELINE_HEADER]
@@ -345,8 +372,10 @@ def _peaks(dts: list[str], device: torch.device,
     once per dtype `dts` the rows compute in, else none (the CPU)."""
     if given is not None:
         if not (math.isfinite(given) and given > 0):
-            raise BenchError(f"--peak-tflops {given}: a peak is a positive TFLOP/s figure "
-                             f"(e.g. --peak-tflops 790); leave it out to measure it on CUDA")
+            raise BenchError(
+                f"--peak-tflops {given}: a peak is a positive TFLOP/s figure "
+                f"(e.g. --peak-tflops 790); leave it out to measure it on CUDA"
+            )
         if len(dts) > 1:
             raise BenchError(f"--peak-tflops {given} is one peak, but these rows compute in "
                              f"{' and '.join(dts)}; bench one dtype at a time or leave "

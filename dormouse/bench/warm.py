@@ -99,7 +99,8 @@ def run(args, command: str) -> str:
         dt = {None: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
         arm = model.blocks[0].mixer.impl if r.model.arch == "dormouse" else "-"
         what = "train step (forward + backward + optimizer)" + (
-            f" x {micro.accum} micro-batches" if micro.accum > 1 else "")
+            f" x {micro.accum} micro-batches" if micro.accum > 1 else ""
+        )
         rows += [[name, arm, dt, f"{micro.batch} x {t.seq_len}", what, f"{s_train:.1f}"],
                  [name, arm, dt, f"{t.batch} x {t.seq_len}", "eval forward", f"{s_eval:.1f}"]]  # fmt: skip
         model = step = None  # this preset's memory goes before the next one's build
@@ -111,5 +112,9 @@ def run(args, command: str) -> str:
              "own micro-batch, `dormouse eval`'s last short window) tune on their first call.",
              "Each shape's first fla call is logged (kda: first fla call ...), with its time "
              "when over 5 s."]  # fmt: skip
-    return report("dormouse bench warm: kernel caches", machine_lines(device, command),
-                  table(HEADER, rows), notes)
+    return report(
+        "dormouse bench warm: kernel caches",
+        machine_lines(device, command),
+        table(HEADER, rows),
+        notes,
+    )

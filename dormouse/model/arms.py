@@ -174,8 +174,13 @@ def why_not(kind: str, arm: str, device, dtype=torch.float32, shape=None) -> str
     return "; ".join(blockers(card_of(device), dtype, shape or {})) or None
 
 
-def choose_arm(kind: str, request: str, device: torch.device | str | Card,
-               dtype: torch.dtype = torch.float32, shape: Mapping[str, int] | None = None) -> Arm:
+def choose_arm(
+    kind: str,
+    request: str,
+    device: torch.device | str | Card,
+    dtype: torch.dtype = torch.float32,
+    shape: Mapping[str, int] | None = None,
+) -> Arm:
     """The arm `request` runs for `kind` ("kda" | "moe") on `device` at compute `dtype`.
 
     `shape` holds the dims that matter: head_dim (KDA), d_model and d_ffn (MoE); a dim left
@@ -188,9 +193,11 @@ def choose_arm(kind: str, request: str, device: torch.device | str | Card,
         return Arm(safe, f"{said} (pinned) on {card.label}")
     shape = shape or {}
     why = why_not(kind, fast, card, dtype, shape)
-    reading = " ".join([f"device={card.label}", f"dtype={str(dtype).replace('torch.', '')}"]
-                       + [f"{k}={v}" for k, v in shape.items()]
-                       + ([f"fla={'ok' if card.fla is None else 'no'}"] if kind == "kda" else []))
+    reading = " ".join(
+        [f"device={card.label}", f"dtype={str(dtype).replace('torch.', '')}"]
+        + [f"{k}={v}" for k, v in shape.items()]
+        + ([f"fla={'ok' if card.fla is None else 'no'}"] if kind == "kda" else [])
+    )
     if request == fast and why:
         raise ArmError(f"{said} cannot run here: {why} [{reading}]; use --set {kind}_impl="
                        f"{safe} ({safe_text}) or {kind}_impl=auto")  # fmt: skip

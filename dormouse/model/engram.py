@@ -110,7 +110,9 @@ def _constants(cfg, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         for n in cfg.engram_orders:
             for j in range(cfg.engram_heads):
                 # A zero multiplier makes the term 0, the identity of XOR.
-                mult.append([hash_multiplier(n, j, p - c) if p - c < n else 0 for c in range(p + 1)])
+                mult.append(
+                    [hash_multiplier(n, j, p - c) if p - c < n else 0 for c in range(p + 1)]
+                )
                 salt.append(hash_salt(n, j))
         made = (torch.tensor(mult, dtype=torch.int64, device=device),
                 torch.tensor(salt, dtype=torch.int64, device=device))  # fmt: skip

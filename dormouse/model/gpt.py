@@ -77,8 +77,11 @@ class GPT(nn.Module):
         for name, p in self.named_parameters():
             if p.dim() >= 2:
                 # GPT-2: residual projections scaled by 1/sqrt(2 * layers)
-                scale = math.sqrt(2 * cfg.n_layers) if name.endswith(("proj.weight",
-                                                                        "out.weight")) else 1.0
+                scale = (
+                    math.sqrt(2 * cfg.n_layers)
+                    if name.endswith(("proj.weight", "out.weight"))
+                    else 1.0
+                )
                 nn.init.normal_(p, std=cfg.init_std / scale)
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
@@ -115,7 +118,7 @@ class GPT(nn.Module):
         allx = x if seen is None else torch.cat([seen, x], 1)
         limit = self.cfg.max_seq_len
         if allx.shape[1] > limit:
-            allx = allx[:, -min(limit, max(limit // 2, x.shape[1])):]
+            allx = allx[:, -min(limit, max(limit // 2, x.shape[1])) :]
             cache["kv"] = [{} for _ in self.blocks]
             x, past = allx, 0
         else:

@@ -119,6 +119,7 @@ class KDAMixer(nn.Module):
         nn.init.zeros_(self.g_up.bias)
 
         if cfg.rank > 0:
+
             def deltas(d_in: int, d_out: int) -> nn.ModuleList:
                 return nn.ModuleList(
                     LowRankDelta(d_in, d_out, cfg.rank, std=cfg.init_std)

@@ -14,7 +14,6 @@ from dormouse import cache
 log = logging.getLogger(__name__)
 
 
-
 def kda_fla(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -37,8 +36,13 @@ def kda_fla(
     if torch.compiler.is_compiling() and initial_state is None and not output_final_state:
         dt = q.dtype
         o = torch.ops.dormouse.kda_chunk(
-            q.contiguous(), k.contiguous().to(dt), v.contiguous().to(dt), g.float().contiguous(),
-            beta.contiguous().to(dt), q.shape[-1] ** -0.5 if scale is None else float(scale))[0]
+            q.contiguous(),
+            k.contiguous().to(dt),
+            v.contiguous().to(dt),
+            g.float().contiguous(),
+            beta.contiguous().to(dt),
+            q.shape[-1] ** -0.5 if scale is None else float(scale),
+        )[0]
         return o, None
     return _kda_fla_eager(q, k, v, g, beta, scale, initial_state, output_final_state, chunk_size)
 
@@ -159,9 +163,11 @@ def _kept(ctx, q, k, v, g, beta) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
           and all(s[i].shape == (*q.shape[:-1], _CHUNK) and s[i].dtype == k.dtype
                   for i in (_AQK, _AKK)))  # fmt: skip
     if not ok:
-        raise RuntimeError("kda: fla-core's ChunkKDAFunction saves another set than the one "
-                           "dormouse.model.kda._SAVES_KNOWN lists for this release: remove the "
-                           "release from that list (its backward then recomputes the forward)")
+        raise RuntimeError(
+            "kda: fla-core's ChunkKDAFunction saves another set than the one "
+            "dormouse.model.kda._SAVES_KNOWN lists for this release: remove the "
+            "release from that list (its backward then recomputes the forward)"
+        )
     global _ctx_attrs
     if _ctx_attrs is None:
         _ctx_attrs = {n: a for n, a in vars(ctx).items() if n not in ("saved_tensors", "scale")}
@@ -274,9 +280,11 @@ class _FirstCall:
         dt = str(q.dtype).replace("torch.", "")
         words = f"shape {B} x {T} x {H} x {D} ({dt})"
         cache.say_kernel_cache()
-        later = (f"cached in {cache.triton_dir()}; later runs start in seconds"
-                 if cache.autotune_cached() else
-                 f"NOT cached: {cache.TRITON_AUTOTUNE} is not 1, so every run tunes again")
+        later = (
+            f"cached in {cache.triton_dir()}; later runs start in seconds"
+            if cache.autotune_cached()
+            else f"NOT cached: {cache.TRITON_AUTOTUNE} is not 1, so every run tunes again"
+        )
         log.info(f"kda: first fla call for {words}; on a fresh machine its kernels autotune for "
                  f"~3 minutes ({later})")  # fmt: skip
         return cls(words, q.device)

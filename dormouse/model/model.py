@@ -69,7 +69,9 @@ class DormouseModel(nn.Module):
         self.head = nn.Linear(cfg.d_model, cfg.vocab, bias=False)
         nn.init.normal_(self.embed.weight, std=cfg.init_std)
         # A small head keeps the initial loss near ln(256) (uniform bytes).
-        nn.init.normal_(self.head.weight, std=cfg.init_std / math.sqrt(2 * cfg.n_layers * cfg.max_iter))
+        nn.init.normal_(
+            self.head.weight, std=cfg.init_std / math.sqrt(2 * cfg.n_layers * cfg.max_iter)
+        )
 
     # ---- training / evaluation --------------------------------------------------
     def _apply_block(self, block: Block, h, iteration: int, drop=None, site: int = 0):
@@ -108,8 +110,9 @@ class DormouseModel(nn.Module):
         logits = self.head(self.norm_f(h))
         loss = None
         if y is not None:
-            loss = F.cross_entropy(at_least_fp32(logits).reshape(-1, logits.size(-1)),
-                                   y.reshape(-1))
+            loss = F.cross_entropy(
+                at_least_fp32(logits).reshape(-1, logits.size(-1)), y.reshape(-1)
+            )
         aux = {"load": torch.stack(loads).mean(0) if loads else None, "dropped": dropped}
         return logits, loss, aux
 

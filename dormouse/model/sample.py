@@ -38,8 +38,16 @@ def check_sample_args(n: int, temperature: float, top_k: int) -> None:
 
 
 @torch.no_grad()
-def generate(model, prompt: bytes, n: int, *, temperature: float = 0.8, top_k: int = 0,
-             generator: torch.Generator | None = None, row_len: int | None = None) -> bytes:
+def generate(
+    model,
+    prompt: bytes,
+    n: int,
+    *,
+    temperature: float = 0.8,
+    top_k: int = 0,
+    generator: torch.Generator | None = None,
+    row_len: int | None = None,
+) -> bytes:
     """Continue `prompt` by `n` bytes. An empty prompt starts from a newline. `row_len`: the
     training window length, so a capacity MoE drops in decoding what it dropped in training
     (default: the model's max_seq_len)."""
@@ -57,8 +65,12 @@ def generate(model, prompt: bytes, n: int, *, temperature: float = 0.8, top_k: i
     return bytes(out)
 
 
-def sample_next(logits: torch.Tensor, temperature: float, top_k: int = 0,
-                generator: torch.Generator | None = None) -> torch.Tensor:
+def sample_next(
+    logits: torch.Tensor,
+    temperature: float,
+    top_k: int = 0,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
     """One byte per row of logits [..., 256]: a draw from softmax(logits / temperature) over
     the top_k largest logits (0: all), or the argmax at temperature 0. Returns [...] int64 on
     the CPU. Gate 32 holds the draws to that distribution (a chi-square test)."""

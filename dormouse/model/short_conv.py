@@ -104,5 +104,5 @@ class ShortConv(nn.Module):
                         torch.cat([x.new_zeros(B, keep - T, Ch), x], dim=1))  # fmt: skip
             return y, new_tail
         xt = torch.cat([tail.to(x.dtype), x], dim=1)
-        y = torch.ops.dormouse.conv_silu(xt, w)[:, tail.shape[1]:]
+        y = torch.ops.dormouse.conv_silu(xt, w)[:, tail.shape[1] :]
         return y, xt[:, T:]

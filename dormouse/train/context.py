@@ -83,12 +83,14 @@ def unpacked_lines(shapes: Sequence[RankShape], cap: int) -> list[str]:
         lo = next(b for b in range(s.windows - 1, 0, -1) if packed(b, cap))
         hi = next(b for b in range(s.windows + 1, 2 * s.windows + cap) if packed(b, cap))
         who = f"rank {r}: " if len(shapes) > 1 else ""
-        out.append(f"{who}{s.windows} windows a step in micro-batches of at most {cap} run as "
-                   f"{s.accum} micro-batches of {s.batch} (the fewest equal ones that divide "
-                   f"{s.windows}; {-(-s.windows // cap)} would do), each paying a forward's fixed "
-                   f"cost: a share of {lo} or {hi} windows runs as "
-                   f"{accumulate(lo, cap, s.seq_len).line()} or "
-                   f"{accumulate(hi, cap, s.seq_len).line()} (set global_batch or --capacity)")
+        out.append(
+            f"{who}{s.windows} windows a step in micro-batches of at most {cap} run as "
+            f"{s.accum} micro-batches of {s.batch} (the fewest equal ones that divide "
+            f"{s.windows}; {-(-s.windows // cap)} would do), each paying a forward's fixed "
+            f"cost: a share of {lo} or {hi} windows runs as "
+            f"{accumulate(lo, cap, s.seq_len).line()} or "
+            f"{accumulate(hi, cap, s.seq_len).line()} (set global_batch or --capacity)"
+        )
     return out
 
 
@@ -358,7 +360,7 @@ def merge_row_grads(
     out = grads[0].new_zeros(union.numel(), dim)
     start = 0
     for grad in grads:
-        pos = inv[start:start + grad.shape[0]].to(out.device)
+        pos = inv[start : start + grad.shape[0]].to(out.device)
         start += grad.shape[0]
         out.index_copy_(0, pos, out.index_select(0, pos).add_(grad.to(out.dtype)))
     return union, out.div_(world_size)

@@ -474,8 +474,9 @@ def data_fingerprint(path: str | os.PathLike) -> dict:
             block = FINGERPRINT_BLOCK
             last = max(0, size - block)
             rng = np.random.default_rng([0x646F726D, size])  # "dorm", then the size
-            starts = [0, last] + sorted(int(x) for x in rng.integers(0, last + 1,
-                                                                     FINGERPRINT_SAMPLES))
+            starts = [0, last] + sorted(
+                int(x) for x in rng.integers(0, last + 1, FINGERPRINT_SAMPLES)
+            )
             h = hashlib.blake2b(str(size).encode(), digest_size=16)
             for s in starts:
                 f.seek(s)
@@ -491,17 +492,22 @@ def fingerprint_mismatch(saved: Sequence[dict], now: Sequence[dict]) -> list[str
     one line per file, empty when they agree. Paths are not compared (a moved file is the
     same data); sizes and sampled contents are."""
     if len(saved) != len(now):
-        return [f"the checkpoint was trained on {len(saved)} data file(s), this run reads "
-                f"{len(now)}"]
+        return [
+            f"the checkpoint was trained on {len(saved)} data file(s), this run reads {len(now)}"
+        ]
     out = []
     for a, b in zip(saved, now):
         if a.get("size") != b["size"]:
-            out.append(f"{b['path']} has {b['size']} bytes, the checkpoint's data "
-                       f"({a.get('path')}) had {a.get('size')}")
+            out.append(
+                f"{b['path']} has {b['size']} bytes, the checkpoint's data "
+                f"({a.get('path')}) had {a.get('size')}"
+            )
         elif a.get("digest") != b["digest"]:
-            out.append(f"{b['path']} has the same size ({b['size']} bytes) as the checkpoint's "
-                       f"data ({a.get('path')}) but other content (sampled-block digest "
-                       f"{b['digest'][:12]}, the checkpoint's {str(a.get('digest'))[:12]})")
+            out.append(
+                f"{b['path']} has the same size ({b['size']} bytes) as the checkpoint's "
+                f"data ({a.get('path')}) but other content (sampled-block digest "
+                f"{b['digest'][:12]}, the checkpoint's {str(a.get('digest'))[:12]})"
+            )
     return out
 
 
@@ -677,7 +683,6 @@ class DataSource:
             parts.append((s.val, k))
         return ValBatches(parts, batch, seq_len)
 
-
     def val_all(self, batch: int, seq_len: int):
         """Every byte of every val split once: (x, y) batches of up to `batch` windows that
         advance seq_len bytes at a time (each byte after a split's first is a target exactly
@@ -696,7 +701,7 @@ class DataSource:
                 yield w[:, :-1], w[:, 1:]
             rest = (len(v) - 1) - n_full * seq_len
             if rest > 0:
-                w = torch.from_numpy(np.array(v[n_full * seq_len:], dtype=np.int64)).view(1, -1)
+                w = torch.from_numpy(np.array(v[n_full * seq_len :], dtype=np.int64)).view(1, -1)
                 yield w[:, :-1], w[:, 1:]
 
     def val_bytes_total(self) -> int:
@@ -723,7 +728,7 @@ class ValBatches(Sequence):
         for val, k in self.parts:
             if j < k:
                 start = (j * (len(val) - window)) // (k - 1) if k > 1 else 0
-                return windows(val[start:start + window], self.batch, self.seq_len)
+                return windows(val[start : start + window], self.batch, self.seq_len)
             j -= k
         raise IndexError(i)
 

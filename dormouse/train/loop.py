@@ -97,7 +97,6 @@ class _GracefulStop:
             signal.signal(sig, old if old is not None else signal.SIG_DFL)
 
 
-
 class _Progress:
     """A one-line progress bar on a terminal; nothing otherwise (plain log lines suffice)."""
 
@@ -109,14 +108,15 @@ class _Progress:
             return
         width = 30
         done = int(width * step / max(1, self.total))
-        sys.stderr.write(f"\r[{'#' * done}{'.' * (width - done)}] {step}/{self.total} loss={loss:.4f}")
+        sys.stderr.write(
+            f"\r[{'#' * done}{'.' * (width - done)}] {step}/{self.total} loss={loss:.4f}"
+        )
         sys.stderr.flush()
 
     def clear(self) -> None:
         if self.enabled:
             sys.stderr.write("\r" + " " * 70 + "\r")
             sys.stderr.flush()
-
 
 
 def _plot(folder: RunDir) -> None:
@@ -153,7 +153,6 @@ def _plot(folder: RunDir) -> None:
             log.info(f"loss curve written to {folder.file(PLOT)}")
     finally:
         plt.close(fig)
-
 
 
 class _NoHeartbeat:
@@ -205,7 +204,7 @@ class _Best:
             self.step, self.loss, self.since = step, val, 0
         else:
             self.since += 1
-        self.history = (self.history + [(step, val, train_loss)])[-(OVERFIT_EVALS + 1):]
+        self.history = (self.history + [(step, val, train_loss)])[-(OVERFIT_EVALS + 1) :]
         h = self.history
         if len(h) == OVERFIT_EVALS + 1 and self.warned != self.step and all(
                 b[1] > a[1] and b[2] < a[2] for a, b in itertools.pairwise(h)):  # fmt: skip
@@ -219,7 +218,6 @@ class _Best:
         return improved, None
 
 
-
 def _say_first_step(t_step: float, device: torch.device) -> None:
     """The cold start in the log: the first step (compile, CUDA-graph capture, kernel
     autotune) and the time since the process imported dormouse."""
@@ -231,8 +229,6 @@ def _say_first_step(t_step: float, device: torch.device) -> None:
     log.info(f"first step took {now - t_step:.1f} s (tracing, compiling, autotuning where "
              f"they run; cached for the next run); step 1 reached {now - STARTED:.1f} s after "
              f"start")  # fmt: skip
-
-
 
 
 # ---- the loop -------------------------------------------------------------------------------
@@ -442,12 +438,22 @@ class _Run:
         said = "" if scaler is None else f" scale={scaler.scale:g}"
         log.info(f"step={done} loss={fleet:.4f} bpb={fleet / LN2:.4f} lr={lr_now:.3e} "
                  f"gnorm={gnorm:.3f}{said} tok/s={tps:.0f} ms={ms:.1f}")  # fmt: skip
-        self.sinks.write("train", done, {
-            "loss": fleet, "bpb": fleet / LN2, "lr": lr_now, "gnorm": gnorm, "tok_s": tps,
-            "ms": ms, "load": p.load(),
-            **({} if scaler is None else {"scale": scaler.scale}),
-            # a fleet's windows per rank this step (re-balancing moves them)
-            **({} if ctx.world == 1 else {"split": [r.windows for r in ctx.shapes]})})
+        self.sinks.write(
+            "train",
+            done,
+            {
+                "loss": fleet,
+                "bpb": fleet / LN2,
+                "lr": lr_now,
+                "gnorm": gnorm,
+                "tok_s": tps,
+                "ms": ms,
+                "load": p.load(),
+                **({} if scaler is None else {"scale": scaler.scale}),
+                # a fleet's windows per rank this step (re-balancing moves them)
+                **({} if ctx.world == 1 else {"split": [r.windows for r in ctx.shapes]}),
+            },
+        )
 
     def flush(self) -> None:
         """Settle the step whose verdict is still on the device, if any."""
@@ -506,11 +512,16 @@ def train(model: torch.nn.Module, wrapped: Wrapped, opt, ctx: DPContext, run, *,
         if resume:
             r.resume()
         r.open_folder(resume)
-        log.info(f"run {run.source}: {ctx.describe()} steps={cfg.steps} lr={cfg.lr} "
-                 f"dtype={'fp32' if autocast is None else str(autocast).replace('torch.', '')}"
-                 + ("" if scaler is None else
-                    f" loss_scale={scaler.scale:g} (x2 every {scaler.every} clean steps, /2 and "
-                    f"a skip on overflow{'; the fleet shares it' if ctx.world > 1 else ''})"))
+        log.info(
+            f"run {run.source}: {ctx.describe()} steps={cfg.steps} lr={cfg.lr} "
+            f"dtype={'fp32' if autocast is None else str(autocast).replace('torch.', '')}"
+            + (
+                ""
+                if scaler is None
+                else f" loss_scale={scaler.scale:g} (x2 every {scaler.every} clean steps, /2 and "
+                f"a skip on overflow{'; the fleet shares it' if ctx.world > 1 else ''})"
+            )
+        )
         # every rank enters an evaluation (its barrier), also one holding no val batches
         first_eval = (r.evaluate(r.start, math.nan)[0]
                       if cfg.eval_every and r.start == 0 and r.data.has_val else {})  # fmt: skip
@@ -571,8 +582,11 @@ def _steps(r: _Run) -> tuple[bool, dict]:
                          and r.data.has_val)  # fmt: skip
             saves = bool(cfg.ckpt_every and done % cfg.ckpt_every == 0 and done != r.end)
             # (a step decided on the host anyway, e.g. a reference's dropped batch: settled)
-            this = (_Deferred(step, loss, aux, ok, want_load=r.logs(done))
-                    if s.defer and torch.is_tensor(ok) else _Settled(step, loss, aux, ok))
+            this = (
+                _Deferred(step, loss, aux, ok, want_load=r.logs(done))
+                if s.defer and torch.is_tensor(ok)
+                else _Settled(step, loss, aux, ok)
+            )
             r.flush()  # the step before, read while this one runs
             if s.defer and not (evals or saves or done == r.end):
                 r.pending = this

@@ -133,8 +133,14 @@ def resolve_compile(run: RunConfig, device: torch.device, world: int = 1) -> Run
         sm = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
         on = sm is not None and sm >= COMPILE_MIN_SM
         why = (f"{device.type}" if sm is None else f"cuda sm_{sm[0]}{sm[1]}") + (
-            "" if on else (" (inductor's C++ codegen costs minutes on a CPU)" if sm is None else
-                           f" (inductor's Triton needs sm_{COMPILE_MIN_SM[0]}{COMPILE_MIN_SM[1]})"))
+            ""
+            if on
+            else (
+                " (inductor's C++ codegen costs minutes on a CPU)"
+                if sm is None
+                else f" (inductor's Triton needs sm_{COMPILE_MIN_SM[0]}{COMPILE_MIN_SM[1]})"
+            )
+        )
         log.info(f"compile=auto: {why} -> compile={str(on).lower()} (--set compile=true|false "
                  f"pins it)")  # fmt: skip
         t = replace(t, compile=on)
@@ -153,9 +159,16 @@ def resolve_compile(run: RunConfig, device: torch.device, world: int = 1) -> Run
         ) if hit]  # fmt: skip
         mode = "default" if blockers or not t.compile else "reduce-overhead"
         if t.compile:
-            log.info("compile_mode=auto: " + (", ".join(blockers) if blockers else
-                     f"one process on CUDA, static shapes, no accumulation, {work:.3g} TFLOP a "
-                     f"step (launch-bound below {GRAPHS_MAX_TFLOP:g})") + f" -> {mode}")
+            log.info(
+                "compile_mode=auto: "
+                + (
+                    ", ".join(blockers)
+                    if blockers
+                    else f"one process on CUDA, static shapes, no accumulation, {work:.3g} TFLOP a "
+                    f"step (launch-bound below {GRAPHS_MAX_TFLOP:g})"
+                )
+                + f" -> {mode}"
+            )
         t = replace(t, compile_mode=mode)
     return replace(run, train=t)
 
@@ -164,7 +177,9 @@ def step_tflop(run: RunConfig) -> float:
     """TFLOP of one micro-batch's forward + backward by the 6N rule (built on the meta device)."""
     from ..model import active_params
 
-    return 6 * active_params(build_model(run, meta=True)) * run.train.batch * run.train.seq_len / 1e12
+    return (
+        6 * active_params(build_model(run, meta=True)) * run.train.batch * run.train.seq_len / 1e12
+    )
 
 
 def prepare(run: RunConfig, device_type: str | None = None, local_rank: int | None = None,
@@ -345,8 +360,9 @@ def dry_run(run: RunConfig, device: torch.device, autocast, plan: str, folder) -
     _optimizer(model, run, device)
     t = run.train
     data = open_data(t)
-    data.train_stream(DPContext.single(device, t.batch, t.seq_len, t.global_batch).shape.windows,
-                      t.seq_len)  # the whole global batch's bytes, every step
+    data.train_stream(
+        DPContext.single(device, t.batch, t.seq_len, t.global_batch).shape.windows, t.seq_len
+    )  # the whole global batch's bytes, every step
     if t.eval_every and data.has_val:
         data.val_batches(1, t.batch, t.seq_len)
     if plan == "resume":
@@ -355,6 +371,7 @@ def dry_run(run: RunConfig, device: torch.device, autocast, plan: str, folder) -
         diff = ckpt.shape_mismatch(ck["run"].model, run.model)
         if diff:
             raise ckpt.CheckpointError(f"{path} has another model shape: " + "; ".join(diff))
-    return (f"{run.source}, {n / 1e6:.2f}M parameters, device={device}, "
-            f"dtype={dtype_name(autocast)}, steps={t.steps}")
-
+    return (
+        f"{run.source}, {n / 1e6:.2f}M parameters, device={device}, "
+        f"dtype={dtype_name(autocast)}, steps={t.steps}"
+    )

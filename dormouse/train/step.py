@@ -50,7 +50,6 @@ def lr_factor(step: int, cfg) -> float:
     return 1.0 - (1.0 - lo) * min(1.0, progress)
 
 
-
 @dataclass
 class Callbacks:
     """Observation points of the loop (the gates record runs here); none may change what the
@@ -80,7 +79,6 @@ def dropout_keys(model, ctx: DPContext, seed: int, step: int | None, rows: int):
         return None
     first = ctx.offset // (ctx.shape.seq_len + 1)  # this rank's first row in the global batch
     return row_keys(seed, step, torch.arange(first, first + rows))
-
 
 
 # ---- what a step uses ---------------------------------------------------------------------
@@ -292,8 +290,10 @@ def device_verdict(cfg, ctx: DPContext, opt, scaler: LossScaler | None) -> bool:
         need = opt.written_bytes()
         total = torch.cuda.get_device_properties(device).total_memory
         if need > DEVICE_VERDICT_SHARE * total:
-            why = (f"its copy aside of what the optimizer writes ({need / 2**30:.2f} GiB) is "
-                   f"over {DEVICE_VERDICT_SHARE:.3g} of the card ({total / 2**30:.1f} GiB)")
+            why = (
+                f"its copy aside of what the optimizer writes ({need / 2**30:.2f} GiB) is "
+                f"over {DEVICE_VERDICT_SHARE:.3g} of the card ({total / 2**30:.1f} GiB)"
+            )
     if not why and getattr(opt, "_graph", None) is None:  # verdict=device, eager optimizer
         why = opt.capture_step(capture=False)  # its device-side arithmetic, eagerly
     why = why or opt.commit_on_device()
@@ -386,7 +386,6 @@ def _phase(name: str):
     return nullcontext()
 
 
-
 # ---- evaluation --------------------------------------------------------------------
 
 
@@ -431,7 +430,7 @@ def evaluate_fleet(model, batches, ctx: DPContext, autocast_dtype) -> dict[str, 
     replica; FSDP2 ranks run the sharded model (fully_shard is in place: `model` is the
     sharded module), padded to the same number of forwards. Never the compiled `net`: an
     evaluation forward (eval mode, no grad) would trace and compile graphs of its own."""
-    mine = batches[ctx.rank::ctx.world]
+    mine = batches[ctx.rank :: ctx.world]
     pad = []
     if ctx.eval_on_all_ranks:  # a rank with fewer (or no) batches of its own repeats the first
         pad = list(batches[:1]) * (-(-len(batches) // ctx.world) - len(mine))

@@ -76,55 +76,102 @@ def _no_hysteresis(orig):
 
 
 MUTATIONS: list[Mutation] = [
-    Mutation("capacity_ignores_window_length",
-             "--capacity B x T: the per-rank window length T is dropped (every rank gets seq_len)",
-             (("dormouse.train.fleet.launch:parse_capacity", _ignore_seq),),
-             ("g09_capacity",), scope="process"),
-    Mutation("capacity_remainder_to_rank0",
-             "capacity auto: floor shares, the whole remainder to rank 0",
-             (("dormouse.train.fleet.launch:split_by_rates", _remainder_to_rank0),),
-             ("g09_capacity",), scope="process"),
-    Mutation("capacity_shares_not_packed",
-             "capacity auto under global_batch: the rates' split as it is, a prime share run "
-             "as micro-batches of one window",
-             (("dormouse.train.fleet.launch:packed_split", lambda orig: lambda split, *a, **k: tuple(split)),),
-             ("g09_capacity",), scope="process"),
-    Mutation("nccl_falls_back_to_gloo",
-             "a CUDA fleet without NCCL quietly runs on gloo",
-             (("dormouse.train.fleet.launch:choose_backend", _gloo_when_nccl_missing),),
-             ("g06_nccl",), scope="process"),
-    Mutation("dist_without_fleet_accepted",
-             "--dist with WORLD_SIZE unset or 1 is accepted (a one-rank 'fleet')",
-             (("dormouse.train.fleet.launch:check_launch", _accept_dist_without_fleet),),
-             ("g07_launch",), scope="process"),
-    Mutation("kda_fla_from_sm70",
-             "the KDA arm's minimum sm set to (7, 0): fla's Triton kernel chosen on cards that "
-             "cannot run it",
-             (("dormouse.model.arms:FLA_MIN_SM", lambda orig: (7, 0)),),
-             ("g13_policy",), scope="process"),
-    Mutation("capacity_cut_window_wide",
-             "the capacity MoE's cap and arrival order span the whole window (all rows) again: "
-             "later bytes and other rows decide which earlier assignments drop",
-             (("dormouse.model.moe:MoE.capacity_places", window_wide_cap),),
-             ("g18_causal",), scope="process"),
-    Mutation("capacity_cap_off_by_one",
-             "the per-row cap is one too large (rank <= cap kept instead of rank < cap)",
-             (("dormouse.model.moe:MoE.capacity_of",
-               lambda orig: lambda self, row_len: orig(self, row_len) + 1),),
-             ("g19_kernels",), scope="process"),
-    Mutation("moe_backward_first_copy_only",
-             "the MoE dispatch's backward reads back only each token's first assignment: the "
-             "gradient into a token misses its other k-1 experts' shares",
-             (("dormouse.model.moe:_GatherRows.backward", _first_copy_only),),
-             ("g19_kernels",), scope="process"),
-    Mutation("rebalance_without_hysteresis",
-             "the re-balancer takes any split its noisy rates predict to be faster (threshold 0)",
-             (("dormouse.train.fleet.balance:Balancer.decide", _no_hysteresis),),
-             ("g28_rebalance",), scope="process"),
-    Mutation("rebalance_by_time",
-             "the split is proportional to each rank's step time instead of its rate",
-             (("dormouse.train.fleet.balance:split_capped",
-               lambda orig: lambda rates, total, caps=None: orig([1 / r for r in rates], total,
-                                                                 caps)),),
-             ("g28_rebalance",), scope="process"),
+    Mutation(
+        "capacity_ignores_window_length",
+        "--capacity B x T: the per-rank window length T is dropped (every rank gets seq_len)",
+        (("dormouse.train.fleet.launch:parse_capacity", _ignore_seq),),
+        ("g09_capacity",),
+        scope="process",
+    ),
+    Mutation(
+        "capacity_remainder_to_rank0",
+        "capacity auto: floor shares, the whole remainder to rank 0",
+        (("dormouse.train.fleet.launch:split_by_rates", _remainder_to_rank0),),
+        ("g09_capacity",),
+        scope="process",
+    ),
+    Mutation(
+        "capacity_shares_not_packed",
+        "capacity auto under global_batch: the rates' split as it is, a prime share run "
+        "as micro-batches of one window",
+        (
+            (
+                "dormouse.train.fleet.launch:packed_split",
+                lambda orig: lambda split, *a, **k: tuple(split),
+            ),
+        ),
+        ("g09_capacity",),
+        scope="process",
+    ),
+    Mutation(
+        "nccl_falls_back_to_gloo",
+        "a CUDA fleet without NCCL quietly runs on gloo",
+        (("dormouse.train.fleet.launch:choose_backend", _gloo_when_nccl_missing),),
+        ("g06_nccl",),
+        scope="process",
+    ),
+    Mutation(
+        "dist_without_fleet_accepted",
+        "--dist with WORLD_SIZE unset or 1 is accepted (a one-rank 'fleet')",
+        (("dormouse.train.fleet.launch:check_launch", _accept_dist_without_fleet),),
+        ("g07_launch",),
+        scope="process",
+    ),
+    Mutation(
+        "kda_fla_from_sm70",
+        "the KDA arm's minimum sm set to (7, 0): fla's Triton kernel chosen on cards that "
+        "cannot run it",
+        (("dormouse.model.arms:FLA_MIN_SM", lambda orig: (7, 0)),),
+        ("g13_policy",),
+        scope="process",
+    ),
+    Mutation(
+        "capacity_cut_window_wide",
+        "the capacity MoE's cap and arrival order span the whole window (all rows) again: "
+        "later bytes and other rows decide which earlier assignments drop",
+        (("dormouse.model.moe:MoE.capacity_places", window_wide_cap),),
+        ("g18_causal",),
+        scope="process",
+    ),
+    Mutation(
+        "capacity_cap_off_by_one",
+        "the per-row cap is one too large (rank <= cap kept instead of rank < cap)",
+        (
+            (
+                "dormouse.model.moe:MoE.capacity_of",
+                lambda orig: lambda self, row_len: orig(self, row_len) + 1,
+            ),
+        ),
+        ("g19_kernels",),
+        scope="process",
+    ),
+    Mutation(
+        "moe_backward_first_copy_only",
+        "the MoE dispatch's backward reads back only each token's first assignment: the "
+        "gradient into a token misses its other k-1 experts' shares",
+        (("dormouse.model.moe:_GatherRows.backward", _first_copy_only),),
+        ("g19_kernels",),
+        scope="process",
+    ),
+    Mutation(
+        "rebalance_without_hysteresis",
+        "the re-balancer takes any split its noisy rates predict to be faster (threshold 0)",
+        (("dormouse.train.fleet.balance:Balancer.decide", _no_hysteresis),),
+        ("g28_rebalance",),
+        scope="process",
+    ),
+    Mutation(
+        "rebalance_by_time",
+        "the split is proportional to each rank's step time instead of its rate",
+        (
+            (
+                "dormouse.train.fleet.balance:split_capped",
+                lambda orig: (
+                    lambda rates, total, caps=None: orig([1 / r for r in rates], total, caps)
+                ),
+            ),
+        ),
+        ("g28_rebalance",),
+        scope="process",
+    ),
 ]

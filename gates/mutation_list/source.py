@@ -27,8 +27,11 @@ def _cosine_from_step_zero(orig):
     def lr_factor(step, cfg):
         import math
 
-        if (cfg.warmup and step < cfg.warmup) or cfg.schedule != "cosine" or (
-                cfg.steps <= cfg.warmup):
+        if (
+            (cfg.warmup and step < cfg.warmup)
+            or cfg.schedule != "cosine"
+            or (cfg.steps <= cfg.warmup)
+        ):
             return orig(step, cfg)
         lo = cfg.min_lr_frac  # progress counted from step 0, the warm-up forgotten
         return lo + (1 - lo) * 0.5 * (1 + math.cos(math.pi * min(1.0, step / max(1, cfg.steps))))
@@ -196,113 +199,196 @@ def _bias_not_persistent(orig):
 
 
 MUTATIONS: list[Mutation] = [
-    Mutation("muon_decay_base_lr",
-             "Muon's decoupled weight decay uses the base lr, not the scheduled one (too strong "
-             "in warm-up and at the cosine floor)",
-             (("dormouse.train.optim.mix:muon_step_", _muon_decay_base_lr),),
-             ("g33_reference_step",), scope="source"),
-    Mutation("cosine_from_step_zero",
-             "the cosine's progress is counted from step 0, ignoring the warm-up (the lr drops "
-             "at the end of warm-up)",
-             (("dormouse.train.step:lr_factor", _cosine_from_step_zero),),
-             ("g33_reference_step",), scope="source"),
-    Mutation("eval_in_train_mode",
-             "model.eval() dropped before validation: dropout in every evaluation, and its "
-             "forwards move the LFB counts",
-             (("dormouse.train.step:_sums", _eval_in_train_mode),),
-             ("g33_reference_step",), scope="source"),
-    Mutation("clip_zero_clips_all",
-             "`grad_clip >= 0` instead of `> 0`: grad_clip=0 (off) clips to norm 0, zeroing "
-             "every gradient; the run learns nothing",
-             (("dormouse.train.optim.mix:MixOptimizer.clip_grad_norm_", _clip_zero_clips_all),),
-             ("g01_trajectory", "g33_reference_step"), scope="source"),
-    Mutation("clip_not_clamped",
-             "the clip coefficient grad_clip / norm is not capped at 1: every step's gradient "
-             "is scaled to the clip norm, small ones up",
-             (("dormouse.train.optim.mix:MixOptimizer.clip_grad_norm_", _clip_not_clamped),),
-             ("g33_reference_step",), scope="source"),
-    Mutation("engram_lr_mult_dropped",
-             "MixOptimizer.from_config drops engram_lr_mult: --set engram_lr_mult is silently "
-             "ignored (the default 5 runs)",
-             (("dormouse.train.optim.mix:MixOptimizer.from_config",
-               _from_config_dropping("engram_lr_mult", 5.0)),),
-             ("g33_reference_step",), scope="source"),
-    Mutation("adam_eps_dropped",
-             "MixOptimizer.from_config drops adam_eps: --set adam_eps is silently ignored "
-             "(torch's 1e-8 runs)",
-             (("dormouse.train.optim.mix:MixOptimizer.from_config",
-               _from_config_dropping("adam_eps", 1e-8)),),
-             ("g33_reference_step",), scope="source"),
-    Mutation("skip_zeroes_lfb_bias",
-             "a skipped step zeroes lfb_bias instead of lfb_counts: every non-finite skip "
-             "erases the balancing bias",
-             (("dormouse.model.model:DormouseModel.lfb_discard", _skip_zeroes_bias),),
-             ("g33_reference_step",), scope="source"),
-    Mutation("kda_k_unnormalised",
-             "the torch KDA arm skips k's L2 norm (q is normalised, k is not)",
-             (("dormouse.model.kda:_l2norm", _k_unnormalised),),
-             ("g32_reference_model",), scope="source"),
-    Mutation("kda_decay_ignores_input",
-             "the KDA decay drops its input-dependent softplus term: g = -exp(A_log)",
-             (("dormouse.model.kda:KDAMixer._inputs", _decay_ignores_input),),
-             ("g32_reference_model",), scope="source"),
-    Mutation("since_best_not_saved",
-             "the early-stop counter (since_best) is not saved: patience restarts at every "
-             "resume",
-             (("dormouse.train.loop:_Best.state", _without_since_best),),
-             ("g33_reference_step",), scope="source"),
-    Mutation("sampling_times_temperature",
-             "sampling multiplies the logits by the temperature: T=0.8 samples at 1.25, a low "
-             "T gives near-uniform text",
-             (("dormouse.model.sample:sample_next", _times_temperature),),
-             ("g32_reference_model",), scope="source"),
-    Mutation("loss_on_byte_after_next",
-             "the loss is taken on logits[:, :-1] against y[:, 1:]: the model learns the byte "
-             "after next",
-             (("dormouse.model.model:DormouseModel.forward", _loss_on_byte_after_next),),
-             ("g32_reference_model", "g33_reference_step"), scope="source"),
-    Mutation("moe_gates_not_renormalised",
-             "the MoE's top-k gates are the raw affinities, not renormalised over the picks",
-             (("dormouse.model.moe:MoE.route", _gates_not_renormalised),),
-             ("g32_reference_model",), scope="source"),
-    Mutation("engram_hash_one_round",
-             "the Engram hash's finaliser runs one multiply-xorshift round and no last shift: "
-             "other rows (the tables of a checkpoint no longer line up)",
-             (("dormouse.model.engram:_mix32", _mix32_one_round),),
-             ("g32_reference_model",), scope="source"),
-    Mutation("adamw_decays_1d",
-             "AdamW decays every tensor it steps, norm gains, biases and the decay's dt_bias "
-             "and A_log included",
-             (("dormouse.train.optim.routing:_classify", _decay_every_adamw_tensor),),
-             ("g33_reference_step",), scope="source"),
-    Mutation("row_adam_one_correction",
-             "the Engram row Adam drops its second bias correction (sqrt(v) for sqrt(v / (1 - "
-             "b2^t)))",
-             (("dormouse.train.optim.rowadam:_adam_rows", _row_adam_one_correction),),
-             ("g33_reference_step",), scope="source"),
-    Mutation("lfb_toward_the_busy",
-             "the LFB update's sign is flipped: the bias steers more tokens to the busiest "
-             "experts",
-             (("dormouse.model.moe:MoE.lfb_update", _lfb_toward_the_busy),),
-             ("g33_reference_step",), scope="source"),
-    Mutation("lfb_bias_not_persistent",
-             "lfb_bias is a non-persistent buffer: no checkpoint holds it, a resume restarts "
-             "the balancing from zero",
-             (("dormouse.model.moe:MoE.__init__", _bias_not_persistent),),
-             ("g33_reference_step",), scope="source"),
-    Mutation("phase_drawn_once",
-             "the data phase is pass 0's in every pass: each later pass reads the same windows",
-             (("dormouse.train.data:ByteStream.phase",
-               lambda orig: lambda self, n_pass: orig(self, 0)),),
-             ("g33_reference_step",), scope="source"),
-    Mutation("block_order_drawn_once",
-             "the block order is pass 0's permutation in every pass",
-             (("dormouse.train.data:ByteStream.block",
-               lambda orig: lambda self, step: orig(self, step % self.n_blocks)),),
-             ("g33_reference_step",), scope="source"),
-    Mutation("resume_restarts_data",
-             "a resume does not restore the data position: the run reads its first blocks again",
-             (("dormouse.train.data:ByteStream.load_state_dict",
-               lambda orig: lambda self, sd: orig(self, {**sd, "step": 0})),),
-             ("g33_reference_step",), scope="source"),
+    Mutation(
+        "muon_decay_base_lr",
+        "Muon's decoupled weight decay uses the base lr, not the scheduled one (too strong "
+        "in warm-up and at the cosine floor)",
+        (("dormouse.train.optim.mix:muon_step_", _muon_decay_base_lr),),
+        ("g33_reference_step",),
+        scope="source",
+    ),
+    Mutation(
+        "cosine_from_step_zero",
+        "the cosine's progress is counted from step 0, ignoring the warm-up (the lr drops "
+        "at the end of warm-up)",
+        (("dormouse.train.step:lr_factor", _cosine_from_step_zero),),
+        ("g33_reference_step",),
+        scope="source",
+    ),
+    Mutation(
+        "eval_in_train_mode",
+        "model.eval() dropped before validation: dropout in every evaluation, and its "
+        "forwards move the LFB counts",
+        (("dormouse.train.step:_sums", _eval_in_train_mode),),
+        ("g33_reference_step",),
+        scope="source",
+    ),
+    Mutation(
+        "clip_zero_clips_all",
+        "`grad_clip >= 0` instead of `> 0`: grad_clip=0 (off) clips to norm 0, zeroing "
+        "every gradient; the run learns nothing",
+        (("dormouse.train.optim.mix:MixOptimizer.clip_grad_norm_", _clip_zero_clips_all),),
+        ("g01_trajectory", "g33_reference_step"),
+        scope="source",
+    ),
+    Mutation(
+        "clip_not_clamped",
+        "the clip coefficient grad_clip / norm is not capped at 1: every step's gradient "
+        "is scaled to the clip norm, small ones up",
+        (("dormouse.train.optim.mix:MixOptimizer.clip_grad_norm_", _clip_not_clamped),),
+        ("g33_reference_step",),
+        scope="source",
+    ),
+    Mutation(
+        "engram_lr_mult_dropped",
+        "MixOptimizer.from_config drops engram_lr_mult: --set engram_lr_mult is silently "
+        "ignored (the default 5 runs)",
+        (
+            (
+                "dormouse.train.optim.mix:MixOptimizer.from_config",
+                _from_config_dropping("engram_lr_mult", 5.0),
+            ),
+        ),
+        ("g33_reference_step",),
+        scope="source",
+    ),
+    Mutation(
+        "adam_eps_dropped",
+        "MixOptimizer.from_config drops adam_eps: --set adam_eps is silently ignored "
+        "(torch's 1e-8 runs)",
+        (
+            (
+                "dormouse.train.optim.mix:MixOptimizer.from_config",
+                _from_config_dropping("adam_eps", 1e-8),
+            ),
+        ),
+        ("g33_reference_step",),
+        scope="source",
+    ),
+    Mutation(
+        "skip_zeroes_lfb_bias",
+        "a skipped step zeroes lfb_bias instead of lfb_counts: every non-finite skip "
+        "erases the balancing bias",
+        (("dormouse.model.model:DormouseModel.lfb_discard", _skip_zeroes_bias),),
+        ("g33_reference_step",),
+        scope="source",
+    ),
+    Mutation(
+        "kda_k_unnormalised",
+        "the torch KDA arm skips k's L2 norm (q is normalised, k is not)",
+        (("dormouse.model.kda:_l2norm", _k_unnormalised),),
+        ("g32_reference_model",),
+        scope="source",
+    ),
+    Mutation(
+        "kda_decay_ignores_input",
+        "the KDA decay drops its input-dependent softplus term: g = -exp(A_log)",
+        (("dormouse.model.kda:KDAMixer._inputs", _decay_ignores_input),),
+        ("g32_reference_model",),
+        scope="source",
+    ),
+    Mutation(
+        "since_best_not_saved",
+        "the early-stop counter (since_best) is not saved: patience restarts at every resume",
+        (("dormouse.train.loop:_Best.state", _without_since_best),),
+        ("g33_reference_step",),
+        scope="source",
+    ),
+    Mutation(
+        "sampling_times_temperature",
+        "sampling multiplies the logits by the temperature: T=0.8 samples at 1.25, a low "
+        "T gives near-uniform text",
+        (("dormouse.model.sample:sample_next", _times_temperature),),
+        ("g32_reference_model",),
+        scope="source",
+    ),
+    Mutation(
+        "loss_on_byte_after_next",
+        "the loss is taken on logits[:, :-1] against y[:, 1:]: the model learns the byte "
+        "after next",
+        (("dormouse.model.model:DormouseModel.forward", _loss_on_byte_after_next),),
+        ("g32_reference_model", "g33_reference_step"),
+        scope="source",
+    ),
+    Mutation(
+        "moe_gates_not_renormalised",
+        "the MoE's top-k gates are the raw affinities, not renormalised over the picks",
+        (("dormouse.model.moe:MoE.route", _gates_not_renormalised),),
+        ("g32_reference_model",),
+        scope="source",
+    ),
+    Mutation(
+        "engram_hash_one_round",
+        "the Engram hash's finaliser runs one multiply-xorshift round and no last shift: "
+        "other rows (the tables of a checkpoint no longer line up)",
+        (("dormouse.model.engram:_mix32", _mix32_one_round),),
+        ("g32_reference_model",),
+        scope="source",
+    ),
+    Mutation(
+        "adamw_decays_1d",
+        "AdamW decays every tensor it steps, norm gains, biases and the decay's dt_bias "
+        "and A_log included",
+        (("dormouse.train.optim.routing:_classify", _decay_every_adamw_tensor),),
+        ("g33_reference_step",),
+        scope="source",
+    ),
+    Mutation(
+        "row_adam_one_correction",
+        "the Engram row Adam drops its second bias correction (sqrt(v) for sqrt(v / (1 - b2^t)))",
+        (("dormouse.train.optim.rowadam:_adam_rows", _row_adam_one_correction),),
+        ("g33_reference_step",),
+        scope="source",
+    ),
+    Mutation(
+        "lfb_toward_the_busy",
+        "the LFB update's sign is flipped: the bias steers more tokens to the busiest experts",
+        (("dormouse.model.moe:MoE.lfb_update", _lfb_toward_the_busy),),
+        ("g33_reference_step",),
+        scope="source",
+    ),
+    Mutation(
+        "lfb_bias_not_persistent",
+        "lfb_bias is a non-persistent buffer: no checkpoint holds it, a resume restarts "
+        "the balancing from zero",
+        (("dormouse.model.moe:MoE.__init__", _bias_not_persistent),),
+        ("g33_reference_step",),
+        scope="source",
+    ),
+    Mutation(
+        "phase_drawn_once",
+        "the data phase is pass 0's in every pass: each later pass reads the same windows",
+        (
+            (
+                "dormouse.train.data:ByteStream.phase",
+                lambda orig: lambda self, n_pass: orig(self, 0),
+            ),
+        ),
+        ("g33_reference_step",),
+        scope="source",
+    ),
+    Mutation(
+        "block_order_drawn_once",
+        "the block order is pass 0's permutation in every pass",
+        (
+            (
+                "dormouse.train.data:ByteStream.block",
+                lambda orig: lambda self, step: orig(self, step % self.n_blocks),
+            ),
+        ),
+        ("g33_reference_step",),
+        scope="source",
+    ),
+    Mutation(
+        "resume_restarts_data",
+        "a resume does not restore the data position: the run reads its first blocks again",
+        (
+            (
+                "dormouse.train.data:ByteStream.load_state_dict",
+                lambda orig: lambda self, sd: orig(self, {**sd, "step": 0}),
+            ),
+        ),
+        ("g33_reference_step",),
+        scope="source",
+    ),
 ]

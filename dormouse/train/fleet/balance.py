@@ -186,15 +186,21 @@ class Decision:
 
     def line(self) -> str:
         rates = ", ".join(f"{1 / s:.1f}" for s in self.per_window)
-        head = (f"rebalance step={self.step}: {_text(self.old)} -> {_text(self.new)}"
-                if self.switched else f"rebalance step={self.step}: split {_text(self.old)} kept")
+        head = (
+            f"rebalance step={self.step}: {_text(self.old)} -> {_text(self.new)}"
+            if self.switched
+            else f"rebalance step={self.step}: split {_text(self.old)} kept"
+        )
         mem = ""
         if self.capped:
             mem = "; memory, not speed, decided " + ", ".join(
-                f"rank {r} (cap {self.caps[r]} windows)" for r in self.capped)
-        return (f"{head} (rates {rates} windows/s; predicted step "
-                f"{1000 * self.predicted(self.old):.1f} ms -> "
-                f"{1000 * self.predicted(self.new):.1f} ms{mem}; {self.why})")
+                f"rank {r} (cap {self.caps[r]} windows)" for r in self.capped
+            )
+        return (
+            f"{head} (rates {rates} windows/s; predicted step "
+            f"{1000 * self.predicted(self.old):.1f} ms -> "
+            f"{1000 * self.predicted(self.new):.1f} ms{mem}; {self.why})"
+        )
 
 
 def _text(split: Sequence[int]) -> str:
@@ -254,8 +260,10 @@ class Balancer:
         if self.micro is not None:
             raw, new = new, packed_split(new, pw, self.micro, self.caps)
             if new != raw:
-                packed = (f"; the rates' split {_text(raw)} moved to shares that accumulate in "
-                          f"full micro-batches of <= {_text(self.micro)}")
+                packed = (
+                    f"; the rates' split {_text(raw)} moved to shares that accumulate in "
+                    f"full micro-batches of <= {_text(self.micro)}"
+                )
         caps = self.caps or (None,) * len(old)
         d = Decision(step, old, new, pw, tuple(capped), caps)
         d = self._said(d, old, new, caps)
@@ -269,10 +277,15 @@ class Balancer:
         if over_cap:
             return dataclasses.replace(d, why="the split in force exceeds a memory cap")
         if gain > self.threshold:
-            return dataclasses.replace(d, why=f"{100 * gain:.1f}% shorter > threshold "
-                                              f"{100 * self.threshold:.1f}%")
-        return dataclasses.replace(d, new=old, why=f"{100 * gain:.1f}% shorter <= threshold "
-                                                    f"{100 * self.threshold:.1f}%: not worth a switch")
+            return dataclasses.replace(
+                d, why=f"{100 * gain:.1f}% shorter > threshold {100 * self.threshold:.1f}%"
+            )
+        return dataclasses.replace(
+            d,
+            new=old,
+            why=f"{100 * gain:.1f}% shorter <= threshold "
+            f"{100 * self.threshold:.1f}%: not worth a switch",
+        )
 
 
 # ---- forced splits and the knobs -------------------------------------------------------------
@@ -326,8 +339,10 @@ class FleetStream:
         if len(seqs) > 1:
             off = f"ranks read windows of different lengths ({sorted(seqs)})"
         elif ctx.shard == "fsdp":
-            off = ("dist_shard=fsdp: its ranks must run equal micro-batch counts and its "
-                   "forwards all-gather, so a rank's compute cannot be timed apart from waiting")
+            off = (
+                "dist_shard=fsdp: its ranks must run equal micro-batch counts and its "
+                "forwards all-gather, so a rank's compute cannot be timed apart from waiting"
+            )
         if off and self.schedule:
             raise DistError(f"rebalance_at={t.rebalance_at!r} cannot re-split this fleet: {off}; "
                             f"drop rebalance_at")  # fmt: skip
@@ -355,15 +370,21 @@ class FleetStream:
         if self.every or slow:
             self.timer = StepTimer(model, ctx.device, slow)
             self.meter = RateMeter(KEEP_PERIODS * (self.every or 1))
-            self.balancer = Balancer(self.total, t.rebalance_threshold, self.caps,
-                                     self.micro_caps if self.micro else None)
+            self.balancer = Balancer(
+                self.total,
+                t.rebalance_threshold,
+                self.caps,
+                self.micro_caps if self.micro else None,
+            )
         log.info(f"rank {ctx.rank}: {_row_text(rows[ctx.rank])}", extra={"every_rank": True})
         split = [s.windows for s in ctx.shapes]
         if self.caps and any(c is not None and b > c for b, c in zip(split, self.caps)):
             # the start-up split (matmul rates or by hand) overflows a card: capped at once
             new, capped = split_capped(split, self.total, self.caps)
-            log.info(f"memory caps {self.caps}: start-up split {_text(split)} -> {_text(new)}; "
-                     f"memory, not speed, decided rank(s) {', '.join(map(str, capped))}")
+            log.info(
+                f"memory caps {self.caps}: start-up split {_text(split)} -> {_text(new)}; "
+                f"memory, not speed, decided rank(s) {', '.join(map(str, capped))}"
+            )
             self._switch(tuple(new))
         log.info(fleet_table(rows, [s.windows for s in self.ctx.shapes], None))
 
@@ -405,9 +426,15 @@ class FleetStream:
         saved = tuple(sd.get("split") or ())
         # a checkpoint of this fleet continues its split; another world keeps join's (the
         # bytes of a step are the same under any split of the same global batch)
-        if (self.ctx.world > 1 and sd.get("world") == self.ctx.world and sum(saved) == self.total
-                and saved != self._split()):
-            log.info(f"resume: the checkpoint's split {_text(saved)} replaces {_text(self._split())}")
+        if (
+            self.ctx.world > 1
+            and sd.get("world") == self.ctx.world
+            and sum(saved) == self.total
+            and saved != self._split()
+        ):
+            log.info(
+                f"resume: the checkpoint's split {_text(saved)} replaces {_text(self._split())}"
+            )
             self._switch(saved)
 
     # -- re-splitting ------------------------------------------------------------------------------
@@ -469,10 +496,16 @@ def _card_row(run, ctx: DPContext, cap: int) -> dict:
 
 
 def _row_text(row: dict) -> str:
-    fb = f", counted fp32 fallbacks {row['fallbacks']} ({row['fallback']})" if row["fallback"] else ""
+    fb = (
+        f", counted fp32 fallbacks {row['fallbacks']} ({row['fallback']})"
+        if row["fallback"]
+        else ""
+    )
     cap = f"memory cap {row['cap']} windows" if row["cap"] else "no memory cap (CPU)"
-    return (f"card={row['card']} dtype={row['dtype']} (rung {row['rung']}{fb}) arms "
-            f"kda={row['kda']} moe={row['moe']}; {cap}; start-up share {row['share']} windows")
+    return (
+        f"card={row['card']} dtype={row['dtype']} (rung {row['rung']}{fb}) arms "
+        f"kda={row['kda']} moe={row['moe']}; {cap}; start-up share {row['share']} windows"
+    )
 
 
 def _gather_objects(ctx: DPContext, mine: dict) -> list[dict]:
@@ -483,8 +516,9 @@ def _gather_objects(ctx: DPContext, mine: dict) -> list[dict]:
     return out
 
 
-def fleet_table(rows: Sequence[dict], split: Sequence[int],
-                per_window: Sequence[float] | None) -> str:
+def fleet_table(
+    rows: Sequence[dict], split: Sequence[int], per_window: Sequence[float] | None
+) -> str:
     """One table: rank, card, dtype, arms, measured rate, share, throughput index (a rank's
     rate over the slowest rank's; '-' before any step is measured)."""
     head = ["rank", "card", "dtype", "arms (kda/moe)", "rate (windows/s)", "share", "index"]

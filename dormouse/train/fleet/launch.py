@@ -218,8 +218,9 @@ def parse_capacity(
             return [RankShape(b, seq_len) for b in split_by_rates(rates, batch * world_size)]
         # shares that run in few full micro-batches (a prime share would run windows one
         # at a time), the rates' split where it is such already
-        split = packed_split(split_by_rates(rates, global_batch), [1.0 / r for r in rates],
-                             [batch] * world_size)
+        split = packed_split(
+            split_by_rates(rates, global_batch), [1.0 / r for r in rates], [batch] * world_size
+        )
         return [accumulate(b, batch, seq_len) for b in split]
     parts = text.split(",")
     if len(parts) != world_size:
@@ -332,14 +333,14 @@ def refuse_incompatible(run: RunConfig, world_size: int) -> None:
 #: Config fields that may differ between ranks, and why. Everything else must agree.
 PER_RANK_FIELDS = {
     "out_dir": "rank 0 writes the run folder (under FSDP2 each rank its shards, into the "
-               "directory rank 0 names); a gate gives each rank its own folder to see who writes",
+    "directory rank 0 names); a gate gives each rank its own folder to see who writes",
     "device": "every rank maps it to its own card (cuda -> cuda:LOCAL_RANK); the device TYPE "
-              "must agree and is compared",
+    "must agree and is compared",
     "data": "a path may be spelled differently on each node; the BYTES behind it must agree "
-            "and are compared (size + sampled blocks)",
+    "and are compared (size + sampled blocks)",
     "dtype": "the compute dtype is each card's (the device policy's rung: bf16 beside fp16 "
-             "beside fp32); what the fleet shares is gathered at join instead: the reduce dtype "
-             "(dist_reduce=auto) and whether every rank carries the fp16 loss scale",
+    "beside fp32); what the fleet shares is gathered at join instead: the reduce dtype "
+    "(dist_reduce=auto) and whether every rank carries the fp16 loss scale",
 }
 
 
@@ -382,14 +383,21 @@ def disagreement_message(diff: Mapping[str, list[int]], mine: Mapping[str, str],
     here = []
     for k in diff:
         if k == "data bytes" and data_prints:
-            here.append("data " + ", ".join(f"{p['path']} ({p['size']} bytes, sampled digest "
-                                            f"{p['digest'][:12]})" for p in data_prints))
+            here.append(
+                "data "
+                + ", ".join(
+                    f"{p['path']} ({p['size']} bytes, sampled digest {p['digest'][:12]})"
+                    for p in data_prints
+                )
+            )
         else:
             here.append(f"{k}={mine[k][:60]}")
-    return (f"the fleet's ranks disagree on {len(diff)} setting(s): {'; '.join(parts)}. Here on "
-            f"rank {rank}: {'; '.join(here)}. Every rank must run the same preset, --set values, "
-            f"capacity and data bytes (only {', '.join(sorted(PER_RANK_FIELDS))} may differ): "
-            f"launch every rank with the same command line and the same data")
+    return (
+        f"the fleet's ranks disagree on {len(diff)} setting(s): {'; '.join(parts)}. Here on "
+        f"rank {rank}: {'; '.join(here)}. Every rank must run the same preset, --set values, "
+        f"capacity and data bytes (only {', '.join(sorted(PER_RANK_FIELDS))} may differ): "
+        f"launch every rank with the same command line and the same data"
+    )
 
 
 def _agree_config(run: RunConfig, shapes: list[RankShape], device: torch.device,
@@ -416,8 +424,9 @@ def _agree_config(run: RunConfig, shapes: list[RankShape], device: torch.device,
     failed = [r for r, (_, _, bad) in enumerate(head) if bad]
     if failed:
         raise DistError(
-            f"rank {rank} cannot read its data: {error}" if error else
-            f"rank(s) {', '.join(map(str, failed))} cannot read their data (their own message "
+            f"rank {rank} cannot read its data: {error}"
+            if error
+            else f"rank(s) {', '.join(map(str, failed))} cannot read their data (their own message "
             f"names the file); every rank must read the same bytes"
         )
     table = _agree_ints([_hash60(mine[k]) for k in names], device)
@@ -571,12 +580,22 @@ def _capacity(run: RunConfig, device: torch.device, world: int,
         log.info(f"capacity auto: matmul rates {', '.join(f'{r / 1e9:.2f}' for r in rates)} "
                  f"GFLOP/s {'(injected)' if rate is not None else '(measured)'}")  # fmt: skip
     try:
-        shapes = parse_capacity(spec, world, cfg.batch, cfg.seq_len, run.model.max_seq_len,
-                                rates=rates, global_batch=cfg.global_batch)
+        shapes = parse_capacity(
+            spec,
+            world,
+            cfg.batch,
+            cfg.seq_len,
+            run.model.max_seq_len,
+            rates=rates,
+            global_batch=cfg.global_batch,
+        )
     except ValueError as e:
         raise DistError(str(e)) from None
     if spec or cfg.global_batch:
-        log.info(f"capacity {spec}: " + ", ".join(f"rank{r}={s.line()}" for r, s in enumerate(shapes))
-                 + f" (global {sum(s.windows for s in shapes)} windows, "
-                 f"{sum(s.tokens for s in shapes)} tokens)")
+        log.info(
+            f"capacity {spec}: "
+            + ", ".join(f"rank{r}={s.line()}" for r, s in enumerate(shapes))
+            + f" (global {sum(s.windows for s in shapes)} windows, "
+            f"{sum(s.tokens for s in shapes)} tokens)"
+        )
     return shapes

@@ -62,9 +62,9 @@ def _broadcast_host(model: torch.nn.Module, ctx: DPContext) -> None:
             continue
         flat = t.view(-1)
         for i in range(0, flat.numel(), chunk):
-            buf = flat[i:i + chunk].to(ctx.device)
+            buf = flat[i : i + chunk].to(ctx.device)
             dist.broadcast(buf, src=0)
-            flat[i:i + chunk].copy_(buf)
+            flat[i : i + chunk].copy_(buf)
 
 
 def _ddp(model: torch.nn.Module, ctx: DPContext) -> torch.nn.Module:
@@ -74,7 +74,8 @@ def _ddp(model: torch.nn.Module, ctx: DPContext) -> torch.nn.Module:
 
     unused = params_without_grad(model, ctx.device)
     payload = sum(p.numel() for p in model.parameters() if p.requires_grad) * (
-        4 if ctx.reduce == "fp32" else 2)
+        4 if ctx.reduce == "fp32" else 2
+    )
     mb = ctx.bucket_mb if ctx.bucket_mb > 0 else bucket_mb_for(payload)
     # The only buffers are the LFB controller's, kept identical by the context's lfb_reduce;
     # DDP's per-forward broadcast would overwrite every rank's counts with rank 0's. (torch
@@ -113,8 +114,10 @@ def _fsdp(model: torch.nn.Module, ctx: DPContext) -> torch.nn.Module:
     for block in getattr(model, "blocks", []):
         fully_shard(block, mesh=mesh, mp_policy=mp)
     fully_shard(model, mesh=mesh, mp_policy=mp)
-    log.info(f"fsdp2: fully_shard per block + root, param={ctx.compute if param else 'fp32'} "
-             f"reduce={ctx.reduce}, mesh={ctx.world}")
+    log.info(
+        f"fsdp2: fully_shard per block + root, param={ctx.compute if param else 'fp32'} "
+        f"reduce={ctx.reduce}, mesh={ctx.world}"
+    )
     return model
 
 

@@ -151,7 +151,6 @@ class Heartbeat:
         return self._main
 
     def _record(self, n: int) -> str:
-
         return json.dumps({"n": n, "step": self.step, "phase": self.phase, "saved": self.saved,
                            "pid": self.pid, "host": self.host, "state": self.state,
                            "why": self.why})  # fmt: skip
@@ -236,15 +235,19 @@ class Heartbeat:
         if self.saved is None:
             return "no checkpoint was written by this run yet"
         later = "" if self.rank == 0 else " or later"
-        return (f"the last checkpoint (step {self.saved}{later}) is intact: a checkpoint is "
-                f"replaced only by rename")
+        return (
+            f"the last checkpoint (step {self.saved}{later}) is intact: a checkpoint is "
+            f"replaced only by rename"
+        )
 
     def _end(self, reason: str) -> None:
 
-        line = (f"dormouse: fleet watchdog on rank {self.rank}: {reason}. This rank was at step "
-                f"{self.step} ({self.phase}) and ends now (exit {WATCHDOG_EXIT}), as does every "
-                f"rank; {self._saved()}. Find what stopped the rank, then relaunch with --resume "
-                f"auto")
+        line = (
+            f"dormouse: fleet watchdog on rank {self.rank}: {reason}. This rank was at step "
+            f"{self.step} ({self.phase}) and ends now (exit {WATCHDOG_EXIT}), as does every "
+            f"rank; {self._saved()}. Find what stopped the rank, then relaunch with --resume "
+            f"auto"
+        )
         for stream in (sys.stdout, sys.stderr):
             try:
                 stream.flush()
@@ -348,9 +351,11 @@ class Heartbeat:
         else:
             hint = (f"a peer or {self.where} dropped its connection (no rank is known to have "
                     f"died here; another host?)")  # fmt: skip
-        return (f"rank {self.rank} lost the fleet at step {self.step} ({self.phase}): {hint} "
-                f"({'; '.join(peers)}); the failed call: {short(e, 120)}. {self._saved()}; "
-                f"relaunch with --resume auto")
+        return (
+            f"rank {self.rank} lost the fleet at step {self.step} ({self.phase}): {hint} "
+            f"({'; '.join(peers)}); the failed call: {short(e, 120)}. {self._saved()}; "
+            f"relaunch with --resume auto"
+        )
 
 
 def fleet_failure(e: BaseException) -> bool:
@@ -395,4 +400,3 @@ def start_heartbeat(rank: int, world: int, timeout_s: float, settle_to: float | 
     return Heartbeat(rank, world, timeout_s, connect, f"dormouse/{restart}/{_SESSIONS}",
                      store_where=where, launcher_pid=os.getppid() if launched else None,
                      settle_to=settle_to).start()  # fmt: skip
-

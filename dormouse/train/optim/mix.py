@@ -86,8 +86,11 @@ def _resolve_ns_dtype(ns_dtype: str, device_type: str) -> str:
     if ns_dtype != "auto":
         return ns_dtype
     chosen = "bf16" if device_type == "cuda" else "fp32"
-    why = "tensor cores run the polar in bf16" if chosen == "bf16" else (
-        f"device {device_type!r}: bf16 matmuls are slower than fp32 there")
+    why = (
+        "tensor cores run the polar in bf16"
+        if chosen == "bf16"
+        else (f"device {device_type!r}: bf16 matmuls are slower than fp32 there")
+    )
     log.info(f"ns_dtype=auto -> {chosen} ({why})")
     return chosen
 
@@ -313,7 +316,8 @@ class MixOptimizer(torch.optim.Optimizer):
                     self.state[p].update(
                         step=torch.zeros((), dtype=torch.float32, device=dev),
                         exp_avg=torch.zeros_like(p, memory_format=torch.preserve_format),
-                        exp_avg_sq=torch.zeros_like(p, memory_format=torch.preserve_format))
+                        exp_avg_sq=torch.zeros_like(p, memory_format=torch.preserve_format),
+                    )
         if self._engram_group is not None:
             for p in self._engram_group["params"]:
                 self.state[p].update(row_state(p, self._engram_state_dtype))
@@ -335,8 +339,11 @@ class MixOptimizer(torch.optim.Optimizer):
         compile_mode=reduce-overhead on CUDA also captures the optimizer step in a CUDA graph
         (`capture_step`; logged, with the reason when it cannot)."""
         t = train_cfg
-        ns_dtype = _resolve_ns_dtype(t.ns_dtype, device_type) if t.opt == "mix" else (
-            "fp32" if t.ns_dtype == "auto" else t.ns_dtype)
+        ns_dtype = (
+            _resolve_ns_dtype(t.ns_dtype, device_type)
+            if t.opt == "mix"
+            else ("fp32" if t.ns_dtype == "auto" else t.ns_dtype)
+        )
         opt = cls(
             model, lr=t.lr, wd=t.wd, opt=t.opt, ns_steps=t.ns_steps, ns_kind=t.ns_kind,
             ns_dtype=ns_dtype, muon_state_dtype=t.muon_state_dtype, muon_variant=t.muon_variant,
@@ -346,10 +353,15 @@ class MixOptimizer(torch.optim.Optimizer):
         )  # fmt: skip
         if t.compile and t.compile_mode == "reduce-overhead" and device_type == "cuda":
             why = opt.capture_step()
-            log.info("compile_mode=reduce-overhead: the optimizer step " + (
-                f"stays eager: {why}" if why else
-                f"is captured in a CUDA graph after {GRAPH_WARMUP} eager steps and kept if "
-                f"its replay is not slower than the eager step (both timed, logged)"))
+            log.info(
+                "compile_mode=reduce-overhead: the optimizer step "
+                + (
+                    f"stays eager: {why}"
+                    if why
+                    else f"is captured in a CUDA graph after {GRAPH_WARMUP} eager steps and kept if "
+                    f"its replay is not slower than the eager step (both timed, logged)"
+                )
+            )
         return opt
 
     def set_lr_factor(self, factor: float) -> None:
@@ -422,7 +434,7 @@ class MixOptimizer(torch.optim.Optimizer):
         the length of one step; param_groups keep their floats for every other reader."""
         first = len(self._muon_groups)
         groups = self.adamw.param_groups
-        lr32 = lrs[first:first + len(groups)].to(torch.float32)
+        lr32 = lrs[first : first + len(groups)].to(torch.float32)
         floats = [g["lr"] for g in groups]
         try:
             for g, t in zip(groups, lr32.unbind(0)):
@@ -648,7 +660,8 @@ class _StepGraph:
         self.opt = opt
         # eager vs replayed ms (keep="auto"; capture only): see MixOptimizer.capture_step
         self.times: dict[str, list[float]] | None = (
-            {"eager": [], "replay": []} if timed and warmup is not None else None)
+            {"eager": [], "replay": []} if timed and warmup is not None else None
+        )
         self.params = [p for g in opt.param_groups for p in g["params"]]
         self.device = self.params[0].device
         self.lrs = torch.zeros(len(opt.param_groups), dtype=torch.float64, device=self.device)
@@ -691,6 +704,7 @@ class _StepGraph:
             commit = None
         self.steps += 1
         if replays:
+
             def replay() -> None:
                 torch._foreach_copy_(self.static, [g for g in grads if g is not None])
                 if commit is not None:

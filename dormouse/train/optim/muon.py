@@ -102,8 +102,13 @@ def muon_scale(sf: str, rows: int, cols: int) -> float:
     raise ConfigError(f"muon_sf={sf!r} is not one of ('rms', 'jordan')")
 
 
-def muon_step_(g: dict, buf: Tensor, offsets: list[int], absmax: Tensor | None = None,
-               lr_t: Tensor | None = None) -> None:
+def muon_step_(
+    g: dict,
+    buf: Tensor,
+    offsets: list[int],
+    absmax: Tensor | None = None,
+    lr_t: Tensor | None = None,
+) -> None:
     """One Muon step of shape group g (its params, matrix [R, C] and hyperparameters), in place.
 
     buf: the group's momentum, one flat tensor (fp32 or bf16) of this process's elements of
@@ -192,13 +197,13 @@ def _momentum_int8_(g: dict, codes: Tensor, absmax: Tensor, spans: list[tuple[in
     if padded:
         Gp = torch.zeros_like(flat)
         for s, piece in zip(starts, G.split(sizes), strict=True):
-            Gp[s:s + piece.numel()] = piece
+            Gp[s : s + piece.numel()] = piece
     else:
         Gp = G
     flat.mul_(mu).add_(Gp)
     U = Gp.add(flat, alpha=mu) if g["nesterov"] else flat
     if padded:
-        U = torch.cat([U[s:s + n] for s, n in zip(starts, sizes, strict=True)])
+        U = torch.cat([U[s : s + n] for s, n in zip(starts, sizes, strict=True)])
     elif U is flat:
         U = flat.clone()  # quantize_signed_ overwrites M, and the polar still needs it
     q, scale = quantize_signed_(M)
@@ -249,7 +254,7 @@ def _whole_matrices(params: list[Tensor], U: Tensor, sizes: list[int], R: int, C
     dist.all_gather(list(got.unbind(0)), send, group=mesh.get_group())
     whole, at = [], 0
     for p, piece in zip(params, pieces, strict=True):
-        whole.append(got[:, at:at + piece.numel()].reshape(-1)[:p.numel()].view(-1, R, C))
+        whole.append(got[:, at : at + piece.numel()].reshape(-1)[: p.numel()].view(-1, R, C))
         at += piece.numel()
     return torch.cat(whole)
 
@@ -259,8 +264,8 @@ def _own_rows(params: list[Tensor], O: Tensor) -> list[Tensor]:
     out, at = [], 0
     for p in params:
         n = p.numel() // (O.shape[1] * O.shape[2])
-        whole = O[at:at + n].reshape(p.shape)
+        whole = O[at : at + n].reshape(p.shape)
         at += n
         _, first, rows = shard_rows(p)
-        out.append(whole if rows == p.shape[0] else whole[first:first + rows])
+        out.append(whole if rows == p.shape[0] else whole[first : first + rows])
     return [t.reshape(-1) for t in out]

@@ -52,8 +52,12 @@ def _classify(name: str, shape: tuple[int, ...], kind: str) -> tuple[str, str, b
     """(owner, reason, decay) for one parameter under opt=mix; kind is its module's type."""
     leaf = name.rsplit(".", 1)[-1]
     if name.endswith("store.table"):
-        return ("engram", "Engram table: row-sparse Adam (only rows with a gradient move), "
-                          "lr x engram_lr_mult, no weight decay", False)
+        return (
+            "engram",
+            "Engram table: row-sparse Adam (only rows with a gradient move), "
+            "lr x engram_lr_mult, no weight decay",
+            False,
+        )
     if len(shape) <= 1:
         return "adamw", "1-D (norm gain / bias / scalar): AdamW, no weight decay", False
     if kind == "embedding" or name == "embed.weight" or name.endswith(".embed.weight"):

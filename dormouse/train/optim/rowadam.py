@@ -30,6 +30,7 @@ def row_state(table: torch.Tensor, state_dtype: str = "fp32") -> dict[str, torch
       1 B per value per moment + 4 B per row per moment (dim 32: 1.125 B a value, dim 128:
       1.03 B), against 4 B (fp32) and 2 B (bf16).
     """
+
     def like(dtype, t=table):
         return torch.zeros_like(t, dtype=dtype, memory_format=torch.contiguous_format)
 
@@ -164,7 +165,7 @@ def row_adam_dense_(
     S = row_step.view(-1)
     n = max(1, DENSE_CHUNK_VALUES // d)
     for a in range(0, P.shape[0], n):
-        p_, m_, v_, s_, g_ = (t[a:a + n] for t in (P, M, V, S, G))
+        p_, m_, v_, s_, g_ = (t[a : a + n] for t in (P, M, V, S, G))
         hit = g_.any(1)
         k = s_ + hit.to(s_.dtype)
         m = m_.to(p_.dtype, copy=True)

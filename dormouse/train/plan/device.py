@@ -47,8 +47,10 @@ BF16_SM = (8, 0)
 DTYPES = typing.get_args(Dtype)
 _TORCH_DTYPE = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 #: Why auto picks fp16 on an fp16-rung card, said in its line.
-_WHY_FP16 = ("no bf16 below sm_80: fp16 autocast over fp32 masters, with a dynamic loss scale "
-             "the fleet agrees on")
+_WHY_FP16 = (
+    "no bf16 below sm_80: fp16 autocast over fp32 masters, with a dynamic loss scale "
+    "the fleet agrees on"
+)
 
 
 class DtypeError(UserError, ValueError):
@@ -206,7 +208,10 @@ def _nvml_handle(pynvml, props):
     dev = getattr(props, "pci_device_id", None)
     if None not in (dom, bus, dev):
         address = f"{int(dom):08X}:{int(bus):02X}:{int(dev):02X}.0"
-        get = getattr(pynvml, "nvmlDeviceGetHandleByPciBusId_v2", None) or pynvml.nvmlDeviceGetHandleByPciBusId
+        get = (
+            getattr(pynvml, "nvmlDeviceGetHandleByPciBusId_v2", None)
+            or pynvml.nvmlDeviceGetHandleByPciBusId
+        )
         return get(address), f"pci {address}"
     uuid = getattr(props, "uuid", None)
     if uuid is not None:
@@ -388,7 +393,9 @@ def resolve_dtype(requested: str, record: DeviceRecord | None = None) -> tuple[t
             verdict = (f"{pol.rung} -> {pol.auto} (counted fp32 fallback #{_fallbacks}: "
                        f"{pol.fallback})")  # fmt: skip
         elif record.kind == "cpu":
-            verdict = f"{pol.auto} (CPU: auto stays fp32; dtype=bf16 or fp16 opts into CPU autocast)"
+            verdict = (
+                f"{pol.auto} (CPU: auto stays fp32; dtype=bf16 or fp16 opts into CPU autocast)"
+            )
         elif pol.auto == "fp16":
             verdict = f"fp16 ({_WHY_FP16})"
         line = f"dtype={requested} {reading} -> {verdict} {budget_text(record)}"

@@ -280,6 +280,7 @@ class Layout:
 
 def layout(split: ParamSplit, m, world: int = 1, shard: str = "none") -> Layout:
     """This rank's share of `split`'s parameters for model config `m` (see `Layout`)."""
+
     def numel(shape):
         return math.prod(shape)
 
@@ -381,8 +382,10 @@ def estimate(run: RunConfig, batch: int | None = None, seq: int | None = None, *
     `shard` says, as `parallelize` does). batch is the rank's micro-batch. See docs/fit.md."""
     m, t = run.model, run.train
     if shard not in SHARDS:
-        raise FitError(f"--shard {shard!r} is not one of {', '.join(SHARDS)} (none = DDP, every "
-                       f"rank holds the whole model; fsdp = FSDP2, each rank 1/world of it)")
+        raise FitError(
+            f"--shard {shard!r} is not one of {', '.join(SHARDS)} (none = DDP, every "
+            f"rank holds the whole model; fsdp = FSDP2, each rank 1/world of it)"
+        )
     if not isinstance(world, int) or world < 1:
         raise FitError(f"--world {world!r}: a fleet has at least one rank; give an integer >= 1")
     batch = t.batch if batch is None else batch
@@ -447,6 +450,7 @@ def max_share(run: RunConfig, usable_bytes: int, *, world: int, shard: str) -> i
     fleet of `world` can run within `usable_bytes` with the run's mechanisms as they are; 0
     when not even one window fits. A rank takes any multiple of it by accumulation at the
     same peak. (Named for its use: capping a mixed fleet's shares by each card's memory.)"""
+
     def fits(b: int) -> bool:
         return estimate(run, b, world=world, shard=shard).total <= usable_bytes
 
@@ -480,7 +484,7 @@ def _set(run: RunConfig, key: str, value) -> RunConfig:
 def _superseded(run: RunConfig, name: str) -> bool:
     """Whether a later rung of the same field is on (int8 state beyond the bf16 rung)."""
     key = _mechanism(name)[0]
-    later = MECHANISM_NAMES[MECHANISM_NAMES.index(name) + 1:]
+    later = MECHANISM_NAMES[MECHANISM_NAMES.index(name) + 1 :]
     return any(_mechanism(n)[0] == key and mechanism_on(run, n) for n in later)
 
 
@@ -508,7 +512,9 @@ def unavailable(name: str, run: RunConfig | None = None, world: int = 1) -> str 
     if name == "optim_8bit" and importlib.util.find_spec("bitsandbytes") is None:
         return "bitsandbytes is not installed (pip install bitsandbytes; CUDA only)"
     if name == "optim_8bit" and run is not None and world > 1 and run.train.dist_shard == "fsdp":
-        return "bitsandbytes' AdamW8bit steps plain tensors, not FSDP2's shards (the fleet refuses it)"
+        return (
+            "bitsandbytes' AdamW8bit steps plain tensors, not FSDP2's shards (the fleet refuses it)"
+        )
     if name.endswith("=int8") and run is not None and world > 1 and run.train.dist_shard == "fsdp":
         return "int8 optimizer state is not implemented for FSDP2's shards (the fleet refuses it)"
     return None
@@ -593,8 +599,13 @@ def ladder(run: RunConfig, usable: int, world: int = 1) -> tuple[RunConfig, Esti
 
 
 #: Rungs that change the arithmetic (rounded optimizer state): accumulation comes first.
-LOSSY = ("muon_state_dtype=bf16", "engram_state_dtype=bf16", "muon_state_dtype=int8",
-         "engram_state_dtype=int8", "optim_8bit")
+LOSSY = (
+    "muon_state_dtype=bf16",
+    "engram_state_dtype=bf16",
+    "muon_state_dtype=int8",
+    "engram_state_dtype=int8",
+    "optim_8bit",
+)
 
 
 def _accumulated(run: RunConfig, usable: int, world: int) -> RunConfig | None:
@@ -624,7 +635,10 @@ def _grown(run: RunConfig, usable: int, world: int) -> RunConfig:
 
 
 def plan_fit(
-    run: RunConfig, budget_gb: float, batch: int | None = None, seq: int | None = None,
+    run: RunConfig,
+    budget_gb: float,
+    batch: int | None = None,
+    seq: int | None = None,
     world: int = 1,
 ) -> tuple[RunConfig, Estimate, list[str]]:
     """(run with mechanisms set, its estimate, mechanisms engaged) that fits FIT_HEADROOM of
@@ -650,8 +664,10 @@ def _no_fit_message(run, planned, est, engaged, budget_gb, world=1, who="") -> s
         at_b = ladder(_with_shape(run, b, None), usable, world)[1].total
         escapes.append(f"--batch {b} (est {_g(at_b)} GiB)")
     else:
-        escapes.append("no batch size fits at this seq_len (the terms that do not scale with "
-                       "tokens already exceed it)")
+        escapes.append(
+            "no batch size fits at this seq_len (the terms that do not scale with "
+            "tokens already exceed it)"
+        )
     s = _largest_seq(run, usable, world)
     if s:
         escapes.append(f"--seq {s}")
@@ -665,8 +681,12 @@ def _no_fit_message(run, planned, est, engaged, budget_gb, world=1, who="") -> s
         escapes.append(f"a smaller preset ({smaller})")
     need = math.ceil(est.total / FIT_HEADROOM / GiB)
     escapes.append(f"a card of >= {need} GB")
-    fleet = (f" on {who or 'each rank'} of a fleet of {world} "
-             f"({'FSDP2' if t.dist_shard == 'fsdp' else 'DDP'})" if world > 1 else "")
+    fleet = (
+        f" on {who or 'each rank'} of a fleet of {world} "
+        f"({'FSDP2' if t.dist_shard == 'fsdp' else 'DDP'})"
+        if world > 1
+        else ""
+    )
     return (
         f"--fit {budget_gb:g}GB: {run.source} at batch {t.batch} x seq {t.seq_len}{fleet} does "
         f"not fit. "
@@ -736,8 +756,11 @@ def format_fit_line(budget_gb: float, est: Estimate, engaged: list[str]) -> str:
         f"fit={budget_gb:g}GB usable={_g(usable_bytes(budget_gb))}GiB "
         f"est_peak={_g(est.total)}GiB ({est.phase}) engaged={','.join(engaged) or 'none'} "
         f"({comps} GiB; kda={est.arm} K={est.k_act:.0f}B tokens={est.tokens}"
-        + (f"; a rank of {est.world}, {'FSDP2' if est.shard == 'fsdp' else 'DDP'})"
-           if est.world > 1 else ")")
+        + (
+            f"; a rank of {est.world}, {'FSDP2' if est.shard == 'fsdp' else 'DDP'})"
+            if est.world > 1
+            else ")"
+        )
     )
 
 
@@ -754,13 +777,19 @@ def format_arithmetic(run: RunConfig, est: Estimate) -> list[str]:
     if m.engram_ram:
         rows = split.engram // m.engram_dim
         host = engram_state_bytes(ed, split.engram, rows)
-        eng = (f"0 on the card (host RAM: {per_value} B x {split.engram / M:.2f}M + {per_row} B "
-               f"x {rows / M:.2f}M rows = {_g(host)} GiB)")
+        eng = (
+            f"0 on the card (host RAM: {per_value} B x {split.engram / M:.2f}M + {per_row} B "
+            f"x {rows / M:.2f}M rows = {_g(host)} GiB)"
+        )
     else:
-        eng = (f"{per_value} B x {lay.engram / M:.2f}M + {per_row} B x "
-               f"{lay.engram_rows / M:.2f}M rows")
-    muon_b = f"(1 B + 4 B / {BLOCK})" if t.muon_state_dtype == "int8" else (
-        f"{MUON_STATE_BYTES[t.muon_state_dtype]} B")
+        eng = (
+            f"{per_value} B x {lay.engram / M:.2f}M + {per_row} B x {lay.engram_rows / M:.2f}M rows"
+        )
+    muon_b = (
+        f"(1 B + 4 B / {BLOCK})"
+        if t.muon_state_dtype == "int8"
+        else (f"{MUON_STATE_BYTES[t.muon_state_dtype]} B")
+    )
     lines = [
         f"{run.source}: {split.total / M:.2f}M parameters (muon {split.muon / M:.2f}M, "
         f"adamw {split.adamw / M:.2f}M, engram tables {split.engram / M:.2f}M"
@@ -775,8 +804,11 @@ def format_arithmetic(run: RunConfig, est: Estimate) -> list[str]:
         f"  casts    {_g(est.casts)} GiB (half-precision weight copies autograd keeps"
         f"{'' if est.half else '; none in fp32'})",
         f"  act      K={est.k_act:.0f} B x {est.tokens} tokens x {m.d_model} d_model x "
-        + (f"{est.apps} applications + block inputs (act_ckpt)" if m.act_ckpt
-           else f"({est.apps} applications + {BACKWARD_WORKSET:g} working)")
+        + (
+            f"{est.apps} applications + block inputs (act_ckpt)"
+            if m.act_ckpt
+            else f"({est.apps} applications + {BACKWARD_WORKSET:g} working)"
+        )
         + f" = {_g(est.act)} GiB  [{td * est.apps / M:.0f}M token x d_model x applications]",
         f"  opt_work {_g(est.opt_work)} GiB (Muon's polar on its largest shape group"
         f"{' ' + 'x'.join(map(str, split.muon_groups[0][0])) if split.muon_groups else ''})",
@@ -790,13 +822,17 @@ def format_arithmetic(run: RunConfig, est: Estimate) -> list[str]:
 
 def _buffers_line(run: RunConfig, est: Estimate) -> str:
     if est.shard == "fsdp":
-        return (f"  buffers  {_g(est.comm)} GiB in forward/backward (FSDP2: the root unit gathered "
-                f"throughout, two blocks gathered (one prefetched), the largest unit's "
-                f"reduce-scatter); masters, grads and optimizer state are this rank's shards of "
-                f"a fleet of {est.world}")
-    return (f"  buffers  {_g(est.comm)} GiB in forward/backward, {_g(est.comm_step)} GiB in the "
-            f"step (DDP: its gradient buckets, a flat fp32 copy of every gradient"
-            f"{', + the comm hook half copies' if est.comm > est.comm_step else ''})")
+        return (
+            f"  buffers  {_g(est.comm)} GiB in forward/backward (FSDP2: the root unit gathered "
+            f"throughout, two blocks gathered (one prefetched), the largest unit's "
+            f"reduce-scatter); masters, grads and optimizer state are this rank's shards of "
+            f"a fleet of {est.world}"
+        )
+    return (
+        f"  buffers  {_g(est.comm)} GiB in forward/backward, {_g(est.comm_step)} GiB in the "
+        f"step (DDP: its gradient buckets, a flat fp32 copy of every gradient"
+        f"{', + the comm hook half copies' if est.comm > est.comm_step else ''})"
+    )
 
 
 @dataclass(frozen=True)
@@ -823,8 +859,10 @@ def parse_budgets(text: str) -> list[float]:
         except ValueError:
             gb = float("nan")
         if not (gb > 0 and math.isfinite(gb)):
-            raise FitError(f"--fit {text}: {part.strip()!r} is not a card size; give a positive "
-                           f"number of GB, or one per rank separated by commas (e.g. 16,8)")
+            raise FitError(
+                f"--fit {text}: {part.strip()!r} is not a card size; give a positive "
+                f"number of GB, or one per rank separated by commas (e.g. 16,8)"
+            )
         out.append(gb)
     return out
 
@@ -837,7 +875,10 @@ MAX_PLAN_WORLD = 65536
 
 
 def plan_fleet(
-    run: RunConfig, budgets: list[float], world: int | None = None, batch: int | None = None,
+    run: RunConfig,
+    budgets: list[float],
+    world: int | None = None,
+    batch: int | None = None,
     seq: int | None = None,
 ) -> tuple[RunConfig, Estimate, list[str], list[RankPlan]]:
     """A fleet of `world` ranks whose rank r has a card of budgets[r] GB (one GB: N equal
@@ -911,15 +952,25 @@ def format_fleet_table(planned: RunConfig, rows: list[RankPlan]) -> list[str]:
     """One line a rank: card, micro-batch x accumulation, the components, the peak, fits."""
     world = len(rows)
     t = planned.train
-    kind = ("one process" if world == 1 else
-            "FSDP2, per-rank shards" if t.dist_shard == "fsdp" else "DDP, whole model per rank")
-    head = (f"{'rank':>4} {'card GB':>8} {'micro x accum':>13} {'params':>7} {'grads':>7} "
-            f"{'optim':>7} {'buffers':>8} {'activ':>7} {'peak':>7} {'phase':>9} {'usable':>7} fits")
-    lines = [f"fleet plan: {world} rank(s), {kind}, global batch "
-             f"{sum(p.batch * p.accum for p in rows)} windows x seq {t.seq_len}; GiB a rank "
-             f"(optim = adamw + muon + engram moments; buffers = the reducer's + Muon's step "
-             f"workspace; activ = activations + half casts; peak = the largest phase, not the "
-             f"sum)", head]
+    kind = (
+        "one process"
+        if world == 1
+        else "FSDP2, per-rank shards"
+        if t.dist_shard == "fsdp"
+        else "DDP, whole model per rank"
+    )
+    head = (
+        f"{'rank':>4} {'card GB':>8} {'micro x accum':>13} {'params':>7} {'grads':>7} "
+        f"{'optim':>7} {'buffers':>8} {'activ':>7} {'peak':>7} {'phase':>9} {'usable':>7} fits"
+    )
+    lines = [
+        f"fleet plan: {world} rank(s), {kind}, global batch "
+        f"{sum(p.batch * p.accum for p in rows)} windows x seq {t.seq_len}; GiB a rank "
+        f"(optim = adamw + muon + engram moments; buffers = the reducer's + Muon's step "
+        f"workspace; activ = activations + half casts; peak = the largest phase, not the "
+        f"sum)",
+        head,
+    ]
     for p in rows:
         e = p.est
         lines.append(
@@ -936,10 +987,13 @@ def format_fleet_table(planned: RunConfig, rows: list[RankPlan]) -> list[str]:
         if v != default:
             sets.append(f"{key}={str(v).lower()}")
     if world > 1:
-        lines.append(f"train it: torchrun --nproc_per_node={world} -m dormouse train "
-                     f"{planned.source.removeprefix('preset:')} --dist "
-                     f"--set dist_shard={t.dist_shard}" + "".join(f" --set {x}" for x in sets)
-                     + (f" --capacity {cap}" if cap else ""))
+        lines.append(
+            f"train it: torchrun --nproc_per_node={world} -m dormouse train "
+            f"{planned.source.removeprefix('preset:')} --dist "
+            f"--set dist_shard={t.dist_shard}"
+            + "".join(f" --set {x}" for x in sets)
+            + (f" --capacity {cap}" if cap else "")
+        )
     return lines
 
 
@@ -947,8 +1001,11 @@ def main_plan(run: RunConfig, gb, batch: int | None = None, seq: int | None = No
               world: int | None = None) -> RunConfig:  # fmt: skip
     """`plan PRESET --fit GB[,GB...] [--world N]`: log the arithmetic and the fit line of the
     tightest rank, then one row a rank; FitError when it won't fit."""
-    budgets = parse_budgets(gb) if isinstance(gb, str) else (
-        [float(g) for g in gb] if isinstance(gb, (list, tuple)) else [float(gb)])
+    budgets = (
+        parse_budgets(gb)
+        if isinstance(gb, str)
+        else ([float(g) for g in gb] if isinstance(gb, (list, tuple)) else [float(gb)])
+    )
     planned, est, engaged, rows = plan_fleet(run, budgets, world, batch=batch, seq=seq)
     tight = min(rows, key=lambda p: p.gb)
     for line in format_arithmetic(planned, est):

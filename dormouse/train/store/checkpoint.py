@@ -445,8 +445,10 @@ def _staging_dir(path: Path) -> Path:
                                     suffix=".tmp")  # fmt: skip
             os.chmod(made, 0o777 & ~_umask())  # mkdtemp makes 0700
         except OSError as e:
-            made = f"!cannot create a directory in {path.parent} ({e.strerror or e}); pick a " \
-                   f"writable --out"
+            made = (
+                f"!cannot create a directory in {path.parent} ({e.strerror or e}); pick a "
+                f"writable --out"
+            )
     made = _from_rank0(made)
     if made.startswith("!"):
         raise CheckpointError(made[1:])
@@ -500,9 +502,11 @@ def save_sharded(path: str | Path, net: torch.nn.Module, opt, *, run: RunConfig,
                 raise _write_failed(path, step, disk) from None
             kept = ("the previous checkpoint there is untouched" if path.exists()
                     else "no earlier checkpoint exists")  # fmt: skip
-            raise CheckpointError(f"could not write the shards of {path} at step {step} "
-                                  f"({_one_line(inner[0] if inner else e)}); {kept}. Free "
-                                  f"space (or pick another --out), then --resume auto") from None
+            raise CheckpointError(
+                f"could not write the shards of {path} at step {step} "
+                f"({_one_line(inner[0] if inner else e)}); {kept}. Free "
+                f"space (or pick another --out), then --resume auto"
+            ) from None
         raise
     return path
 
@@ -561,12 +565,14 @@ class _MetadataUnpickler(pickle.Unpickler):
         obj, ok = None, False
         if module in self._DCP:  # DCP's own records: dataclasses and enums
             obj = getattr(importlib.import_module(module), name, None)
-            ok = isinstance(obj, type) and (dataclasses.is_dataclass(obj)
-                                            or issubclass(obj, enum.Enum))
+            ok = isinstance(obj, type) and (
+                dataclasses.is_dataclass(obj) or issubclass(obj, enum.Enum)
+            )
         elif module == "torch":
             obj = getattr(torch, name, None)
-            ok = obj is torch.Size or isinstance(obj, (torch.dtype, torch.layout,
-                                                       torch.memory_format))
+            ok = obj is torch.Size or isinstance(
+                obj, (torch.dtype, torch.layout, torch.memory_format)
+            )
         elif (module, name) == ("torch.serialization", "_get_layout"):  # a layout by its name
             obj, ok = torch.serialization._get_layout, True
         elif module in ("pathlib", "pathlib._local") and name in self._PATHS:
@@ -586,8 +592,10 @@ class _Reader(FileSystemReader):
         if kwargs.get("rank") is not None or not where.is_file():
             raise CheckpointError(f"{where} is missing: the shards directory is incomplete")
         if where.is_symlink():
-            raise CheckpointError(f"{where} is a symbolic link: a checkpoint's metadata is a file "
-                                  f"in its own directory; the checkpoint is damaged")
+            raise CheckpointError(
+                f"{where} is a symbolic link: a checkpoint's metadata is a file "
+                f"in its own directory; the checkpoint is damaged"
+            )
         try:
             with open(where, "rb") as f:
                 md = _MetadataUnpickler(f).load()
@@ -595,8 +603,11 @@ class _Reader(FileSystemReader):
             raise CheckpointError(f"{where} could not be read as DCP metadata ("
                                   f"{type(e).__name__}: {e}); it is damaged or not DCP's, and no "
                                   f"code from it ran") from None  # fmt: skip
-        files = ([getattr(i, "relative_path", None) for i in md.storage_data.values()]
-                 if isinstance(md, Metadata) and isinstance(md.storage_data, dict) else [None])
+        files = (
+            [getattr(i, "relative_path", None) for i in md.storage_data.values()]
+            if isinstance(md, Metadata) and isinstance(md.storage_data, dict)
+            else [None]
+        )
         if any(not isinstance(f, str) or Path(f).name != f or f in ("", ".", "..") for f in files):
             raise CheckpointError(f"{where} is not DCP metadata of files in its own directory")
         if getattr(md, "storage_meta", None) is None:
@@ -705,10 +716,15 @@ def _dcp_load(state: dict, shards: Path, path: Path, alone: bool) -> None:
     except CheckpointException as e:  # DCP wraps each rank's failure: ours, or a damaged file
         inner = _failures(e)
         ours = [f for f in inner if isinstance(f, CheckpointError)]
-        raise (ours[0] if ours else CheckpointError(
-            f"could not read the shards of {path} in {shards} ("
-            f"{_one_line(inner[0]) if inner else type(e).__name__}); the checkpoint is damaged: "
-            f"resume from another checkpoint, or train a new run")) from None
+        raise (
+            ours[0]
+            if ours
+            else CheckpointError(
+                f"could not read the shards of {path} in {shards} ("
+                f"{_one_line(inner[0]) if inner else type(e).__name__}); the checkpoint is damaged: "
+                f"resume from another checkpoint, or train a new run"
+            )
+        ) from None
 
 
 def _full_state(ck: dict, path: Path) -> tuple[dict, dict]:
@@ -861,9 +877,14 @@ def _data_ok(d) -> bool:
     if d.get("world") is not None and not _int(d["world"], 1):
         return False
     if d.get("kind") == "mixture":
-        return (_int(d.get("step")) and _int(d.get("seed"))
-                and isinstance(d.get("weights"), list) and all(_num(w) for w in d["weights"])
-                and isinstance(d.get("streams"), list) and all(map(_stream_ok, d["streams"])))
+        return (
+            _int(d.get("step"))
+            and _int(d.get("seed"))
+            and isinstance(d.get("weights"), list)
+            and all(_num(w) for w in d["weights"])
+            and isinstance(d.get("streams"), list)
+            and all(map(_stream_ok, d["streams"]))
+        )
     return _stream_ok(d)
 
 
@@ -871,20 +892,37 @@ def _extra_ok(e) -> bool:
     if not isinstance(e, dict):
         return False
     scale = e.get("loss_scale")
-    return ((e.get("best_step") is None or _int(e["best_step"]))
-            and (e.get("best_loss") is None or _num(e["best_loss"]))
-            and _int(e.get("since_best", 0))
-            and _num(e.get("train_s", 0.0)) and e.get("train_s", 0.0) >= 0
-            and isinstance(e.get("history", []), list)
-            and all(isinstance(h, (list, tuple)) and len(h) == 3 and _int(h[0])
-                    and _num(h[1]) and _num(h[2]) for h in e.get("history", []))
-            and (scale is None or (isinstance(scale, dict) and _num(scale.get("scale"))
-                                   and scale["scale"] > 0 and _int(scale.get("clean")))))
+    return (
+        (e.get("best_step") is None or _int(e["best_step"]))
+        and (e.get("best_loss") is None or _num(e["best_loss"]))
+        and _int(e.get("since_best", 0))
+        and _num(e.get("train_s", 0.0))
+        and e.get("train_s", 0.0) >= 0
+        and isinstance(e.get("history", []), list)
+        and all(
+            isinstance(h, (list, tuple))
+            and len(h) == 3
+            and _int(h[0])
+            and _num(h[1])
+            and _num(h[2])
+            for h in e.get("history", [])
+        )
+        and (
+            scale is None
+            or (
+                isinstance(scale, dict)
+                and _num(scale.get("scale"))
+                and scale["scale"] > 0
+                and _int(scale.get("clean"))
+            )
+        )
+    )
 
 
 def _groups_ok(g) -> bool:
     return isinstance(g, list) and all(
-        isinstance(x, dict) and isinstance(x.get("params"), list) for x in g)
+        isinstance(x, dict) and isinstance(x.get("params"), list) for x in g
+    )
 
 
 #: What each entry a checkpoint file holds besides the model must be: read_checkpoint refuses
@@ -894,9 +932,19 @@ _FIELDS = {
     "format": lambda v: _int(v, 1),
     "rng": _rng_ok,
     "data": _data_ok,
-    "data_fingerprint": lambda v: v is None or (isinstance(v, list) and all(
-        isinstance(f, dict) and isinstance(f.get("path"), str) and _int(f.get("size"))
-        and isinstance(f.get("digest"), str) for f in v)),
+    "data_fingerprint": lambda v: (
+        v is None
+        or (
+            isinstance(v, list)
+            and all(
+                isinstance(f, dict)
+                and isinstance(f.get("path"), str)
+                and _int(f.get("size"))
+                and isinstance(f.get("digest"), str)
+                for f in v
+            )
+        )
+    ),
     "extra": lambda v: v is None or _extra_ok(v),
     "optimizer": lambda v: v is None or isinstance(v, dict),
 }
@@ -921,8 +969,10 @@ def _check_fields(ck: dict, path: Path, sharded_: bool) -> None:
             )
     if not sharded_ and not all(isinstance(k, str) and torch.is_tensor(v)
                                 for k, v in ck["model"].items()):  # fmt: skip
-        raise CheckpointError(f"{path}: its 'model' entry holds something other than named "
-                              f"tensors; the file was altered or was not written by dormouse")
+        raise CheckpointError(
+            f"{path}: its 'model' entry holds something other than named "
+            f"tensors; the file was altered or was not written by dormouse"
+        )
 
 
 def shape_mismatch(saved: ModelConfig, current: ModelConfig) -> list[str]:
@@ -939,7 +989,8 @@ def _refuse_other_shape(ck: dict, cfg: ModelConfig, path) -> None:
     diff = shape_mismatch(ck["run"].model, cfg)
     if diff:
         raise CheckpointError(
-            f"checkpoint {path} has another model shape: " + "; ".join(diff)
+            f"checkpoint {path} has another model shape: "
+            + "; ".join(diff)
             + ". Train a new run (another --out) or use the checkpoint's own preset/--set."
         )
 
@@ -977,8 +1028,10 @@ def load_train_state(net: torch.nn.Module, opt, ck: dict[str, Any], path: str | 
 #: A writer's temp file or shard staging directory (write_atomic, _staging_dir):
 #: `.NAME.PID.RANDOM.tmp`, or `.NAME.RANDOM.tmp` from an older writer of checkpoints. The run
 #: folder's cleaner (run_dir.clean_stale_temps) removes a dead writer's.
-TEMP_NAME = re.compile(r"\.(?P<name>.+\.(?:pt|json|jsonl|png))\.(?:(?P<pid>[0-9]+)\.)?"
-                       r"[A-Za-z0-9_]+\.tmp\Z")
+TEMP_NAME = re.compile(
+    r"\.(?P<name>.+\.(?:pt|json|jsonl|png))\.(?:(?P<pid>[0-9]+)\.)?"
+    r"[A-Za-z0-9_]+\.tmp\Z"
+)
 
 
 #: The optimizer group entries a resume takes from the checkpoint: its parameters and the lr

@@ -111,8 +111,10 @@ class RunDir:
         one that is not a dormouse run config (a user's own, or a damaged one)."""
         f = self.file(CONFIG)
         if f.is_symlink():
-            raise RunDirError(f"{f} is a symbolic link; a run's config.json is a file in its "
-                              f"folder: remove the link (or pass the checkpoint file itself)")
+            raise RunDirError(
+                f"{f} is a symbolic link; a run's config.json is a file in its "
+                f"folder: remove the link (or pass the checkpoint file itself)"
+            )
         if not f.is_file():
             return None
         try:
@@ -276,8 +278,10 @@ class RunDir:
             os.close(fd)
 
     def _held_line(self, who: str) -> str:
-        return (f"{self.typed} is in use by another dormouse process ({who}): a run folder "
-                f"has one writer. Wait for it to end (or stop it), or use another folder")
+        return (
+            f"{self.typed} is in use by another dormouse process ({who}): a run folder "
+            f"has one writer. Wait for it to end (or stop it), or use another folder"
+        )
 
     # -- what training here means -------------------------------------------------------------
 
@@ -295,8 +299,10 @@ class RunDir:
             raise RunDirError("--overwrite starts afresh and --resume must continues: pick one")
         if elastic_restart > 0:
             if overwrite or mode == "never":
-                log.info(f"elastic restart {elastic_restart}: resuming the run in {out} "
-                         f"(--resume auto), not {'overwriting it' if overwrite else 'refusing it'}")
+                log.info(
+                    f"elastic restart {elastic_restart}: resuming the run in {out} "
+                    f"(--resume auto), not {'overwriting it' if overwrite else 'refusing it'}"
+                )
             overwrite, mode = False, ("auto" if mode != "must" else "must")
         has_ckpt = path.is_file()
         rows = self.metrics_rows()
@@ -341,9 +347,11 @@ class RunDir:
                 f"continue it, or --overwrite to start afresh"
             )
         if step == t.steps:
-            log.info(f"{out}: the run is already complete at step {step} ({path}); nothing to "
-                     f"train. Raise --steps with --resume auto to continue it, or --overwrite "
-                     f"to start afresh")
+            log.info(
+                f"{out}: the run is already complete at step {step} ({path}); nothing to "
+                f"train. Raise --steps with --resume auto to continue it, or --overwrite "
+                f"to start afresh"
+            )
             return "complete"
         return "resume"
 
@@ -462,7 +470,8 @@ def _holder(fd: int) -> str:
         if len(parts) >= 4 and parts[0] == "pid" and parts[1].isdigit() and (
                 parts[3] != socket.gethostname() or pid_alive(int(parts[1]))):  # fmt: skip
             return f"pid {parts[1]} on host {parts[3]}" + (
-                f", since {' '.join(parts[5:7])}" if len(parts) >= 7 else "")
+                f", since {' '.join(parts[5:7])}" if len(parts) >= 7 else ""
+            )
         time.sleep(0.05)
     return f"a holder that left no note ({text[:40]!r})" if text else "a holder that left no note"
 
@@ -581,7 +590,7 @@ def _append(path: Path, data: bytes) -> None:
         try:
             view = memoryview(data)
             while view:
-                view = view[os.write(fd, view):]
+                view = view[os.write(fd, view) :]
         except OSError:
             with contextlib.suppress(OSError):
                 os.ftruncate(fd, size)  # no half row left for the next append to join

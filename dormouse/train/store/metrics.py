@@ -91,4 +91,3 @@ class Sinks:
         sinks, self.sinks = self.sinks, []
         for s in sinks:
             s.close()
-
