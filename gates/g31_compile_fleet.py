@@ -5,10 +5,7 @@ torch.compile of the DDP module (dynamo splits the graph at DDP's buckets, so ea
 all-reduce still starts while the backward runs) and of the FSDP2-sharded model (FSDP2's
 all-gather and reduce-scatter hooks run between the compiled pieces) must change nothing but
 round-off: every rank compiled, unequal shares, and accumulation. The reference is the eager
-one-process run of the same windows, never compiled. Found by this gate: under
-torch.compile(DDP(model)) a parameter's name reads _orig_mod.module.NAME, which the routing
-rule used to leave as module.NAME, sending the head to Muon (the mutation
-compiled_ddp_names_keep_module puts that back).
+one-process run of the same windows, never compiled.
 
 On the CPU the fleets compile with compile_backend=aot_eager: dynamo's graphs, DDP's graph
 split, FSDP2's hooks and AOTAutograd's forward/backward partition exactly as inductor receives

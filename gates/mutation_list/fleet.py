@@ -10,7 +10,6 @@ from gates.mutation_list.fleet_patches import (
     _clip_over_parameters,
     _fp32_reduce_in_bf16,
     _hook_without_division,
-    _keep_orig_mod,
     _keys_by_local_row,
     _merge_in_rank_order_of,
     _never_last_micro_batch,
@@ -24,7 +23,6 @@ from gates.mutation_list.fleet_patches import (
     _save_step_plus_one,
     _scale_on_fp16_ranks_only,
     _shards_in_place,
-    _strip_module_first,
     _switch_keeps_context,
     _switch_keeps_stream,
     _transaction_without_restore,
@@ -303,17 +301,10 @@ MUTATIONS: list[Mutation] = [
         ("g30_mixed_dtype",),
     ),
     Mutation(
-        "compiled_ddp_names_keep_module",
-        "parameter names under torch.compile(DDP(model)) keep 'module.' (the rule peels it "
-        "before dropping _orig_mod): the head is routed to Muon instead of AdamW",
-        (("dormouse.train.optim.routing:strip_name", _strip_module_first),),
-        ("g31_compile_fleet",),
-    ),
-    Mutation(
-        "compiled_names_keep_orig_mod",
-        "the name rule forgets torch.compile's _orig_mod. prefix (DDP and FSDP2 alike): "
-        "'_orig_mod.head.weight' is no head, and the head falls to Muon",
-        (("dormouse.train.optim.routing:strip_name", _keep_orig_mod),),
+        "compile_never_applied",
+        "compile=true trains eagerly on a fleet: the wrapped module is never handed to "
+        "torch.compile (an early return), and every trajectory still matches",
+        (("dormouse.train.run:compiled", lambda orig: lambda w, run, device, autocast: w),),
         ("g31_compile_fleet",),
     ),
 ]

@@ -104,6 +104,8 @@ def _clip_over_parameters(_orig):
 
         owners = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
         total = torch.nn.utils.get_total_norm([p.grad for p in owners], 2.0)
+        if hasattr(total, "full_tensor"):  # FSDP2: a plain tensor, as the real clip returns
+            total = total.full_tensor()
         torch.nn.utils.clip_grads_with_norm_(owners, max_norm, total)
         return total
 
@@ -232,26 +234,3 @@ def _unscale_off_rank1(orig):
             orig(self, inverse)
 
     return unscale_
-
-
-def _keep_orig_mod(orig):
-    def strip_name(name):
-        out = orig(name)
-        return f"_orig_mod.{out}" if name.startswith("_orig_mod.") else out
-
-    return strip_name
-
-
-def _strip_module_first(orig):
-    """The name rule that peels a leading 'module' before the wrapper tokens: under
-    torch.compile(DDP(model)) '_orig_mod.module.head.weight' keeps 'module.' and the head
-    falls to Muon."""
-    from dormouse.train.optim.routing import _WRAPPER_TOKENS
-
-    def strip_name(name):
-        parts = name.split(".")
-        while parts and parts[0] == "module":
-            parts = parts[1:]
-        return ".".join(p for p in parts if p not in _WRAPPER_TOKENS)
-
-    return strip_name
