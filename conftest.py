@@ -57,6 +57,10 @@ def _cuda_count() -> int:
 
 
 def pytest_collection_modifyitems(config, items):
+    # the gates first (the slowest first, as tests/test_gates.py lists them), then the rest:
+    # on two xdist workers the short tests fill in around the long fleets instead of a lone
+    # gate running last while the other worker idles (the same order on every worker)
+    items.sort(key=lambda item: "gate" not in item.keywords)
     if not any("cuda" in item.keywords for item in items):
         return
     n = _cuda_count()
