@@ -610,6 +610,8 @@ def test_race_trains_both_models_for_the_same_seconds(tmp_path, capsys):
     assert set(got) == {"tiny", "gpt 64 x 3 (twin of tiny)"}
     for r in got.values():
         steps, ms = int(r["steps"]), float(r["step ms"])
-        assert steps == max(1, int(2000 / ms))  # the budget over the timed step
+        # the budget over the timed step; the table prints ms to 0.1, so the count it implies
+        # sits within the rounding of that figure (11.76 ms prints 11.8: 170 steps, not 169)
+        assert int(2000 / (ms + 0.05)) <= steps <= max(1, int(2000 / (ms - 0.05)))
         assert (Path(r["run folder"]) / "metrics.jsonl").exists()
     assert main_bench(argv) == 2 and "already holds a run" in capsys.readouterr().err

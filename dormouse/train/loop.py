@@ -226,7 +226,7 @@ def _say_first_step(t_step: float, device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     now = time.perf_counter()
-    log.info(f"first step took {now - t_step:.1f} s (tracing, compiling, autotuning where "
+    log.info(f"first step took {now - t_step:.2f} s (tracing, compiling, autotuning where "
              f"they run; cached for the next run); step 1 reached {now - STARTED:.1f} s after "
              f"start")  # fmt: skip
 
