@@ -55,6 +55,9 @@ class ModelConfig:
     kda_impl: KdaImpl = "auto"
     kda_chunk: int = 16  # chunk length of the torch arm
     segment_len: int = 0  # 0 = whole window; else carry state, cut gradient at borders
+    # softmax attention in place of KDA (model/attn.py): 0 = every block mixes by KDA; N >= 1 =
+    # every N-th block (blocks N-1, 2N-1, ...) by causal attention with RoPE; 1 = all of them
+    attn_every: int = 0
     # MoE FFN
     d_ffn: int = 512
     n_experts: int = 4
@@ -85,6 +88,10 @@ class ModelConfig:
     @property
     def d_attn(self) -> int:
         return self.n_heads * self.head_dim
+
+    def mixer_of(self, layer: int) -> Literal["kda", "attn"]:
+        """The mixer of body block `layer` (0-based): "attn" for every attn_every-th block."""
+        return "attn" if self.attn_every and (layer + 1) % self.attn_every == 0 else "kda"
 
 
 @dataclass(frozen=True)
@@ -517,6 +524,7 @@ _NON_NEGATIVE = [
     "rank",
     "gate_rank",
     "segment_len",
+    "attn_every",
     "shared_rank",
     "moe_capacity",
     "moe_lb_coef",
@@ -639,6 +647,22 @@ def validate(run: RunConfig) -> RunConfig:
             f"segment_len={m.segment_len} does not divide seq_len={t.seq_len}; segments must "
             f"tile the window: pick a divisor of {t.seq_len} or segment_len=0 (whole window)"
         )
+    if m.attn_every and m.arch == "dormouse":
+        if m.attn_every > m.n_layers:
+            raise ConfigError(
+                f"attn_every={m.attn_every} exceeds n_layers={m.n_layers}: no block would mix "
+                f"by attention; pick 1..{m.n_layers} or attn_every=0 (KDA everywhere)"
+            )
+        if m.segment_len:
+            raise ConfigError(
+                f"attn_every={m.attn_every} with segment_len={m.segment_len}: attention carries "
+                f"no state across segments; set segment_len=0 or attn_every=0"
+            )
+        if m.head_dim % 2:
+            raise ConfigError(
+                f"attn_every={m.attn_every} with head_dim={m.head_dim}: rotary positions turn "
+                f"channel pairs, so head_dim must be even"
+            )
     if t.min_lr_frac > 1:
         raise ConfigError(f"min_lr_frac={t.min_lr_frac} must be in [0, 1]")
     if t.warmup > t.steps and t.steps > 0:

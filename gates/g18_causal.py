@@ -7,7 +7,8 @@ every logit of rows 1 and 2 must not move: bitwise on the CPU; on CUDA within 2x
 of two unperturbed forwards (both recorded). For every KDA arm that runs here (torch; fla
 on CUDA where it imports), every MoE mode (dropless; capacity 1.0 and 0.5, which must drop
 something or the case proves nothing), each dispatch arm (grouped where it runs, batched),
-in train and eval mode. Controls: the logit AT 37 must move (a model that ignores its
+in train and eval mode; and the softmax-attention mixer (`attn_every=1`) in each MoE case.
+Controls: the logit AT 37 must move (a model that ignores its
 input fails), and capacity modes must drop assignments.
 """
 
@@ -37,7 +38,7 @@ CLAIM = (
 )
 INSTRUMENT = (f"tiny, {B} rows x {T} bytes, zero-init params and the LFB bias woken (std "
               f"{WAKE_STD}); byte {AT} of row 0 replaced: max |dlogit| over row 0 before {AT} and "
-              f"over rows 1-2, per KDA arm x MoE mode (dropless, capacity 1.0, 0.5) x dispatch "
+              f"over rows 1-2, per mixer arm (KDA's, attention) x MoE mode (dropless, capacity 1.0, 0.5) x dispatch "
               f"(grouped, batched) x train/eval; controls: the logit at {AT} moves, capacity "
               f"modes drop")  # fmt: skip
 
@@ -48,7 +49,9 @@ def build(kda: str, capacity: float, dispatch: str, device: str):
     from dormouse.model import DormouseModel
 
     # moe_lb_coef=0: a train-mode forward must not move the LFB counts between the two runs
-    run = apply_sets(preset("tiny"), [f"kda_impl={kda}", f"moe_capacity={capacity}",
+    # "attn": the softmax-attention mixer (attn_every=1) in place of KDA (model/attn.py)
+    mixer = ["attn_every=1"] if kda == "attn" else [f"kda_impl={kda}"]
+    run = apply_sets(preset("tiny"), [*mixer, f"moe_capacity={capacity}",
                                       f"moe_impl={dispatch}", "moe_lb_coef=0"])  # fmt: skip
     torch.manual_seed(SEED)
     model = DormouseModel(run.model)
@@ -106,10 +109,11 @@ def probe(model, x, xp, train: bool, spread: bool) -> dict:
 
 def _arms(cuda: bool) -> list[str]:
     if not cuda:
-        return ["torch"]
+        return ["torch", "attn"]
     from dormouse.model.arms import choose_arm
 
-    return ["torch"] + (["fla"] if choose_arm("kda", "auto", "cuda").name == "fla" else [])
+    fla = ["fla"] if choose_arm("kda", "auto", "cuda").name == "fla" else []
+    return ["torch", *fla, "attn"]
 
 
 def _dispatch(device: str) -> list[str]:

@@ -2,7 +2,8 @@
 
 The reference writes the whole forward again from DESIGN §2 (the Engram hash by explicit
 loops, KDA by the per-step recurrence with its own q/k normalisation, every expert of the
-MoE with the prefix capacity rule, the looped body with its low-rank deltas, the keyed
+MoE with the prefix capacity rule, a hybrid body's softmax-attention blocks (RoPE, the
+causal mask), the looped body with its low-rank deltas, the keyed
 dropout from its documented formula, the head and the loss) and loads nothing of dormouse but
 the state dict. Every parameter of the fixture is perturbed (the zero-initialised ones too:
 the Engram conv, the deltas' B), so every path carries signal, and the LFB bias is set, so
@@ -63,6 +64,17 @@ CPU_CASES = (
         False,
     ),
     ("grouped cap1.0 fp32", {"moe_impl": "grouped", "moe_capacity": 1.0}, False),
+    (
+        "batched hybrid attention 2 layers train",
+        {
+            "moe_impl": "batched",
+            "n_layers": 2,
+            "attn_every": 2,
+            "dropout": 0.1,
+            "moe_lb_coef": 0.01,
+        },
+        True,
+    ),
 )
 #: Windows x bytes of each case's input.
 B, T = 3, 32
@@ -235,6 +247,9 @@ def cuda_cases() -> list[tuple[str, dict]]:
         for m in moe
         for c in (0.0, 1.0)
     ]
+    cases.append((f"cuda torch/{moe[0]} hybrid attention",
+                  {"kda_impl": "torch", "moe_impl": moe[0], "n_layers": 2, "attn_every": 2,
+                   **train}))  # fmt: skip
     if fla:
         cases += [
             (

@@ -18,7 +18,8 @@ Mixer: q, k, v = x W^T (+ x A_i^T B_i^T, iteration i's low-rank delta); a causal
 conv and SiLU over q|k|v (`references.short_conv`); q and k L2-normalised per head; decay
 g = -exp(A_log) * softplus(f(x) + dt_bias), beta = sigmoid(x W_b^T); the per-step
 recurrence (`references.kda_naive`); output = (rms_head(o) * sigmoid(up(down(x)) + b)) W_o^T
-(+ its delta). `segment_len` cuts the window into segments: the state and the conv's input
+(+ its delta). An attention block (`attn_every`): causal softmax attention over RoPE-turned,
+RMS-normalised q and k (`ReferenceModel.attn`). `segment_len` cuts the window into segments: the state and the conv's input
 tail carried over, their gradient cut. MoE: every expert on every token
 (`references.moe_dense.moe_all_experts`), the picks by affinity + LFB bias, the gates the
 unbiased affinities renormalised over the picks; capacity by the prefix rule
@@ -203,6 +204,37 @@ class ReferenceModel:
             outs.append(self._proj(pre, "o", o.reshape(B, -1, H * Dh), it, "o_proj"))
         return torch.cat(outs, dim=1)
 
+    # -- attention (the blocks attn_every names: every N-th, blocks N-1, 2N-1, ...) --
+
+    def is_attention(self, l: int) -> bool:
+        n = getattr(self.cfg, "attn_every", 0)
+        return bool(n) and (l + 1) % n == 0
+
+    def attn(self, l: int, x, it: int):
+        """softmax(q' k'^T / sqrt(Dh) over u <= t) v, per head; q', k' = RoPE(rms_head(q)),
+        RoPE(rms_head(k)): channel pair (i, i + Dh/2) at position t turned by the angle
+        t * 10000^(-2i/Dh)."""
+        c, pre = self.cfg, f"blocks.{l}.mixer"
+        B, T, _ = x.shape
+        H, Dh = c.n_heads, c.head_dim
+        half = Dh // 2
+        q, k, v = (self._proj(pre, n, x, it, f"{n}_proj").reshape(B, T, H, Dh) for n in "qkv")
+        q, k = rms(q, self.p(f"{pre}.q_norm.weight")), rms(k, self.p(f"{pre}.k_norm.weight"))
+        i = torch.arange(half, dtype=self.dtype)
+        theta = torch.arange(T, dtype=self.dtype)[:, None] * 10000.0 ** (-2.0 * i / Dh)
+        cos, sin = torch.cos(theta)[:, None], torch.sin(theta)[:, None]  # [T, 1, half]
+
+        def turn(u):
+            a, b = u[..., :half], u[..., half:]
+            return torch.cat([a * cos - b * sin, a * sin + b * cos], dim=-1)
+
+        q, k = turn(q), turn(k)
+        scores = torch.einsum("bthd,buhd->bhtu", q, k) / math.sqrt(Dh)
+        future = torch.ones(T, T, dtype=torch.bool).triu(1)
+        weights = torch.softmax(scores.masked_fill(future, -math.inf), dim=-1)
+        o = torch.einsum("bhtu,buhd->bthd", weights, v).reshape(B, T, H * Dh)
+        return self._proj(pre, "o", o, it, "o_proj")
+
     # -- the MoE --
 
     def moe(self, l: int, x):
@@ -249,7 +281,8 @@ class ReferenceModel:
             for l in range(c.n_layers):
                 site = 2 + 2 * (it * c.n_layers + l)
                 pre = f"blocks.{l}"
-                h = h + drop(self.mixer(l, rms(h, self.p(f"{pre}.norm1.weight")), it), site)
+                mix = self.attn if self.is_attention(l) else self.mixer
+                h = h + drop(mix(l, rms(h, self.p(f"{pre}.norm1.weight")), it), site)
                 f, n, m = self.moe(l, rms(h, self.p(f"{pre}.norm2.weight")))
                 h = h + drop(f, site + 1)
                 counts[l] = counts[l] + n

@@ -7,7 +7,8 @@ large matmul in this process:
 - HFU (hardware FLOPs): that plus the work the rule leaves out (`step_flops`): KDA's chunked
   recurrence (`kda_forward_flops`, forward x 3 for forward + backward, as 6N = 2N forward +
   4N backward), Muon's polar (`polar_flops`, per step: it does not grow with the batch), and
-  on a GPT row causal attention's scores (`attention_forward_flops`, x 3 likewise).
+  causal attention's scores (`attention_forward_flops`, x 3 likewise: a GPT row's layers, a
+  hybrid dormouse body's attention blocks).
 A multiply-add is 2 FLOPs; elementwise work (decays, gates, norms, the momentum) is uncounted.
 """
 
@@ -16,6 +17,8 @@ from __future__ import annotations
 import statistics
 
 import torch
+
+from ..model.model import kda_impl
 
 #: fla's chunk_kda runs chunks of 64 positions whatever the config's kda_chunk (model/kda_fla.py)
 FLA_CHUNK = 64
@@ -42,7 +45,7 @@ def kda_chunk_flops(C: int, K: int, V: int) -> int:
 def kda_chunk_len(model, seg: int) -> int:
     """The chunk the model's KDA arm runs: fla's 64, or the torch arm's kda_chunk (cut to a
     shorter segment, as kda_torch cuts it)."""
-    impl = model.blocks[0].mixer.impl
+    impl = kda_impl(model)
     if impl is None:  # guessing the torch arm's chunk would under-count an fla run 4x
         raise ValueError("the KDA arm is chosen by the model's first forward; count after it")
     return FLA_CHUNK if impl == "fla" else max(1, min(model.cfg.kda_chunk, seg))
@@ -50,27 +53,33 @@ def kda_chunk_len(model, seg: int) -> int:
 
 def kda_forward_flops(model, batch: int, seq_len: int) -> int:
     """Forward FLOPs of every KDA recurrence in one forward over [batch, seq_len]: each block's
-    mixer once per iteration (n_layers x max_iter), each head, each segment (segment_len, or the
+    KDA mixer once per iteration (its KDA blocks x max_iter), each head, each segment (segment_len, or the
     whole window) in chunks, the last one counted whole (padded). 0 for a model without KDA.
     After a first forward, which chose the arm (KDAMixer.impl) and so the chunk."""
     cfg = model.cfg
     if cfg.arch != "dormouse":
         return 0
+    kda_layers = sum(cfg.mixer_of(layer) == "kda" for layer in range(cfg.n_layers))
+    if kda_layers == 0:
+        return 0
     seg = cfg.segment_len if 0 < cfg.segment_len < seq_len else seq_len
     C = kda_chunk_len(model, seg)
     chunks = -(-seg // C) * (seq_len // seg)  # validate(): segment_len divides seq_len
-    apps = cfg.n_layers * cfg.max_iter
+    apps = kda_layers * cfg.max_iter
     return batch * cfg.n_heads * apps * chunks * kda_chunk_flops(C, cfg.head_dim, cfg.head_dim)
 
 
 def attention_forward_flops(model, batch: int, seq_len: int) -> int:
-    """Forward FLOPs of causal attention's two products (Q K^T, then A V) in a GPT row: per
-    layer and window 2 x 2 d_attn T(T+1)/2 (the causal pairs); 0 for a dormouse model (its
-    mixer is KDA: `kda_forward_flops`)."""
+    """Forward FLOPs of causal attention's two products (Q K^T, then A V): per layer
+    application and window 2 x 2 d_attn T(T+1)/2 (the causal pairs). A GPT row: every layer
+    once; a dormouse model: its attention blocks (`attn_every`) max_iter times each (its KDA
+    blocks: `kda_forward_flops`)."""
     cfg = model.cfg
-    if cfg.arch != "gpt":
-        return 0
-    return batch * cfg.n_layers * 2 * cfg.d_attn * seq_len * (seq_len + 1)
+    if cfg.arch == "gpt":
+        apps = cfg.n_layers
+    else:
+        apps = cfg.max_iter * sum(cfg.mixer_of(layer) == "attn" for layer in range(cfg.n_layers))
+    return batch * apps * 2 * cfg.d_attn * seq_len * (seq_len + 1)
 
 
 def polar_flops(opt) -> int:

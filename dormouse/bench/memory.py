@@ -16,6 +16,7 @@ import logging
 
 import torch
 
+from ..model.model import mixer_impl
 from ..train.plan import fit
 from .common import (
     BenchError,
@@ -69,7 +70,7 @@ def measure(run, device: torch.device) -> tuple[int | None, str]:
         torch.cuda.reset_peak_memory_stats(device)
         step(1, w)
         torch.cuda.synchronize(device)
-        return torch.cuda.max_memory_allocated(device), f"kda={model.blocks[0].mixer.impl}"
+        return torch.cuda.max_memory_allocated(device), f"kda={mixer_impl(model)}"
     except Exception as e:  # an OOM, or a mechanism that fails: a row, and the table goes on
         oom = isinstance(e, torch.cuda.OutOfMemoryError)
         return None, f"{'OOM' if oom else type(e).__name__}: {str(e).splitlines()[0][:100]}"

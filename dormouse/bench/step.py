@@ -32,6 +32,7 @@ import torch
 
 from ..config import RunConfig, apply_sets, preset, preset_names, validate
 from ..model import active_params as active_params_per_token
+from ..model.model import mixer_impl
 from .common import (
     BenchError,
     GiB,
@@ -245,7 +246,7 @@ def bench_preset(run: RunConfig, device: torch.device, steps: int, warmup: int,
         arms = ["- (SDPA attention)", "- (GELU MLP)"]
     else:
         arms = [
-            model.blocks[0].mixer.impl,
+            mixer_impl(model),
             model.blocks[0].moe.arm(device, dtype or torch.float32).name,
         ]
     label = run.source.removeprefix("preset:")

@@ -19,6 +19,7 @@ import logging
 import torch
 
 from ..config import preset_names
+from ..model.model import mixer_impl
 from .common import (
     BenchError,
     build,
@@ -97,7 +98,7 @@ def run(args, command: str) -> str:
         s_eval = timed(lambda i: evaluate(model, [(e[:, :-1], e[:, 1:])], device, dtype),
                        1, 0, device)[0] / 1000  # fmt: skip
         dt = {None: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
-        arm = model.blocks[0].mixer.impl if r.model.arch == "dormouse" else "-"
+        arm = mixer_impl(model) if r.model.arch == "dormouse" else "-"
         what = "train step (forward + backward + optimizer)" + (
             f" x {micro.accum} micro-batches" if micro.accum > 1 else ""
         )

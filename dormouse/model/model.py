@@ -1,5 +1,7 @@
 """DormouseModel: byte embedding -> Engram -> looped body of blocks -> norm -> head.
 
+A block is a KDA mixer (or softmax attention: `attn_every`, model/attn.py) and an MoE FFN.
+
 Owns the assembly of the network and its two entry points: `forward` (training and
 evaluation over whole windows) and `step` (recurrent decoding, one byte at a time,
 carrying every module's state in a cache). Parallelism is applied from outside
@@ -17,6 +19,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ..config import ModelConfig
+from .attn import AttnMixer
 from .engram import Engram
 from .kda import KDAMixer
 from .layers import RMSNorm, at_least_fp32, dropout_for
@@ -24,12 +27,13 @@ from .moe import MoE
 
 
 class Block(nn.Module):
-    """Pre-norm KDA mixer + pre-norm MoE FFN, a residual around each."""
+    """Pre-norm mixer (KDA, or attention where `cfg.mixer_of(layer)` says) + pre-norm MoE FFN,
+    a residual around each."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, layer: int = 0):
         super().__init__()
         self.norm1 = RMSNorm(cfg.d_model)
-        self.mixer = KDAMixer(cfg)
+        self.mixer = AttnMixer(cfg) if cfg.mixer_of(layer) == "attn" else KDAMixer(cfg)
         self.norm2 = RMSNorm(cfg.d_model)
         self.moe = MoE(cfg)
 
@@ -64,7 +68,7 @@ class DormouseModel(nn.Module):
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab, cfg.d_model)
         self.engram = Engram(cfg)
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.blocks = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
         self.norm_f = RMSNorm(cfg.d_model)
         self.head = nn.Linear(cfg.d_model, cfg.vocab, bias=False)
         nn.init.normal_(self.embed.weight, std=cfg.init_std)
@@ -158,6 +162,23 @@ class DormouseModel(nn.Module):
                     moe_cache=moe.setdefault(key, {"row_len": row_len}),
                 )  # fmt: skip
         return self.head(self.norm_f(h))[:, -1]
+
+
+def mixer_impl(model: nn.Module) -> str | None:
+    """The arms of a dormouse model's mixers as bench tables print them: "fla", "torch",
+    "sdpa" (every block attention) or "fla+sdpa" (a hybrid); None before the KDA arm is chosen
+    (the first forward, or resolve_arm)."""
+    arms = dict.fromkeys(block.mixer.impl for block in model.blocks)  # ordered, unique
+    return None if None in arms else "+".join(arms)
+
+
+def kda_impl(model: nn.Module) -> str | None:
+    """The arm of a dormouse model's KDA mixers ("torch" / "fla"; None before it is chosen),
+    "none" when every block mixes by attention."""
+    for block in model.blocks:
+        if isinstance(block.mixer, KDAMixer):
+            return block.mixer.impl
+    return "none"
 
 
 def count_params(cfg: ModelConfig) -> int:

@@ -157,6 +157,19 @@ def _decay_ignores_input(orig):
     return _inputs
 
 
+def _attention_sees_the_future(_orig):
+    def attend(q, k, v, past):
+        import torch.nn.functional as F
+
+        return F.scaled_dot_product_attention(q, k, v)  # the causal mask forgotten
+
+    return attend
+
+
+def _rope_forgotten(_orig):
+    return lambda x, start: x
+
+
 def _mix32_one_round(_orig):
     return lambda h: ((h >> 16) ^ h) * 0x45D9F3B & 0xFFFFFFFF
 
@@ -284,6 +297,20 @@ MUTATIONS: list[Mutation] = [
         "kda_decay_ignores_input",
         "the KDA decay drops its input-dependent softplus term: g = -exp(A_log)",
         (("dormouse.model.kda:KDAMixer._inputs", _decay_ignores_input),),
+        ("g32_reference_model",),
+        scope="source",
+    ),
+    Mutation(
+        "attention_sees_the_future",
+        "the attention mixer drops its causal mask: a byte reads the bytes after it",
+        (("dormouse.model.attn:attend", _attention_sees_the_future),),
+        ("g18_causal", "g32_reference_model"),
+        scope="source",
+    ),
+    Mutation(
+        "attention_without_positions",
+        "the attention mixer forgets RoPE: its scores ignore where the bytes sit",
+        (("dormouse.model.attn:rope", _rope_forgotten),),
         ("g32_reference_model",),
         scope="source",
     ),

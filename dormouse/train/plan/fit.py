@@ -214,7 +214,9 @@ def half_compute(run: RunConfig) -> bool:
 
 
 def act_bytes_per_token_d(run: RunConfig, arm: str, half: bool) -> tuple[float, float]:
-    """(K, routed part of K): bytes one block application saves per token x d_model."""
+    """(K, routed part of K): bytes one block application saves per token x d_model. An
+    attention block (`attn_every`) is counted as a KDA block: not measured yet; SDPA saves
+    q, k, v, its output and a log-sum-exp, less than the chunked recurrence, so it errs high."""
     m = run.model
     i = 0 if half else 1
     kernel = ACT_KDA_FLA[i] if arm == "fla" else ACT_KDA_TORCH[i] * m.kda_chunk / 16
