@@ -308,12 +308,15 @@ _SMALL = ModelConfig(
 #: is compute-bound at ~500 tokens/s for `small` whatever the batch, so this model is narrower
 #: and shallower (1.1M parameters outside its Engram tables, whose row-sparse lookups are cheap)
 #: and reads ~10x the bytes a second. max_iter 1: at equal CPU time 800 steps of two blocks once
-#: reached val bpb 2.057, one block twice 2.085, two blocks twice (600 steps) 2.183. kda_chunk
-#: 8: the torch arm's chunked form ran 1.7x faster than at 16 here (853 vs 1,532 ms a step).
+#: reached val bpb 2.057, one block twice 2.085, two blocks twice (600 steps) 2.183. attn_every
+#: 1: softmax attention in both blocks steps in 220 ms where the torch KDA arm took 453 (one
+#: attention block of two: 330), so in the same time it reads twice the bytes: 2,000 steps
+#: reached 1.834, the hybrid's 1,300 1.886, KDA's 800 2.057 (docs/learning.md). kda_chunk 8
+#: (with attn_every=0): the torch arm ran 1.7x faster than at 16 here (853 vs 1,532 ms a step).
 _CPU = ModelConfig(
     d_model=128, n_heads=4, head_dim=32, d_ffn=256, n_layers=2, max_iter=1, rank=8,
     n_experts=4, moe_topk=2, engram_rows=16384, engram_dim=32, engram_heads=4,
-    shared_rank=32, gate_rank=16, kda_chunk=8, max_seq_len=128,
+    shared_rank=32, gate_rank=16, kda_chunk=8, max_seq_len=128, attn_every=1,
     dropout=DROPOUT_AUTO,
 )  # fmt: skip
 
@@ -343,7 +346,7 @@ _PRESETS: dict[str, tuple[ModelConfig, TrainConfig]] = {
     # tiny computes fp32 everywhere; the others take the device policy's dtype (auto).
     "tiny": (_TINY, TrainConfig(batch=4, seq_len=64, steps=20, lr=1e-3, warmup=0,
                                 log_every=1, eval_every=0, ckpt_every=0, dtype="fp32")),
-    # The main job (300 steps of this) must finish inside 10 minutes on a 2-core CPU,
+    # `small` was the main job once (300 steps inside 10 minutes on a 2-core CPU),
     # where Muon's polar is compute-bound: narrow experts (d_ffn 128) cut it ~4x, and the
     # parameters they gave up sit in Engram rows (row-sparse Adam, no polar). 8 x 128 with
     # d_ffn 256 measured 2.0-2.4 s a step there (11.9 min); 6 x 128 with d_ffn 128 ~1.5 s.
@@ -352,8 +355,8 @@ _PRESETS: dict[str, tuple[ModelConfig, TrainConfig]] = {
                                   eval_every=50)),
     # The README's main job: train + sample within 10 minutes on a 2-core CPU (docs/learning.md
     # has its measured wall time, val bpb and sample).
-    "cpu": (_CPU, TrainConfig(batch=16, seq_len=128, steps=800, lr=8e-3, warmup=30,
-                              eval_every=100)),
+    "cpu": (_CPU, TrainConfig(batch=16, seq_len=128, steps=1600, lr=8e-3, warmup=30,
+                              eval_every=200)),
     "medium": (_MEDIUM, TrainConfig(batch=8, seq_len=512, steps=5000, lr=2e-3, warmup=200,
                                     eval_every=250)),
     "b1": (_B1, TrainConfig(batch=8, seq_len=512, steps=20000, lr=1e-3, warmup=500,
