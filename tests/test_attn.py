@@ -105,3 +105,27 @@ def test_a_hybrid_trains_resumes_and_samples(tmp_path, corpus):
     assert main(["sample", str(out / "ckpt.pt"), "--bytes", "16", "--prompt", "the "]) == 0
     assert train(24, "--resume", "auto") == 0
     assert json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])["step"] == 24
+
+
+def test_decoding_past_max_seq_len_reads_a_sliding_window(tiny_model):
+    """Past max_seq_len (tiny: 64) each attention reads the last 64 bytes: a long prompt in one
+    call equals the same bytes fed one at a time (the band mask against the trimmed cache), the
+    cache never holds more than 63 keys, and with attention in every block a byte beyond the
+    stacked windows (4 applications x 63 back, plus Engram's few bytes) no longer moves the
+    logits (KDA's state would carry it)."""
+    model = _hybrid(tiny_model, n_layers=2, attn_every=1)
+    W = model.cfg.max_seq_len
+    x = torch.randint(0, 256, (2, 5 * W + 9), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        cache = model.init_cache()
+        whole = model.step(x, cache)
+        assert all(c["k"].shape[2] == W - 1 for m in cache["mix"].values() for c in m.values())
+        cache, last = model.init_cache(), None
+        for t in range(x.shape[1]):
+            last = model.step(x[:, t : t + 1], cache)
+        assert (whole - last).abs().max() < 1e-12
+        y = x.clone()
+        y[:, :8] = (y[:, :8] + 1) % 256  # > 4 x 63 + Engram's reach before the last byte
+        assert (model.step(y, model.init_cache()) - whole).abs().max() < 1e-12
+        y[:, -W + 2] = (y[:, -W + 2] + 1) % 256  # inside the window: it must move
+        assert (model.step(y, model.init_cache()) - whole).abs().max() > 1e-6

@@ -36,16 +36,21 @@ def rope(x: torch.Tensor, start: int) -> torch.Tensor:
     return torch.cat([a * cos - b * sin, b * cos + a * sin], dim=-1).to(x.dtype)
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int) -> torch.Tensor:
-    """Causal attention of q [B, H, T, Dh] over k, v [B, H, past + T, Dh]: the query at
-    position past + t sees the keys at positions <= past + t."""
-    T = q.shape[2]
-    if past == 0:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    if T == 1:
-        return F.scaled_dot_product_attention(q, k, v)
-    # new bytes after a prefix: each sees the prefix and the new bytes up to itself
-    mask = torch.ones(T, past + T, dtype=torch.bool, device=q.device).tril(past)
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int,
+           window: int | None = None) -> torch.Tensor:  # fmt: skip
+    """Causal attention of q [B, H, T, Dh] over k, v [B, H, past + T, Dh]: the query at key
+    index past + t sees the keys at indices <= past + t, and with a `window` only the last
+    `window` of them (itself included)."""
+    T, n = q.shape[2], k.shape[2]
+    if window is None or n <= window:
+        if past == 0:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if T == 1:
+            return F.scaled_dot_product_attention(q, k, v)
+    # new bytes after a prefix, or a band: each sees what precedes it, back to the window
+    at = torch.arange(past, past + T, device=q.device)[:, None]
+    j = torch.arange(n, device=q.device)[None, :]
+    mask = (j <= at) & (j > at - window) if window is not None else j <= at
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
@@ -57,9 +62,10 @@ class AttnMixer(nn.Module):
     per iteration when rank > 0.
 
     Cache (decoding), as KDAMixer's: one dict per mixer, keyed by iteration;
-    cache[iteration] = {"k", "v": [B, n_heads, positions so far, head_dim]} (k rotated), grown
-    by each call. Decoding therefore costs the prefix's length per byte, unlike KDA's fixed
-    state.
+    cache[iteration] = {"k", "v": [B, n_heads, <= max_seq_len - 1, head_dim] (k rotated at its
+    position), "pos": the bytes seen}. Decoding reads back a sliding window of max_seq_len
+    bytes: inside it, exactly the training forward; past it, no distance a training window
+    never showed RoPE. A byte costs the window's length, where KDA's state costs a constant.
     """
 
     impl = "sdpa"  # what bench tables print for a mixer's arm
@@ -69,6 +75,7 @@ class AttnMixer(nn.Module):
         d, H, Dh = cfg.d_model, cfg.n_heads, cfg.head_dim
         self.n_heads, self.head_dim, self.d_attn = H, Dh, H * Dh
         self.max_iter = cfg.max_iter
+        self.window = cfg.max_seq_len
         self.q_proj = nn.Linear(d, self.d_attn, bias=False)
         self.k_proj = nn.Linear(d, self.d_attn, bias=False)
         self.v_proj = nn.Linear(d, self.d_attn, bias=False)
@@ -112,18 +119,25 @@ class AttnMixer(nn.Module):
                                    for n in ("q", "k", "v")], dim=-1)  # fmt: skip
         q, k, v = qkv.view(B, T, 3, H, Dh).unbind(dim=2)
         past_kv = None if cache is None else cache.get(iteration)
-        past = 0 if past_kv is None else past_kv["k"].shape[2]
-        q = rope(self.q_norm(q), past).transpose(1, 2)
-        k = rope(self.k_norm(k), past).transpose(1, 2)
+        pos = 0 if past_kv is None else past_kv["pos"]  # the bytes this stream has seen
+        q = rope(self.q_norm(q), pos).transpose(1, 2)
+        k = rope(self.k_norm(k), pos).transpose(1, 2)
         v = v.transpose(1, 2)
+        past = 0
         if past_kv is not None:
+            past = past_kv["k"].shape[2]
             k = torch.cat([past_kv["k"], k], dim=2)
             v = torch.cat([past_kv["v"], v], dim=2)
-        o = attend(q, k, v, past).transpose(1, 2).reshape(B, T, self.d_attn)
+        # decoding reads back at most max_seq_len bytes, the farthest a training window sees
+        window = None if cache is None else self.window
+        o = attend(q, k, v, past, window).transpose(1, 2).reshape(B, T, self.d_attn)
         out = self.o_proj(o)
         if self.o_delta is not None:
             out = out + self.o_delta[iteration](o)
         if cache is None:
             return out, None
-        cache[iteration] = {"k": k.detach(), "v": v.detach()}
+        keep = self.window - 1  # what the next byte can still see besides itself
+        cache[iteration] = {"k": k[:, :, -keep:].detach() if keep else k[:, :, :0].detach(),
+                            "v": v[:, :, -keep:].detach() if keep else v[:, :, :0].detach(),
+                            "pos": pos + T}  # fmt: skip
         return out, cache
