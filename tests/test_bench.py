@@ -615,3 +615,12 @@ def test_race_trains_both_models_for_the_same_seconds(tmp_path, capsys):
         assert int(2000 / (ms + 0.05)) <= steps <= max(1, int(2000 / (ms - 0.05)))
         assert (Path(r["run folder"]) / "metrics.jsonl").exists()
     assert main_bench(argv) == 2 and "already holds a run" in capsys.readouterr().err
+
+
+def test_race_names_the_model_fields_a_set_changed():
+    """A race of `tiny --set attn_every=1` is labelled so; a train-only --set is not."""
+    from dormouse.bench.common import configure
+    from dormouse.bench.race import label
+
+    assert label(configure("tiny", ["attn_every=1"]), "tiny") == "tiny (attn_every=1)"
+    assert label(configure("tiny", ["batch=4", "lr=1e-3"]), "tiny") == "tiny"

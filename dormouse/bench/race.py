@@ -16,11 +16,12 @@ import json
 import logging
 import math
 import statistics
+from dataclasses import fields
 from pathlib import Path
 
 import torch
 
-from ..config import apply_sets, preset_names, validate
+from ..config import apply_sets, preset, preset_names, validate
 from .common import (
     BenchError,
     configure,
@@ -79,6 +80,17 @@ def _stepper(run, device: torch.device):
     return h.step, h.defer
 
 
+def label(run, name: str) -> str:
+    """The table's name for `run`: the preset, and the model fields --set changed from it (a
+    race of `small --set attn_every=2` must not read as one of `small`)."""
+    if run.model.arch != "dormouse":
+        return run.source.removeprefix("preset:")
+    base = preset(name).model
+    changed = [f"{f.name}={getattr(run.model, f.name)}" for f in fields(base)
+               if getattr(run.model, f.name) != getattr(base, f.name)]  # fmt: skip
+    return f"{name} ({', '.join(changed)})" if changed else name
+
+
 def best_of(folder: Path) -> dict:
     """(best val, its step, the last eval's train_s) from a run folder's metrics.jsonl."""
     rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
@@ -128,7 +140,7 @@ def run(args, command: str) -> str:
         b = best_of(out)
         t = r.train
         read = steps * (t.global_batch or t.batch) * (t.seq_len + 1)
-        rows.append([r.source.removeprefix("preset:"), f"{count_params(r.model) / 1e6:.2f}",
+        rows.append([label(r, args.preset), f"{count_params(r.model) / 1e6:.2f}",
                      f"{ms:.1f}", str(steps), f"{b['loss']:.4f} ({b['step']})", f"{b['bpb']:.4f}",
                      f"{read / 2**20:.2f} MiB", f"{b['train_s']:.0f}", str(out)])  # fmt: skip
     notes = [f"Each model trained for ~{args.seconds:g} s of steps: its step count = the budget / "
