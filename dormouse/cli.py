@@ -184,39 +184,48 @@ def _arms_for_this_machine(run, source: str):
 
 
 def cmd_eval(args) -> int:
+    if args.batches is not None and args.batches < 1:
+        raise ConfigError(f"--batches {args.batches}: evaluate at least one batch (omit it for "
+                          f"the run's eval_batches)")  # fmt: skip
+    if args.device is not None:
+        check_device(args.device)
+    res = score_checkpoint(args.checkpoint, args.data, args.batches, args.device)
+    log.info(f"eval checkpoint={args.checkpoint} step={res['step']} loss={res['loss']:.4f} "
+             f"bpb={res['bpb']:.4f} tokens={res['tokens']}")  # fmt: skip
+    return 0
+
+
+def score_checkpoint(path, data: list[str] | None = None, batches: int | None = None,
+                     device: str | None = None) -> dict:  # fmt: skip
+    """What `dormouse eval` scores: the checkpoint at `path` on its run's validation split
+    (`data`: the tail of other files), every val byte once (the default) or `batches` spread
+    batches; {loss, bpb, tokens, step}. Gate g33 holds the whole-split score to the
+    reference's."""
     from .model import make_model
     from .train.data import open_data
     from .train.run import resolve_autocast, resolve_device
     from .train.step import evaluate
     from .train.store.checkpoint import load_model, read_checkpoint
 
-    if args.batches is not None and args.batches < 1:
-        raise ConfigError(f"--batches {args.batches}: evaluate at least one batch (omit it for "
-                          f"the run's eval_batches)")  # fmt: skip
-    if args.device is not None:
-        check_device(args.device)
-    ck = read_checkpoint(args.checkpoint)
-    run = _arms_for_this_machine(ck["run"], args.checkpoint)
-    if args.data:
-        run = _with_data(run, args.data)
-    device = resolve_device(args.device or "auto")
+    ck = read_checkpoint(path)
+    run = _arms_for_this_machine(ck["run"], path)
+    if data:
+        run = _with_data(run, data)
+    dev = resolve_device(device or "auto")
     model = make_model(run.model)
-    load_model(model, ck, args.checkpoint)
-    model.to(device)
-    data = open_data(run.train)
+    load_model(model, ck, path)
+    model.to(dev)
+    source = open_data(run.train)
     t = run.train
-    if args.batches:
-        batches = data.val_batches(args.batches, t.batch, t.seq_len)  # at most the distinct ones
-        what = f"{len(batches)} batches of {t.batch}x{t.seq_len} spread over the val split"
+    if batches:
+        todo = source.val_batches(batches, t.batch, t.seq_len)  # at most the distinct ones
+        what = f"{len(todo)} batches of {t.batch}x{t.seq_len} spread over the val split"
     else:
         # the default: every val byte scored once, deterministic
-        what = f"the whole val split ({data.val_bytes_total()} bytes scored once)"
-        batches = data.val_all(t.batch, t.seq_len)
+        what = f"the whole val split ({source.val_bytes_total()} bytes scored once)"
+        todo = source.val_all(t.batch, t.seq_len)
     log.info(f"eval: {what}; --batches N evaluates N spread batches instead")
-    res = evaluate(model, batches, device, resolve_autocast(run, device))
-    log.info(f"eval checkpoint={args.checkpoint} step={ck['step']} loss={res['loss']:.4f} "
-         f"bpb={res['bpb']:.4f} tokens={res['tokens']}")  # fmt: skip
-    return 0
+    return {**evaluate(model, todo, dev, resolve_autocast(run, dev)), "step": ck["step"]}
 
 
 def cmd_sample(args) -> int:

@@ -154,6 +154,8 @@ TOL = {
     "loss": 1e-5,
     # evaluation loss and bpb: measured <= 8.2e-7
     "eval": 1e-5,
+    # `dormouse eval`'s whole-split loss and bpb of the last checkpoint: measured <= 2.8e-7
+    "whole": 1e-5,
     # pre-clip norm, relative: measured <= 3.8e-6 (after 16 steps of fp32 trajectory)
     "gnorm": 2e-5,
     # the worst tensor's update, relative: measured <= 9.6e-5 (1-D AdamW tensors); bugs 1e-2
@@ -399,6 +401,18 @@ def one(case: Case, work: Path) -> tuple[dict, list[str], str]:
     bad += [f"at the end: {x}" for x in b]
     where = f.pop("where")
     figs.update(f)
+    if "whole" in ref:  # `dormouse eval` of the last checkpoint: every val byte once
+        from dormouse.cli import score_checkpoint
+
+        mine = score_checkpoint(Path(run.train.out_dir) / f"{run.train.ckpt_name}.pt")
+        theirs = ref["whole"]
+        figs["whole"] = max(abs(mine["loss"] - theirs["loss"]), abs(mine["bpb"] - theirs["bpb"]))
+        if figs["whole"] > TOL["whole"] and ref["whole_margin"] < MARGIN:
+            bad.append(f"whole: the reference's routing margin {fmt(ref['whole_margin'])} < "
+                       f"{fmt(MARGIN)}: fp32 and fp64 may pick other experts there")  # fmt: skip
+        if mine["tokens"] != theirs["tokens"]:
+            bad.append(f"dormouse eval scored {mine['tokens']} val bytes, the reference "
+                       f"{theirs['tokens']}")  # fmt: skip
     figs["margin"] = ref["margin"]
     text = (
         f"{case.name}: {len(got['gnorms'])} steps (end {got['end']}, skipped "
@@ -439,8 +453,9 @@ def run(cuda: bool = False) -> Record:
                       + (f", step {c.poison} non-finite" if c.poison >= 0 else "") + "]"
                       for c in CASES)
                   + ". train_run in this process (fp32) vs references/step.py (fp64): logged "
-                  "losses, pre-clip norms, evaluations, skips, the end step, and every "
-                  "checkpoint field at the resume and at the end")  # fmt: skip
+                  "losses, pre-clip norms, evaluations, skips, the end step, every "
+                  "checkpoint field at the resume and at the end, and `dormouse eval`'s "
+                  "whole-split score of the last checkpoint (whole)")  # fmt: skip
     tol = (", ".join(f"{k} <= {fmt(v)}" for k, v in TOL.items())
            + "; steps, skips, evaluation steps, step counts, data position, best step and "
            "early-stop counter exact (fp32 round-off against fp64; update: the worst tensor's "

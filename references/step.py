@@ -39,6 +39,9 @@ imported.
                 every eval_every steps and at the end; the best is the lowest after step 0
                 (an untrained model is never kept); early_stop: stop after that many in a
                 row without a new best
+    eval CKPT   (`dormouse eval`, the whole split) every val byte but the first a target
+                once: windows of seq_len targets every seq_len bytes, up to `batch` a
+                forward, the last shorter window a forward alone; the token mean
 
 `ReferenceRun.run` returns what a run records (losses, norms, evaluations, the step it
 stopped at) and snapshots of the state a checkpoint promises at the steps asked.
@@ -125,6 +128,22 @@ def val_batches(val: np.ndarray, count: int, batch: int, seq_len: int) -> list:
 
 
 # ---- routing and the optimizers ---------------------------------------------------------------
+
+
+def whole_split(val: np.ndarray, batch: int, seq_len: int) -> list:
+    """`dormouse eval`'s forwards over the whole val split (the module docstring's layout)."""
+    targets = len(val) - 1
+    full = targets // seq_len
+    rows = [val[i * seq_len : (i + 1) * seq_len + 1] for i in range(full)]
+    out = [as_rows(rows[i : i + batch]) for i in range(0, full, batch)]
+    if targets % seq_len:
+        out.append(as_rows([val[full * seq_len :]]))
+    return out
+
+
+def as_rows(rows: list) -> tuple[torch.Tensor, torch.Tensor]:
+    w = torch.from_numpy(np.stack(rows).astype(np.int64))
+    return w[:, :-1], w[:, 1:]
 
 
 def owner(name: str, shape: tuple[int, ...], opt: str) -> tuple[str, bool]:
@@ -285,15 +304,16 @@ class ReferenceRun:
         return {"loss": loss, "gnorm": norm, "stepped": True}
 
     @torch.no_grad()
-    def evaluate(self) -> dict:
+    def evaluate(self, batches: list | None = None) -> dict:
+        """The token mean over `batches` (the run's eval batches unless given)."""
         total = count = 0.0
-        for x, y in self.val_list:
+        for x, y in self.val_list if batches is None else batches:
             _, loss, aux = self.model.forward(x, y)
             self.margin = min(self.margin, aux["margin"])
             total += float(loss) * y.numel()
             count += y.numel()
         nats = total / count
-        return {"loss": nats, "bpb": nats / math.log(2)}
+        return {"loss": nats, "bpb": nats / math.log(2), "tokens": int(count)}
 
     def _see(self, step: int, val: float, train_loss: float) -> None:
         if val < self.best_loss:
@@ -341,6 +361,10 @@ class ReferenceRun:
             rec["evals"].append((end, res["loss"], res["bpb"]))
         rec["end"] = end
         rec["final"] = self.snapshot(end)
+        if has_val:  # what `dormouse eval` of the last checkpoint scores (its own margin)
+            kept, self.margin = self.margin, math.inf
+            rec["whole"] = self.evaluate(whole_split(self.val, t.batch, t.seq_len))
+            rec["whole_margin"], self.margin = self.margin, kept
         rec["margin"] = self.margin
         return rec
 

@@ -50,6 +50,29 @@ def _eval_in_train_mode(orig):
     return _sums
 
 
+def _eval_per_batch(orig):
+    def _sums(model, batches, device, autocast_dtype, pad=None):
+        if pad:
+            return orig(model, batches, device, autocast_dtype, pad)
+        total, count = 0.0, 0
+        for b in batches:  # each batch's mean loss counted once, whatever its length
+            t, n = orig(model, [b], device, autocast_dtype)
+            total, count = total + t / n, count + 1
+        return total, count
+
+    return _sums
+
+
+def _whole_split_without_its_tail(orig):
+    def val_all(self, batch, seq_len):
+        for x, y in orig(self, batch, seq_len):
+            if x.shape[0] == 1 and x.shape[1] < seq_len:
+                return  # the last, shorter window (the split's tail) never scored
+            yield x, y
+
+    return val_all
+
+
 def _clip_zero_clips_all(orig):
     def clip_grad_norm_(self, max_norm):
         import math
@@ -233,6 +256,22 @@ MUTATIONS: list[Mutation] = [
         "model.eval() dropped before validation: dropout in every evaluation, and its "
         "forwards move the LFB counts",
         (("dormouse.train.step:_sums", _eval_in_train_mode),),
+        ("g33_reference_step",),
+        scope="source",
+    ),
+    Mutation(
+        "eval_per_batch",
+        "the evaluation averages its batches' mean losses, not their bytes: `dormouse "
+        "eval`'s whole split weighs its last, shorter window as a full batch",
+        (("dormouse.train.step:_sums", _eval_per_batch),),
+        ("g33_reference_step",),
+        scope="source",
+    ),
+    Mutation(
+        "whole_split_without_its_tail",
+        "`dormouse eval` stops at the last full window: the val split's tail (fewer than "
+        "seq_len bytes) is never scored",
+        (("dormouse.train.data:DataSource.val_all", _whole_split_without_its_tail),),
         ("g33_reference_step",),
         scope="source",
     ),
