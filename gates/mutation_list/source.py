@@ -73,6 +73,16 @@ def _whole_split_without_its_tail(orig):
     return val_all
 
 
+def _capacity_rounded_down(orig):
+    def capacity_of(self, row_len):
+        import math
+
+        # floor, not ceil: a row keeps one assignment fewer per expert than the rule says
+        return math.floor(self.capacity * row_len * self.topk / self.n_experts)
+
+    return capacity_of
+
+
 def _clip_zero_clips_all(orig):
     def clip_grad_norm_(self, max_norm):
         import math
@@ -380,6 +390,14 @@ MUTATIONS: list[Mutation] = [
         "moe_gates_not_renormalised",
         "the MoE's top-k gates are the raw affinities, not renormalised over the picks",
         (("dormouse.model.moe:MoE.route", _gates_not_renormalised),),
+        ("g32_reference_model",),
+        scope="source",
+    ),
+    Mutation(
+        "capacity_rounded_down",
+        "the MoE capacity cap = floor(capacity x T x k / E), not ceil: capacity mode drops "
+        "assignments the rule keeps",
+        (("dormouse.model.moe:MoE.capacity_of", _capacity_rounded_down),),
         ("g32_reference_model",),
         scope="source",
     ),
