@@ -127,9 +127,6 @@ def val_batches(val: np.ndarray, count: int, batch: int, seq_len: int) -> list:
     return [as_windows(val[s : s + window], seq_len) for s in starts]
 
 
-# ---- routing and the optimizers ---------------------------------------------------------------
-
-
 def whole_split(val: np.ndarray, batch: int, seq_len: int) -> list:
     """`dormouse eval`'s forwards over the whole val split (the module docstring's layout)."""
     targets = len(val) - 1
@@ -144,6 +141,9 @@ def whole_split(val: np.ndarray, batch: int, seq_len: int) -> list:
 def as_rows(rows: list) -> tuple[torch.Tensor, torch.Tensor]:
     w = torch.from_numpy(np.stack(rows).astype(np.int64))
     return w[:, :-1], w[:, 1:]
+
+
+# ---- routing and the optimizers ---------------------------------------------------------------
 
 
 def owner(name: str, shape: tuple[int, ...], opt: str) -> tuple[str, bool]:
