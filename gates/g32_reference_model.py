@@ -7,8 +7,9 @@ causal mask), the looped body with its low-rank deltas, the keyed
 dropout from its documented formula, the head and the loss) and loads nothing of dormouse but
 the state dict. Every parameter of the fixture is perturbed (the zero-initialised ones too:
 the Engram conv, the deltas' B), so every path carries signal, and the LFB bias is set, so
-it steers picks. Compared: the logits, the loss, every parameter's gradient and the LFB
-counts a training forward adds.
+it steers picks. Compared: the logits, the loss, every parameter's gradient, the LFB
+counts a training forward adds, and decoding: a prefill, then byte by byte through the cache
+(what `dormouse sample` runs), against the reference's eval-mode logits at each position.
 
 CPU: the batched MoE arm in fp64 (the model keeps fp64 throughout, layers.at_least_fp32), so
 the two agree at fp64 round-off; the grouped arm (fp32/bf16 only) in fp32 against the fp64
@@ -34,7 +35,8 @@ SINGLE_CUDA = True
 
 CLAIM = (
     "the model is its equations: logits, loss, gradients and LFB counts equal "
-    "references/model.py's, and sampling draws from softmax(logits / T)"
+    "references/model.py's, decoding through the cache gives the same logits, and sampling "
+    "draws from softmax(logits / T)"
 )
 
 #: (name, ModelConfig changes, fp64?): the CPU cases. fp64 needs the batched MoE arm.
@@ -80,6 +82,8 @@ CPU_CASES = (
 )
 #: Windows x bytes of each case's input.
 B, T = 3, 32
+#: decoding starts from a prefill of this many bytes, then steps one byte at a time
+PREFILL = 5
 
 #: fp64 both sides: measured 7e-15 (logits), 2.2e-14 (gradients, to their peak). Bugs: >= 1e-6.
 TOL_FP64 = 1e-10
@@ -199,7 +203,19 @@ def compare(cfg, device: str, dtype: torch.dtype, training: bool, seed: int = 7)
         want = aux["counts"][l] if training and cfg.moe_lb_coef else torch.zeros(cfg.n_experts)
         counts = max(counts, float((block.moe.lfb_counts.double().cpu() - want).abs().max()))
     worst = max(grads)
+    # Decoding (what `dormouse sample` runs): a prefill, then byte by byte through the cache
+    # (recurrent state, Engram's last bytes and conv tail, capacity counts of a row of T)
+    # must give the logits the reference's whole eval-mode forward gives at each position.
+    model.eval()
+    with torch.no_grad():
+        rlog_eval, _, _ = ref.forward(x, training=False)
+        cache = model.init_cache(row_len=T)
+        xd = x.to(device)
+        steps = [model.step(xd[:, :PREFILL], cache)]
+        steps += [model.step(xd[:, t : t + 1], cache) for t in range(PREFILL, T)]
+    decoded = torch.stack(steps, 1).double().cpu()
     return {
+        "decode": float((decoded - rlog_eval[:, PREFILL - 1 :]).abs().max()),
         "logits": float((logits.detach().double().cpu() - rlogits.detach()).abs().max()),
         "loss": abs(float(loss.detach()) - float(rloss.detach())),
         "grad": worst[0],
@@ -213,7 +229,7 @@ def _check(name: str, r: dict, tol: float, margin: float, bad: list) -> str:
     if r["margin"] < margin:
         bad.append(f"{name}: routing margin {fmt(r['margin'])} < {fmt(margin)} (the fixture "
                    f"could route apart; not the model's fault)")  # fmt: skip
-    over = [k for k in ("logits", "loss", "grad") if not r[k] <= tol]
+    over = [k for k in ("logits", "loss", "grad", "decode") if not r[k] <= tol]
     if over:
         bad.append(
             f"{name}: {', '.join(f'{k} {fmt(r[k])}' for k in over)} > {fmt(tol)}"
@@ -223,7 +239,7 @@ def _check(name: str, r: dict, tol: float, margin: float, bad: list) -> str:
         bad.append(f"{name}: LFB counts differ by {r['counts']:g}")
     return (
         f"{name}: logits {fmt(r['logits'])} loss {fmt(r['loss'])} grad {fmt(r['grad'])}"
-        f" margin {fmt(r['margin'])}"
+        f" decode {fmt(r['decode'])} margin {fmt(r['margin'])}"
     )
 
 
@@ -298,7 +314,8 @@ def run(cuda: bool = False) -> Record:
                             "picked" if cuda else "no GPU arms (python -m gates --cuda runs "
                             "them)")
                   + "; against references/model.py in fp64 on the CPU: max |logits|, |loss|, "
-                  "each gradient's max error relative to its largest entry, the LFB counts; "
+                  "each gradient's max error relative to its largest entry, the LFB counts, "
+                  f"decoding's logits (a {PREFILL}-byte prefill, then byte by byte); "
                   f"the sampler: {DRAWS} draws from fixed logits per (T, top_k) in "
                   f"{list(SAMPLE_CASES)}, and T=0")  # fmt: skip
     tol = (f"fp64: <= {fmt(TOL_FP64)} (measured <= 2.2e-14); fp32: <= {fmt(TOL_FP32)} (fp32 "

@@ -83,6 +83,16 @@ def _capacity_rounded_down(orig):
     return capacity_of
 
 
+def _decode_forgets_the_conv_tail(orig):
+    def forward(self, h, x_bytes, cache=None, drop=None):
+        out, kept = orig(self, h, x_bytes, cache=cache, drop=drop)
+        if kept is not None:
+            kept = {"bytes": kept["bytes"]}  # the conv's last inputs not carried: zeros next
+        return out, kept
+
+    return forward
+
+
 def _clip_zero_clips_all(orig):
     def clip_grad_norm_(self, max_norm):
         import math
@@ -398,6 +408,14 @@ MUTATIONS: list[Mutation] = [
         "the MoE capacity cap = floor(capacity x T x k / E), not ceil: capacity mode drops "
         "assignments the rule keeps",
         (("dormouse.model.moe:MoE.capacity_of", _capacity_rounded_down),),
+        ("g32_reference_model",),
+        scope="source",
+    ),
+    Mutation(
+        "decode_forgets_the_conv_tail",
+        "decoding keeps Engram's last bytes but not its conv's last inputs: every sampled "
+        "byte after the prefill sees a conv started from zeros",
+        (("dormouse.model.engram:Engram.forward", _decode_forgets_the_conv_tail),),
         ("g32_reference_model",),
         scope="source",
     ),
