@@ -93,6 +93,18 @@ def _decode_forgets_the_conv_tail(orig):
     return forward
 
 
+def _val_split_rounded_down(orig):
+    def val_length(n, val_frac, val_bytes, window=1, name="data"):
+        import math
+
+        if val_bytes > 0 or val_frac <= 0:
+            return orig(n, val_frac, val_bytes, window, name)
+        # floor(val_frac x n), not ceil: the split one byte short, the train split one long
+        return orig(n, val_frac, max(1, math.floor(val_frac * n)), window, name)
+
+    return val_length
+
+
 def _clip_zero_clips_all(orig):
     def clip_grad_norm_(self, max_norm):
         import math
@@ -292,6 +304,14 @@ MUTATIONS: list[Mutation] = [
         "`dormouse eval` stops at the last full window: the val split's tail (fewer than "
         "seq_len bytes) is never scored",
         (("dormouse.train.data:DataSource.val_all", _whole_split_without_its_tail),),
+        ("g33_reference_step",),
+        scope="source",
+    ),
+    Mutation(
+        "val_split_rounded_down",
+        "the val split by val_frac takes floor(val_frac x n) bytes, not ceil: the split and "
+        "every train window after the cut move by a byte",
+        (("dormouse.train.data:val_length", _val_split_rounded_down),),
         ("g33_reference_step",),
         scope="source",
     ),
