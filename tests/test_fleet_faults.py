@@ -362,6 +362,9 @@ def _rank_main(rank: int, world: int, port: int, tmp: str, name: str) -> None:
         res["ok"] = True
     except Exception as e:
         res.update(ok=False, error=type(e).__name__, message=str(e), user=isinstance(e, UserError))
+    # a rank that failed is ending: the launcher's SIGTERM (sent when it sees any rank exit)
+    # must not cut short its one line (CI: a survivor's empty stderr)
+    res["sigterm_ignored"] = signal.getsignal(signal.SIGTERM) is signal.SIG_IGN
     res["seconds"] = time.monotonic() - t0
     (Path(tmp) / f"rank{rank}.json").write_text(json.dumps(res))
 
@@ -423,6 +426,7 @@ def test_different_bytes_behind_the_same_data_path_are_refused(tmp_path):
         assert r["error"] == "DistError", r
         assert "data bytes (rank 1 differs from rank 0)" in r["message"], r["message"]
         assert "corpus.txt (200000 bytes, sampled digest" in r["message"]
+        assert r["sigterm_ignored"], "a refused rank must outlive the launcher's SIGTERM"
 
 
 @pytest.mark.usefixtures("nodes")
@@ -430,7 +434,8 @@ def test_the_same_bytes_under_other_paths_are_accepted(tmp_path):
     (tmp_path / "node1" / "corpus.txt").write_bytes(
         (tmp_path / "node0" / "corpus.txt").read_bytes()
     )
-    assert all(r["ok"] for r in _fleet(tmp_path, "paths"))
+    ranks = _fleet(tmp_path, "paths")
+    assert all(r["ok"] and not r["sigterm_ignored"] for r in ranks), ranks
 
 
 @pytest.mark.usefixtures("nodes")
@@ -451,6 +456,7 @@ def test_a_data_file_shrunk_on_one_rank_stops_every_rank_on_one_step(tmp_path):
     assert [r["error"] for r in ranks] == ["DataError", "DataError"], ranks
     assert "another rank found a data file shrunk" in ranks[0]["message"]
     assert "shrank (injected) before step 3" in ranks[1]["message"]
+    assert all(r["sigterm_ignored"] for r in ranks), "an ending rank must say its line first"
     assert _checkpoint_loads(tmp_path / "run") == 3
 
 

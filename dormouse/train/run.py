@@ -273,9 +273,16 @@ def train_run(
                      _optimizer(model, run, device), ctx, run, autocast=autocast,
                      resume=resume, stop_at=stop_at, progress=progress,
                      callbacks=callbacks, folder=folder)  # fmt: skip
-    return _train_fleet(run, resume=resume, stop_at=stop_at, model=model, callbacks=callbacks,
-                        device_type=device_type, rate=rate, timeout_s=timeout_s, close=close,
-                        folder=folder, prepared=prepared)  # fmt: skip
+    from .fleet.watchdog import ending
+
+    try:
+        return _train_fleet(run, resume=resume, stop_at=stop_at, model=model,
+                            callbacks=callbacks, device_type=device_type, rate=rate,
+                            timeout_s=timeout_s, close=close, folder=folder,
+                            prepared=prepared)  # fmt: skip
+    except BaseException:
+        ending()  # a refusal while joining: every rank says its line before the agent's SIGTERM
+        raise
 
 
 def _train_fleet(run: RunConfig, *, resume, stop_at, model, callbacks, device_type, rate,
@@ -286,7 +293,7 @@ def _train_fleet(run: RunConfig, *, resume, stop_at, model, callbacks, device_ty
     from .fleet import launch as fleet
     from .fleet.balance import FleetStream
     from .fleet.parallelize import parallelize
-    from .fleet.watchdog import fleet_failure, short
+    from .fleet.watchdog import ending, fleet_failure, short
 
     world = fleet.world_from(os.environ) or 1
     fleet.refuse_incompatible(run, world)
@@ -315,6 +322,7 @@ def _train_fleet(run: RunConfig, *, resume, stop_at, model, callbacks, device_ty
                            callbacks=callbacks, folder=folder,
                            stream_of=FleetStream)  # fmt: skip
         except Exception as e:
+            ending()  # before the explaining: it may wait a second for the launcher's exit
             if not fleet_failure(e):
                 raise
             # a peer died or the ranks fell out of step: one line naming what each peer was
@@ -327,6 +335,7 @@ def _train_fleet(run: RunConfig, *, resume, stop_at, model, callbacks, device_ty
         ok = True
         return report
     except BaseException as e:
+        ending()  # the launcher's SIGTERM must not cut short this rank's one line
         failed = e
         raise
     finally:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import sys
 import threading
@@ -356,6 +357,16 @@ class Heartbeat:
             f"({'; '.join(peers)}); the failed call: {short(e, 120)}. {self._saved()}; "
             f"relaunch with --resume auto"
         )
+
+
+def ending() -> None:
+    """This rank is ending (a lost fleet, an error, a stop): SIGTERM is ignored from now on.
+    The torchrun agent SIGTERMs every worker within its monitor interval (0.1 s) of seeing a
+    rank exit; a rank still explaining the loss or in its teardown (the heartbeat's last word,
+    destroy_process_group) died of it silently, its one line never written (CI: an empty
+    stderr on the survivor of a killed rank). The agent's SIGKILL, 30 s on, still bounds it."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 def fleet_failure(e: BaseException) -> bool:
