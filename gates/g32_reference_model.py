@@ -9,7 +9,9 @@ the state dict. Every parameter of the fixture is perturbed (the zero-initialise
 the Engram conv, the deltas' B), so every path carries signal, and the LFB bias is set, so
 it steers picks. Compared: the logits, the loss, every parameter's gradient, the LFB
 counts a training forward adds, and decoding: a prefill, then byte by byte through the cache
-(what `dormouse sample` runs), against the reference's eval-mode logits at each position.
+(what `dormouse sample` runs), against the reference's eval-mode logits at each position, and
+`sample.generate` at T = 0 (the prompt fed whole, each byte fed back) against the argmax of
+the reference's logits over the prompt and what it generated.
 
 CPU: the batched MoE arm in fp64 (the model keeps fp64 throughout, layers.at_least_fp32), so
 the two agree at fp64 round-off; the grouped arm (fp32/bf16 only) in fp32 against the fp64
@@ -214,8 +216,11 @@ def compare(cfg, device: str, dtype: torch.dtype, training: bool, seed: int = 7)
         steps = [model.step(xd[:, :PREFILL], cache)]
         steps += [model.step(xd[:, t : t + 1], cache) for t in range(PREFILL, T)]
     decoded = torch.stack(steps, 1).double().cpu()
+    same, gap = _greedy(model, ref, x[0, :PREFILL])
     return {
         "decode": float((decoded - rlog_eval[:, PREFILL - 1 :]).abs().max()),
+        "greedy_same": same,
+        "greedy_gap": gap,
         "logits": float((logits.detach().double().cpu() - rlogits.detach()).abs().max()),
         "loss": abs(float(loss.detach()) - float(rloss.detach())),
         "grad": worst[0],
@@ -223,6 +228,23 @@ def compare(cfg, device: str, dtype: torch.dtype, training: bool, seed: int = 7)
         "counts": counts,
         "margin": aux["margin"],
     }
+
+
+def _greedy(model, ref, prompt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`sample.generate` at T = 0 from a PREFILL-byte prompt, T - PREFILL bytes (the glue
+    `dormouse sample` runs: the prompt fed whole, each drawn byte fed back): per output byte,
+    (is it the argmax of the reference's eval logits over prompt + output, the gap between
+    those logits' top two)."""
+    from dormouse.model import sample
+
+    out = sample.generate(model, bytes(prompt.tolist()), T - PREFILL, temperature=0.0,
+                          row_len=T)  # fmt: skip
+    seq = torch.tensor([list(bytes(prompt.tolist()) + out)])
+    with torch.no_grad():
+        rlog, _, _ = ref.forward(seq, training=False)
+    want = rlog[0, PREFILL - 1 : -1]  # the logits each output byte was drawn from
+    top2 = want.topk(2, -1).values
+    return torch.tensor(list(out)) == want.argmax(-1), top2[:, 0] - top2[:, 1]
 
 
 def _check(name: str, r: dict, tol: float, margin: float, bad: list) -> str:
@@ -237,9 +259,20 @@ def _check(name: str, r: dict, tol: float, margin: float, bad: list) -> str:
         )
     if r["counts"] != 0:
         bad.append(f"{name}: LFB counts differ by {r['counts']:g}")
+    # a byte decides only where the reference's top two are further apart than twice the
+    # logits' measured error: there the model's argmax cannot be the other byte
+    decisive = r["greedy_gap"] > 2 * max(r["decode"], r["logits"])
+    wrong = int((decisive & ~r["greedy_same"]).sum())
+    if wrong:
+        bad.append(f"{name}: greedy generate gave {wrong} of {int(decisive.sum())} decisive "
+                   f"bytes that are not the reference's argmax")  # fmt: skip
+    elif decisive.sum() < len(decisive) // 2:
+        bad.append(f"{name}: greedy generate decided {int(decisive.sum())} of {len(decisive)} "
+                   f"bytes (the fixture's top two too close; not the model's fault)")  # fmt: skip
     return (
         f"{name}: logits {fmt(r['logits'])} loss {fmt(r['loss'])} grad {fmt(r['grad'])}"
-        f" decode {fmt(r['decode'])} margin {fmt(r['margin'])}"
+        f" decode {fmt(r['decode'])} greedy {wrong}/{int(decisive.sum())} wrong"
+        f" margin {fmt(r['margin'])}"
     )
 
 
@@ -315,7 +348,8 @@ def run(cuda: bool = False) -> Record:
                             "them)")
                   + "; against references/model.py in fp64 on the CPU: max |logits|, |loss|, "
                   "each gradient's max error relative to its largest entry, the LFB counts, "
-                  f"decoding's logits (a {PREFILL}-byte prefill, then byte by byte); "
+                  f"decoding's logits (a {PREFILL}-byte prefill, then byte by byte), "
+                  f"sample.generate at T=0 against the reference's argmax over its output; "
                   f"the sampler: {DRAWS} draws from fixed logits per (T, top_k) in "
                   f"{list(SAMPLE_CASES)}, and T=0")  # fmt: skip
     tol = (f"fp64: <= {fmt(TOL_FP64)} (measured <= 2.2e-14); fp32: <= {fmt(TOL_FP32)} (fp32 "

@@ -26,6 +26,7 @@ from gates.mutation_list.source_patches import (
     _loss_on_byte_after_next,
     _mix32_one_round,
     _muon_decay_base_lr,
+    _prompt_loses_its_last_byte,
     _rope_forgotten,
     _row_adam_one_correction,
     _skip_zeroes_bias,
@@ -205,6 +206,14 @@ MUTATIONS: list[Mutation] = [
         "decoding keeps Engram's last bytes but not its conv's last inputs: every sampled "
         "byte after the prefill sees a conv started from zeros",
         (("dormouse.model.engram:Engram.forward", _decode_forgets_the_conv_tail),),
+        ("g32_reference_model",),
+        scope="source",
+    ),
+    Mutation(
+        "prompt_loses_its_last_byte",
+        "sampling feeds the prompt less its last byte: every sampled byte continues another "
+        "text (every test passed it; the decoding check steps the cache, not generate)",
+        (("dormouse.model.sample:generate", _prompt_loses_its_last_byte),),
         ("g32_reference_model",),
         scope="source",
     ),

@@ -176,6 +176,13 @@ def _times_temperature(orig):
     return sample_next
 
 
+def _prompt_loses_its_last_byte(orig):
+    def generate(model, prompt, n, **kw):
+        return orig(model, prompt[:-1] or prompt, n, **kw)
+
+    return generate
+
+
 def _loss_on_byte_after_next(orig):
     def forward(self, x, y=None, keys=None):
         import torch.nn.functional as F
