@@ -79,6 +79,14 @@ def test_shorter_than_one_window(tmp_path):
     assert "lower --set batch or --set seq_len" in msg
 
 
+def test_a_one_byte_file_names_the_least_file_not_an_impossible_shape(tmp_path):
+    """It said 'so that batch*(seq_len+1) <= 1', which no batch and seq_len meet."""
+    with pytest.raises(DataError) as e:
+        open_data(_cfg(_file(tmp_path, 1), batch=2, seq_len=8))
+    assert "give a file of at least 2 bytes" in str(e.value)
+    assert "<= 1" not in str(e.value)
+
+
 def test_unreadable_file(tmp_path, monkeypatch):
     p = _file(tmp_path, 100)
     p.chmod(0)

@@ -142,10 +142,13 @@ class ByteCorpus:
         """Refuse a file too short to hold one training window."""
         need = batch * (seq_len + 1)
         if len(self) < need:
+            # the least window is one byte and its target (batch=1, seq_len=1): 2 bytes
+            escape = (f"lower --set batch or --set seq_len (so that batch*(seq_len+1) <= "
+                      f"{len(self)}), or give a larger file" if len(self) >= 2 else
+                      "give a file of at least 2 bytes (a byte and the one after it)")  # fmt: skip
             raise DataError(
                 f"data file {str(self.path)!r} has {len(self)} bytes, but one window needs "
-                f"{_window_text(batch, seq_len)}; lower --set batch or --set seq_len "
-                f"(so that batch*(seq_len+1) <= {len(self)}), or give a larger file"
+                f"{_window_text(batch, seq_len)}; {escape}"
             )
 
     def split(self, val_frac: float, val_bytes: int = 0, window: int = 1):
