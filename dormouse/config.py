@@ -640,6 +640,13 @@ def validate(run: RunConfig) -> RunConfig:
         )
     if not m.engram_orders or any(n < 2 for n in m.engram_orders):
         raise ConfigError(f"engram_orders={m.engram_orders}: each order must be >= 2 bytes")
+    if len(set(m.engram_orders)) != len(m.engram_orders):
+        # an order's tables hash by (order, head) alone: a repeat reads the very same rows
+        raise ConfigError(
+            f"engram_orders={m.engram_orders} repeats an order: its tables would hash every "
+            f"n-gram to the same rows as the first's (memory for nothing); for more tables of "
+            f"one order raise --set engram_heads"
+        )
     if t.seq_len > m.max_seq_len:
         raise ConfigError(
             f"seq_len={t.seq_len} exceeds the model's max_seq_len={m.max_seq_len}; "

@@ -131,6 +131,7 @@ def test_preset_param_targets_listed():
         (["dist_capacity=4,2"], "no --dist"),
         (["d_model=16777216"], "beyond any model"),
         (["n_experts=4096", "d_ffn=16777215"], "beyond any card"),
+        (["engram_orders=2,3,2"], "repeats an order"),
     ],
 )
 def test_new_refusals(sets, needle):
