@@ -610,6 +610,7 @@ def _rewrite(path: Path, **changes) -> None:
     ("rng", "x", "its 'rng' entry is damaged"),
     ("extra.best_loss", "abc", "its 'extra' entry is damaged"),
     ("data", {"kind": "stream", "step": "2"}, "its 'data' entry is damaged"),
+    ("format", 99, "checkpoint format 99, which this dormouse does not know"),  # was read
 ])  # fmt: skip
 def test_tampered_checkpoint_entries_are_one_line(tmp_path, trained, entry, value, needle):
     """manifest rng="x" or extra.best_loss="abc": tracebacks on resume (and eval)."""
@@ -622,6 +623,19 @@ def test_tampered_checkpoint_entries_are_one_line(tmp_path, trained, entry, valu
              f"{run / 'ckpt.pt'}: {needle}", "resume from another checkpoint")  # fmt: skip
     one_line(dm("eval", sharded, "--device", "cpu", "--data", trained[1], cwd=tmp_path), needle)
     assert hashes(tmp_path, run, sharded.parent) == before
+
+
+def test_a_model_tensor_of_another_shape_is_one_line(tmp_path, trained):
+    """embed.weight replaced by a [3] tensor: torch's load_state_dict traceback on eval,
+    sample and resume."""
+    run = copy_run(trained, tmp_path)
+    raw = torch.load(run / "ckpt.pt", weights_only=True)
+    raw["model"]["embed.weight"] = torch.zeros(3)
+    torch.save(raw, run / "ckpt.pt")
+    needle = "1 tensor(s) of another shape, embed.weight (3,) (the model's (256,"
+    one_line(dm("eval", run / "ckpt.pt", "--device", "cpu", "--data", trained[1],
+                cwd=tmp_path), needle)  # fmt: skip
+    one_line(dm(*train_args(trained[1], run, 4, "--resume", "auto"), cwd=tmp_path), needle)
 
 
 def test_a_damaged_metrics_row_is_one_line_on_resume(tmp_path, trained):

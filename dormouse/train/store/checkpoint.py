@@ -118,12 +118,22 @@ def load_model_state(net: torch.nn.Module, state: dict, path: str | Path = "",
 
     Refuses a state whose keys are not this model's (missing or unexpected ones), naming them.
     """
-    mine = get_model_state_dict(net, options=StateDictOptions()).keys()  # names only, no gather
-    missing, unexpected = sorted(mine - state.keys()), sorted(state.keys() - mine)
+    mine = get_model_state_dict(net, options=StateDictOptions())  # no gather: shapes are global
+    missing, unexpected = sorted(mine.keys() - state.keys()), sorted(state.keys() - mine.keys())
     if missing or unexpected:
         raise CheckpointError(
             f"checkpoint {path} does not match this model: missing {missing[:8]}, "
             f"unexpected {unexpected[:8]}"
+        )
+    # a tensor of another shape under a right name (a damaged or altered file) was torch's
+    # load_state_dict traceback
+    other = [f"{k} {tuple(state[k].shape)} (the model's {tuple(v.shape)})"
+             for k, v in mine.items() if tuple(state[k].shape) != tuple(v.shape)]  # fmt: skip
+    if other:
+        raise CheckpointError(
+            f"checkpoint {path} does not match this model: {len(other)} tensor(s) of another "
+            f"shape, {'; '.join(other[:4])}; the file was altered or was not written for this "
+            f"model's config"
         )
     state = dict(state)
     # torch puts a wrapper's prefix (DDP's `module.`) on the keys of parameters and buffers
@@ -808,6 +818,18 @@ def read_checkpoint(path: str | Path, mmap: bool = False) -> dict[str, Any]:
             f"be truncated or not a checkpoint at all"
         ) from None
     sharded_ = isinstance(ck, dict) and ck.get("format") == SHARDED_FORMAT
+    if (
+        isinstance(ck, dict)
+        and "config" in ck
+        and _int(ck.get("format"), 1)
+        and ck["format"] not in (1, FORMAT, SHARDED_FORMAT)
+    ):
+        raise CheckpointError(
+            f"{path}: checkpoint format {ck['format']}, which this dormouse does not know (it "
+            f"reads 1 and {FORMAT}, and {SHARDED_FORMAT} for a sharded manifest); a newer "
+            f"dormouse wrote it? Read it with that version, resume from another checkpoint, "
+            f"or train a new run (--overwrite, or another --out)"
+        )
     if not isinstance(ck, dict) or "config" not in ck or not (
             sharded_ or isinstance(ck.get("model"), dict)):  # fmt: skip
         raise CheckpointError(f"{path} is a torch file but not a dormouse checkpoint")
