@@ -485,7 +485,20 @@ def out_of_memory(e: BaseException) -> str:
     of dormouse but a request the card cannot honour, so no traceback (the run folder keeps
     its last checkpoint; `--resume auto` continues from it with the smaller setting)."""
     torch = sys.modules.get("torch")
-    if torch is None or not isinstance(e, torch.cuda.OutOfMemoryError):
+    if torch is None:
+        return ""
+    text = " ".join(str(e).split())
+    if isinstance(e, MemoryError) or (
+        isinstance(e, RuntimeError) and "DefaultCPUAllocator: can't allocate memory" in text
+    ):
+        asked = text.split("you tried to allocate ")[-1].split(".")[0] if "tried" in text else ""
+        return (
+            f"out of host memory{f' (tried to allocate {asked})' if asked else ''}: the model, "
+            f"its optimizer state or the batch does not fit this machine's RAM; lower --set "
+            f"batch or seq_len, or a smaller preset (`python -m dormouse plan PRESET` prints "
+            f"its parameters and state)"
+        )
+    if not isinstance(e, torch.cuda.OutOfMemoryError):
         return ""
     text = " ".join(str(e).split())
     # torch's message: "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has ..."

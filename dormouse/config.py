@@ -562,6 +562,10 @@ _SHAPE_MAX = 2**24
 _DIST_TIMEOUT_MAX = 7 * 24 * 3600
 #: The largest weight a run may ask for, in elements (4 TiB in fp32): no card holds it.
 _TENSOR_MAX = 2**40
+#: The most parameters a model may have, in elements (68.7B, 256 GiB in fp32: 69x b1, beyond
+#: the memory of any one machine dormouse trains on); a depth of 10^6 tiny layers passed every
+#: per-tensor bound and ran the build out of memory.
+_MODEL_MAX = 2**36
 
 
 def check_device(name: str, flag: str = "--device") -> str:
@@ -692,6 +696,18 @@ def validate(run: RunConfig) -> RunConfig:
             f"d_ffn = {m.n_experts}*{m.d_model}*{m.d_ffn}, engram_rows*engram_dim = "
             f"{m.engram_rows}*{m.engram_dim}): more than {_TENSOR_MAX:.3g}, beyond any card; "
             f"lower the sizes"
+        )
+    # a lower bound of the parameters: the experts (the MLP) and the mixers' projections of
+    # every layer, the Engram tables, the embedding (count_params: tiny 133,120 of 170,000)
+    ffn = 3 * m.n_experts if m.arch == "dormouse" else 2  # SwiGLU experts, or the GPT's MLP
+    least = (m.n_layers * (ffn * m.d_model * m.d_ffn + 4 * m.d_model * m.d_attn)
+             + (m.arch == "dormouse") * len(m.engram_orders) * m.engram_heads
+             * m.engram_rows * m.engram_dim + m.vocab * m.d_model)  # fmt: skip
+    if least > _MODEL_MAX:
+        raise ConfigError(
+            f"this model would have at least {least:.3g} parameters (n_layers={m.n_layers} of "
+            f"d_model={m.d_model}, d_ffn={m.d_ffn}), more than "
+            f"{_MODEL_MAX:.3g}: beyond any machine dormouse trains on; lower the sizes"
         )
     if not 0 <= t.muon_momentum < 1:
         raise ConfigError(

@@ -132,6 +132,7 @@ def test_preset_param_targets_listed():
         (["d_model=16777216"], "beyond any model"),
         (["n_experts=4096", "d_ffn=16777215"], "beyond any card"),
         (["engram_orders=2,3,2"], "repeats an order"),
+        (["n_layers=1000000"], "at least 1.15e\\+11 parameters"),  # was the build's OOM
     ],
 )
 def test_new_refusals(sets, needle):

@@ -67,6 +67,27 @@ def _refused(rc, err, *needles):
         assert n in lines[0], lines[0]
 
 
+@pytest.mark.parametrize("error", [
+    RuntimeError("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't "
+                 "allocate memory: you tried to allocate 131072 bytes. Error code 12"),
+    MemoryError(),
+])  # fmt: skip
+def test_out_of_host_memory_is_one_line_not_a_traceback(tmp_path, corpus, capsys, monkeypatch,
+                                                         error):  # fmt: skip
+    """A model too large for the RAM (10^5 layers under `ulimit -v`): the CPU allocator's
+    traceback. Injected where training starts."""
+    import dormouse.train.run as run_mod
+
+    def oom(*a, **k):
+        raise error
+
+    monkeypatch.setattr(run_mod, "train_run", oom)
+    rc, _, err = _train(capsys, corpus, tmp_path / "run")
+    _refused(rc, err, "out of host memory", "does not fit this machine's RAM", "--set batch")
+    if isinstance(error, RuntimeError):
+        assert "tried to allocate 131072 bytes" in err
+
+
 def test_out_of_device_memory_is_one_line_not_a_traceback(tmp_path, corpus, capsys, monkeypatch):
     """A card too small for the request (b1 at 32 x 2048 with reduce-overhead died in torch's
     traceback inside the optimizer's graph capture): one line, exit 2, with what torch tried
