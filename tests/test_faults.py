@@ -195,6 +195,18 @@ def test_export_into_another_run_folder_is_refused(tmp_path, trained):
     assert not (run / "model.pt").exists()
 
 
+def test_an_export_that_cannot_write_says_so_as_an_export(tmp_path, trained):
+    """A write failure under export said the run writer's escape ('pick another --out, then
+    --resume auto'), flags export does not have."""
+    run = copy_run(trained, tmp_path)
+    before = hashes(tmp_path, run)
+    p = dm("export", run, "--to", tmp_path / "model.pt", cwd=tmp_path, limit=LIMIT)
+    line = one_line(p, f"export could not write --to {tmp_path / 'model.pt'}", "ulimit -f",
+                    f"{run / 'ckpt.pt'} is untouched")  # fmt: skip
+    assert "--resume" not in line and "--out" not in line, line
+    assert not (tmp_path / "model.pt").exists() and hashes(tmp_path, run) == before
+
+
 def test_export_never_replaces_a_file_it_did_not_write(tmp_path, trained):
     """`export RUN --to notes.txt` (an existing file) overwrote it, exit 0."""
     run = copy_run(trained, tmp_path)
@@ -623,6 +635,14 @@ def test_tampered_checkpoint_entries_are_one_line(tmp_path, trained, entry, valu
              f"{run / 'ckpt.pt'}: {needle}", "resume from another checkpoint")  # fmt: skip
     one_line(dm("eval", sharded, "--device", "cpu", "--data", trained[1], cwd=tmp_path), needle)
     assert hashes(tmp_path, run, sharded.parent) == before
+
+
+def test_eval_and_sample_of_a_run_folder_name_its_checkpoints(tmp_path, trained):
+    """`eval RUN` said only that RUN is a directory."""
+    run = copy_run(trained, tmp_path)
+    for cmd in ("eval", "sample"):
+        one_line(dm(cmd, run, cwd=tmp_path), f"{run} is a directory, not a checkpoint file",
+                 f"pass one of its checkpoints: {run / 'best.pt'}, {run / 'ckpt.pt'}")  # fmt: skip
 
 
 def test_a_model_tensor_of_another_shape_is_one_line(tmp_path, trained):

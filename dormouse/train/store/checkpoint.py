@@ -303,10 +303,12 @@ def write_escape(e: OSError) -> str:
 def _write_failed(path: Path, step: int, e: OSError) -> CheckpointError:
     kept = ("the previous checkpoint there is untouched" if path.exists()
             else "no earlier checkpoint exists")  # fmt: skip
-    return CheckpointError(
+    err = CheckpointError(
         f"could not write {path} at step {step}: {write_error(e)}; the partial write was "
         f"removed and {kept}. {write_escape(e).capitalize()}, then --resume auto"
     )
+    err.os_error = e  # export words its own line from it
+    return err
 
 
 class _Recording:
@@ -777,10 +779,23 @@ def export_checkpoint(src: str | Path, dest: str | Path) -> Path:
                               f"folder, e.g. {above.parent / 'model.pt'}")  # fmt: skip
     ck = read_checkpoint(src)
     model, optim = (ck["model"], ck["optimizer"]) if "model" in ck else _full_state(ck, src)
-    return save_checkpoint(dest, run=ck["run"], model_state=model, optimizer_state=optim,
-                           step=ck["step"], data_state=ck.get("data"),
-                           data_fingerprint=ck.get("data_fingerprint"), rng=rank_rng(ck, 0),
-                           extra=ck.get("extra"), prune=False)  # fmt: skip
+    try:
+        return save_checkpoint(dest, run=ck["run"], model_state=model, optimizer_state=optim,
+                               step=ck["step"], data_state=ck.get("data"),
+                               data_fingerprint=ck.get("data_fingerprint"),
+                               rng=rank_rng(ck, 0), extra=ck.get("extra"),
+                               prune=False)  # fmt: skip
+    except CheckpointError as e:
+        cause = getattr(e, "os_error", None)
+        if cause is None:
+            raise
+        # the writer's line speaks of a run (--out, --resume auto); an export has neither
+        escape = ("raise the file size limit (ulimit -f unlimited)" if cause.errno == errno.EFBIG
+                  else "free space, or name a file in a folder this user can write")  # fmt: skip
+        raise CheckpointError(
+            f"export could not write --to {dest}: {write_error(cause)}; nothing is left there "
+            f"and {src} is untouched: {escape}"
+        ) from None
 
 
 def _load_failure(e: Exception) -> str:
@@ -809,7 +824,12 @@ def read_checkpoint(path: str | Path, mmap: bool = False) -> dict[str, Any]:
     if not path.exists():
         raise CheckpointError(f"no checkpoint at {path}; train first or pass the right path")
     if path.is_dir():
-        raise CheckpointError(f"{path} is a directory, not a checkpoint file")
+        held = sorted(p.name for p in path.glob("*.pt"))[:4]
+        raise CheckpointError(
+            f"{path} is a directory, not a checkpoint file"
+            + (f"; pass one of its checkpoints: {', '.join(str(path / n) for n in held)}"
+               if held else "")
+        )  # fmt: skip
     try:
         ck = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except Exception as e:
