@@ -500,7 +500,6 @@ def out_of_memory(e: BaseException) -> str:
         )
     if not isinstance(e, torch.cuda.OutOfMemoryError):
         return ""
-    text = " ".join(str(e).split())
     # torch's message: "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has ..."
     asked = text.removeprefix("CUDA out of memory.").strip().split(". ")[0].rstrip(".")
     held = ""
