@@ -237,9 +237,9 @@ def _greedy(model, ref, prompt: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     those logits' top two)."""
     from dormouse.model import sample
 
-    out = sample.generate(model, bytes(prompt.tolist()), T - PREFILL, temperature=0.0,
-                          row_len=T)  # fmt: skip
-    seq = torch.tensor([list(bytes(prompt.tolist()) + out)])
+    given = bytes(prompt.tolist())
+    out = sample.generate(model, given, T - PREFILL, temperature=0.0, row_len=T)
+    seq = torch.tensor([list(given + out)])
     with torch.no_grad():
         rlog, _, _ = ref.forward(seq, training=False)
     want = rlog[0, PREFILL - 1 : -1]  # the logits each output byte was drawn from

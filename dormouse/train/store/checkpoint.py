@@ -293,11 +293,11 @@ def write_error(e: OSError) -> str:
     return what
 
 
-def write_escape(e: OSError) -> str:
-    """What frees a write that failed with `e`."""
+def write_escape(e: OSError, elsewhere: str = "pick another --out") -> str:
+    """What frees a write that failed with `e`; `elsewhere`: where else it may write."""
     if e.errno == errno.EFBIG:
         return "raise the file size limit (ulimit -f unlimited)"
-    return "free space (or pick another --out)"
+    return f"free space (or {elsewhere})"
 
 
 def _write_failed(path: Path, step: int, e: OSError) -> CheckpointError:
@@ -790,8 +790,7 @@ def export_checkpoint(src: str | Path, dest: str | Path) -> Path:
         if cause is None:
             raise
         # the writer's line speaks of a run (--out, --resume auto); an export has neither
-        escape = ("raise the file size limit (ulimit -f unlimited)" if cause.errno == errno.EFBIG
-                  else "free space, or name a file in a folder this user can write")  # fmt: skip
+        escape = write_escape(cause, "name a file in a folder this user can write")
         raise CheckpointError(
             f"export could not write --to {dest}: {write_error(cause)}; nothing is left there "
             f"and {src} is untouched: {escape}"
