@@ -25,6 +25,9 @@ TRITON_DIR, TRITON_AUTOTUNE = "TRITON_CACHE_DIR", "TRITON_CACHE_AUTOTUNING"
 #: inductor's cache root (its FX-graph, AOTAutograd and autotune caches live under it; torch's
 #: default is /tmp/torchinductor_$USER, which a reboot or a tmp cleaner empties)
 INDUCTOR_DIR = "TORCHINDUCTOR_CACHE_DIR"
+#: fla's config-file lookup (read when fla is imported): strict = a kernel call whose exact key
+#: is in $FLA_CONFIG_DIR/<kernel>.json runs that config without tuning (model/fla_tuned.py)
+FLA_MODE = "FLA_CACHE_MODE"
 
 #: What place_kernel_caches set in this process (name -> value); empty when the user's won.
 _PLACED: dict[str, str] = {}
@@ -39,14 +42,16 @@ def cache_dir(env: MutableMapping[str, str] | None = None) -> Path:
 
 
 def place_kernel_caches(env: MutableMapping[str, str] | None = None) -> dict[str, str]:
-    """Point Triton's cache at <cache>/triton, turn on its autotune-result cache and point
-    inductor's at <cache>/inductor, each only where `env` (default os.environ) leaves it unset
-    or empty; returns what it set. Triton and inductor create the folders when they write."""
+    """Point Triton's cache at <cache>/triton, turn on its autotune-result cache, point
+    inductor's at <cache>/inductor and let fla read tuned configs (FLA_CACHE_MODE=strict), each
+    only where `env` (default os.environ) leaves it unset or empty; returns what it set.
+    Triton and inductor create the folders when they write."""
     env = os.environ if env is None else env
     want = {
         TRITON_DIR: str(cache_dir(env) / "triton"),
         TRITON_AUTOTUNE: "1",
         INDUCTOR_DIR: str(cache_dir(env) / "inductor"),
+        FLA_MODE: "strict",
     }
     placed = {k: v for k, v in want.items() if not env.get(k)}
     env.update(placed)

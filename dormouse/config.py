@@ -22,7 +22,7 @@ from .errors import UserError
 log = logging.getLogger(__name__)
 
 KdaImpl = Literal["auto", "torch", "fla"]
-MoeImpl = Literal["auto", "grouped", "batched", "triton"]
+MoeImpl = Literal["auto", "grouped", "batched", "dense", "triton"]
 Dtype = Literal["auto", "fp32", "bf16", "fp16"]  # auto: the device policy's (train/device.py)
 
 

@@ -28,7 +28,7 @@ SINGLE_CUDA = True
 B, T, AT = 3, 64, 37  # AT sits inside a KDA chunk (kda_chunk 16), not on a border
 SEED = 18
 MODES = {"dropless": 0.0, "cap1.0": 1.0, "cap0.5": 0.5}
-DISPATCH = ("grouped", "batched")
+DISPATCH = ("grouped", "batched", "dense")
 # small enough to keep the tiny model's activations O(1), large enough to carry signal
 WAKE_STD = 0.05
 
@@ -39,7 +39,7 @@ CLAIM = (
 INSTRUMENT = (f"tiny, {B} rows x {T} bytes, zero-init params and the LFB bias woken (std "
               f"{WAKE_STD}); byte {AT} of row 0 replaced: max |dlogit| over row 0 before {AT} and "
               f"over rows 1-2, per mixer arm (KDA's, attention) x MoE mode (dropless, capacity 1.0, 0.5) x dispatch "
-              f"(grouped, batched) x train/eval; controls: the logit at {AT} moves, capacity "
+              f"(grouped, batched, dense) x train/eval; controls: the logit at {AT} moves, capacity "
               f"modes drop")  # fmt: skip
 
 

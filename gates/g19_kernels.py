@@ -1,8 +1,8 @@
 """Gate 19: every kernel arm equals its slow, obviously-right twin in `references/`.
 
 No fleet. CPU: the chunked torch KDA arm vs `references/kda_naive.py` (fp32 forward on
-shapes that cross and pad chunks, fp64 gradients); the MoE dispatch arms (grouped where it
-runs, batched) vs `references/moe_dense.py` (dropless) and vs `references/moe_capacity.py`
+shapes that cross and pad chunks, fp64 gradients); the MoE arms (grouped where it
+runs, batched, dense) vs `references/moe_dense.py` (dropless) and vs `references/moe_capacity.py`
 (capacity 0.5 and 1.0: forward, drops, every gradient). cuda=True: the same MoE arms on the
 GPU (TF32 off, the fp64 reference on the CPU), the torch KDA arm on the GPU, and the fla arm
 vs kda_naive in fp32, and the fla arm's other mixer ops (the short conv + SiLU: fla's forward
@@ -224,7 +224,8 @@ def _moe_arms(device: str) -> list[str]:
     from dormouse.model.arms import why_not
 
     shape = {"d_model": D, "d_ffn": FF}
-    return [a for a in ("grouped", "batched") if not why_not("moe", a, device, shape=shape)]
+    arms = ("grouped", "batched", "dense")
+    return [a for a in arms if not why_not("moe", a, device, shape=shape)]
 
 
 # ---- the gate ------------------------------------------------------------------------------

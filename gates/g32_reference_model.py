@@ -41,7 +41,7 @@ CLAIM = (
     "draws from softmax(logits / T)"
 )
 
-#: (name, ModelConfig changes, fp64?): the CPU cases. fp64 needs the batched MoE arm.
+#: (name, ModelConfig changes, fp64?): the CPU cases. fp64 needs the batched or dense MoE arm.
 CPU_CASES = (
     ("batched dropless train", {"moe_impl": "batched", "dropout": 0.1, "moe_lb_coef": 0.01}, True),
     (
@@ -70,6 +70,11 @@ CPU_CASES = (
         False,
     ),
     ("grouped cap0.7 fp32", {"moe_impl": "grouped", "moe_capacity": 0.7}, False),
+    (
+        "dense cap0.7 train",
+        {"moe_impl": "dense", "moe_capacity": 0.7, "dropout": 0.1, "moe_lb_coef": 0.01},
+        True,
+    ),
     (
         "batched hybrid attention 2 layers train",
         {
@@ -286,7 +291,7 @@ def cuda_cases() -> list[tuple[str, dict]]:
     fla = not why_not("kda", "fla", "cuda", shape={"head_dim": 16})
     moe = [
         a
-        for a in ("grouped", "batched")
+        for a in ("grouped", "batched", "dense")
         if not why_not("moe", a, "cuda", shape={"d_model": 64, "d_ffn": 128})
     ]
     train = {"dropout": 0.1, "moe_lb_coef": 0.01}

@@ -4,6 +4,7 @@ folder unless the user placed it, the first fla call per shape announced and tim
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import subprocess
@@ -27,9 +28,11 @@ def test_placement_fills_only_what_the_user_left_unset(tmp_path):
         "TRITON_CACHE_DIR": str(tmp_path / "triton"),
         "TRITON_CACHE_AUTOTUNING": "1",
         "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"),
+        "FLA_CACHE_MODE": "strict",
     }
     mine = {"DORMOUSE_CACHE": str(tmp_path), "TRITON_CACHE_DIR": "/mine",
-            "TRITON_CACHE_AUTOTUNING": "0", "TORCHINDUCTOR_CACHE_DIR": "/ind"}  # fmt: skip
+            "TRITON_CACHE_AUTOTUNING": "0", "TORCHINDUCTOR_CACHE_DIR": "/ind",
+            "FLA_CACHE_MODE": "disabled"}  # fmt: skip
     assert cache.place_kernel_caches(mine) == {}
     assert mine["TRITON_CACHE_DIR"] == "/mine" and mine["TRITON_CACHE_AUTOTUNING"] == "0"
     empty = {"TRITON_CACHE_DIR": "", "HOME": str(tmp_path)}  # empty = unset, as for Triton
@@ -149,3 +152,43 @@ def test_warm_runs_a_step_and_an_eval_per_shape(monkeypatch, capsys):
         ["4 x 64", "eval forward"],
     ]
     assert all(float(r[5]) >= 0 for r in rows) and "kernel cache: " in out
+
+
+def test_shipped_fla_configs_seed_the_cache_folder_and_the_users_entries_win(
+    tmp_path, monkeypatch, caplog
+):
+    """point_at merges dormouse's shipped winners for the card into <cache>/fla-configs/<card>
+    (an entry already there is kept), points FLA_CONFIG_DIR at it once, and leaves a user's
+    FLA_CONFIG_DIR alone; a card with none shipped is said and left to fla's tuning."""
+    from dormouse.model import fla_tuned
+
+    shipped = tmp_path / "shipped" / "NVIDIA_H100_80GB_HBM3"
+    shipped.mkdir(parents=True)
+    entry = lambda w: {"autotune_key": [4, 64], "config": {"kwargs": {}, "num_warps": w}}
+    (shipped / "k.json").write_text(
+        json.dumps({"autotune_entries": {"a": entry(4), "b": entry(8)}})
+    )
+    monkeypatch.setattr(fla_tuned, "SHIPPED", shipped.parent)
+    monkeypatch.setenv("DORMOUSE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("FLA_CONFIG_DIR", raising=False)
+    dest = fla_tuned.folder_for("NVIDIA H100 80GB HBM3")
+    dest.mkdir(parents=True)
+    (dest / "k.json").write_text(json.dumps({"autotune_entries": {"a": entry(2)}}))
+    monkeypatch.setattr(fla_tuned, "_POINTED", [])
+    with caplog.at_level(logging.INFO):
+        fla_tuned.point_at("NVIDIA H100 80GB HBM3")
+        fla_tuned.point_at("another card")  # once per process
+    assert os.environ["FLA_CONFIG_DIR"] == str(dest)
+    got = json.loads((dest / "k.json").read_text())["autotune_entries"]
+    assert got["a"]["config"]["num_warps"] == 2 and got["b"]["config"]["num_warps"] == 8
+    assert "1 entries added" in caplog.text
+    monkeypatch.setattr(fla_tuned, "_POINTED", [])
+    monkeypatch.setenv("FLA_CONFIG_DIR", "/mine")
+    fla_tuned.point_at("NVIDIA H100 80GB HBM3")
+    assert os.environ["FLA_CONFIG_DIR"] == "/mine"
+    monkeypatch.delenv("FLA_CONFIG_DIR")
+    monkeypatch.setattr(fla_tuned, "_POINTED", [])
+    caplog.clear()
+    with caplog.at_level(logging.INFO):
+        fla_tuned.point_at("GeForce GTX 1650")
+    assert "FLA_CONFIG_DIR" not in os.environ and "none for GeForce GTX 1650" in caplog.text

@@ -31,7 +31,7 @@ D, FF, E, K, R = 16, 32, 4, 2, 8
 # far below any routing or gating mistake (those move outputs by O(0.1)).
 ATOL, RTOL = 2e-5, 1e-4
 
-ARMS = ["grouped", "batched"]
+ARMS = ["grouped", "batched", "dense"]
 
 
 def cfg_of(**kw) -> ModelConfig:
@@ -188,14 +188,31 @@ def test_grouped_refusal_and_auto_fallback(caplog):
     ],
 )
 def test_auto_policy_on_cuda(sm, dtype, grouped):
-    """auto takes grouped on CUDA only where the fused kernel exists (bf16, sm_90/sm_100)."""
-    m = make(moe_impl="auto")
+    """auto takes grouped on CUDA only where the fused kernel exists (bf16, sm_90/sm_100), for
+    an MoE too wide for the dense arm."""
+    m = make(moe_impl="auto", d_ffn=arms.DENSE_MAX_WIDTH // E + 16)
     assert m.arm(Card("cuda", sm, "card"), dtype).name == ("grouped" if grouped else "batched")
     assert m.arm(Card("cpu", name="cpu"), torch.float32).name == "grouped"
     m.impl = "grouped"  # pinned: runs wherever the grouped matmul does (sm_80+ on torch 2.9+)
     assert m.arm(Card("cuda", sm, "card", torch_version=(2, 9)), dtype).name == "grouped"
     with pytest.raises(ArmError, match="sm_75"):
         m.arm(Card("cuda", (7, 5), "card"), dtype)
+
+
+@pytest.mark.parametrize("sm", [(7, 5), (9, 0), (12, 0)])
+def test_auto_takes_dense_for_narrow_moes_on_cuda_only(sm, caplog):
+    """n_experts * d_ffn <= DENSE_MAX_WIDTH: every expert on every token on any CUDA card and
+    dtype (fp16 on sm_75 too), never on the CPU; one wider is the dispatch rule's, and the
+    verdict names what it read."""
+    narrow = make(moe_impl="auto", d_ffn=arms.DENSE_MAX_WIDTH // E)
+    wide = make(moe_impl="auto", d_ffn=arms.DENSE_MAX_WIDTH // E + 16)
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        arm = narrow.arm(Card("cuda", sm, "card"), dtype)
+        assert arm.name == "dense" and f"n_experts*d_ffn={arms.DENSE_MAX_WIDTH}" in arm.reason
+        assert wide.arm(Card("cuda", sm, "card"), dtype).name != "dense"
+    assert narrow.arm(Card("cpu", name="cpu"), torch.float32).name == "grouped"
+    narrow.impl = "dense"  # pinned: runs everywhere
+    assert narrow.arm(Card("cpu", name="cpu"), torch.float64).name == "dense"
 
 
 def test_triton_refused_with_escape():

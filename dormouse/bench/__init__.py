@@ -1,7 +1,7 @@
 """`python -m dormouse bench {step,profile,optim,...}`: benchmarks that print a table, never tests.
 
 Owns the command and what its sub-benchmarks (step.py, profile.py, optim.py, memory.py, shards.py,
-fleet.py, warm.py, kernels.py, race.py: each adds its flags and returns its report; no sub-command means
+fleet.py, warm.py, kernels.py, race.py, moe.py: each adds its flags and returns its report; no sub-command means
 step) share: the machine lines, the timer, the table, --out, and a preset's model and training
 step built as `train` builds them (common.py). step's own helpers: flops.py (the FLOPs beyond
 6N, the measured matmul peak) and parts.py (the step's parts timed alone).
@@ -21,20 +21,20 @@ log = logging.getLogger(__name__)
 
 
 def _parser() -> argparse.ArgumentParser:
-    from . import fleet, kernels, memory, optim, profile, race, shards, step, warm
+    from . import fleet, kernels, memory, moe, optim, profile, race, shards, step, warm
 
     ap = argparse.ArgumentParser(
         prog="dormouse bench", description=__doc__.splitlines()[0],
         epilog="No sub-command runs step: `dormouse bench [PRESET ...] [flags]`.")  # fmt: skip
     sub = ap.add_subparsers(
-        dest="bench", metavar="{step,profile,optim,memory,shards,fleet,warm,kernels,race}"
+        dest="bench", metavar="{step,profile,optim,memory,shards,fleet,warm,kernels,race,moe}"
     )
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     common.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="override a config field, as in train")  # fmt: skip
     common.add_argument("--out", help="also write the markdown report to this file")
-    for mod in (step, profile, optim, memory, shards, fleet, warm, kernels, race):
+    for mod in (step, profile, optim, memory, shards, fleet, warm, kernels, race, moe):
         first = mod.__doc__.splitlines()[0]  # "name: what it measures"
         p = sub.add_parser(first.split(":")[0], parents=[common], help=first.split(": ", 1)[1],
                            description=first)  # fmt: skip
@@ -44,7 +44,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main_bench(argv: list[str]) -> int:
-    """`python -m dormouse bench [step|profile|optim|memory|shards|fleet|warm|kernels|race]
+    """`python -m dormouse bench [step|profile|optim|memory|shards|fleet|warm|kernels|race|moe]
     [flags]`: print (and --out) a report."""
     argv = list(argv[1:] if argv[:1] == ["--"] else argv)
     if not argv or argv[0] not in (
@@ -57,6 +57,7 @@ def main_bench(argv: list[str]) -> int:
         "warm",
         "kernels",
         "race",
+        "moe",
         "-h",
         "--help",
     ):

@@ -1,8 +1,9 @@
 """warm: fill the kernel caches (Triton's kernels, fla's autotune results, inductor's compiled step) for a preset's training shapes.
 
-fla's KDA kernels autotune for each new shape on their first call (178-209 s on a fresh H200,
-issue #16); with the cache under dormouse's folder (dormouse/cache.py) a later process reads
-the winners back. This builds each preset's model and optimizer on the device as `train` does
+fla's KDA kernels autotune for each new shape on their first call (178-209 s on a fresh H200);
+with the cache under dormouse's folder (dormouse/cache.py) a later process reads the winners
+back, and on CUDA this writes them as fla's config files into <cache>/fla-configs/<card>
+(model/fla_tuned.py), which another machine of the same kind can be given. This builds each preset's model and optimizer on the device as `train` does
 and runs one training step (forward, backward, optimizer) at the micro-batch shape a run of
 this config uses (compiled as `train` compiles it: compile=auto on CUDA), and one evaluation
 forward at the eval shape, each timed. Where no Triton kernel would run and nothing compiles
@@ -19,6 +20,7 @@ import logging
 import torch
 
 from ..config import preset_names
+from ..model import fla_tuned
 from ..model.model import mixer_impl
 from .common import (
     BenchError,
@@ -107,7 +109,14 @@ def run(args, command: str) -> str:
         model = step = None  # this preset's memory goes before the next one's build
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    notes = [kernel_cache_line(),
+    notes = [kernel_cache_line()]
+    if device.type == "cuda":
+        folder = fla_tuned.folder_for(torch.cuda.get_device_name(device))
+        kernels, added = fla_tuned.save(folder)
+        notes.append(f"fla's tuned configs: {kernels} kernels, {added} new entries written to "
+                     f"{folder} (FLA_CONFIG_DIR there: a machine given a copy skips the "
+                     "tuning for these keys)")  # fmt: skip
+    notes += [
              "A second run of this command shows the cached times: what it saves a training run "
              "before its first step. Other shapes (another --batch or --seq, a fleet rank's "
              "own micro-batch, `dormouse eval`'s last short window) tune on their first call.",

@@ -20,6 +20,7 @@ import torch
 
 from dormouse.config import KdaImpl, ModelConfig, MoeImpl
 from dormouse.errors import UserError
+from dormouse.model import fla_tuned
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +38,12 @@ GROUPED_FALLBACK_TORCH = (2, 9)
 GROUPED_MIN_SM = (8, 0)
 GROUPED_FUSED_MAJORS = (9, 10)
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what both fast arms take
+
+#: `moe_impl=auto` computes every expert on every token (the dense arm: a few large matmuls in
+#: place of a sort, gathers and a grouped matmul per call) on CUDA where the experts' summed
+#: width n_experts * d_ffn is at most this (bench moe, docs/performance.md: the dense arm
+#: measured faster up to here and slower past it on an H100).
+DENSE_MAX_WIDTH = 2048
 
 _REQUESTS = {"kda": typing.get_args(KdaImpl), "moe": typing.get_args(MoeImpl)}
 #: kind -> (the arm that runs on every device and dtype, the fast arm, the first in words)
@@ -95,7 +102,9 @@ def card_of(device: torch.device | str | Card) -> Card:
     if device.type != "cuda":
         return Card(device.type, name=str(device), fla=_fla_missing(False))
     sm = tuple(torch.cuda.get_device_capability(device))
-    return Card("cuda", sm, torch.cuda.get_device_name(device), fla=_fla_missing(True))
+    name = torch.cuda.get_device_name(device)
+    fla_tuned.point_at(name)  # before fla's first kernel call reads FLA_CONFIG_DIR
+    return Card("cuda", sm, name, fla=_fla_missing(True))
 
 
 def _sm(sm: tuple[int, int]) -> str:
@@ -154,6 +163,17 @@ def _grouped_slow(card: Card, dtype: torch.dtype) -> str | None:
             f"(this is {str(dtype).replace('torch.', '')} on {_sm(card.sm)})")  # fmt: skip
 
 
+def _dense_fits(card: Card, shape: Mapping[str, int]) -> str | None:
+    """Why `auto` computes every expert on every token here, or None. On CUDA a narrow MoE's
+    dispatch (a sort, gathers, a grouped matmul and their backward per call) costs more in
+    kernel launches than the E/k-fold matmul work of the dense arm; off CUDA the arithmetic
+    is what costs, so the dispatch stays."""
+    width = shape.get("n_experts", 0) * shape.get("d_ffn", 0)
+    if card.type != "cuda" or not 0 < width <= DENSE_MAX_WIDTH:
+        return None
+    return f"n_experts*d_ffn={width} <= {DENSE_MAX_WIDTH} on CUDA: every expert on every token"
+
+
 def check_request(kind: str, request: str) -> None:
     """Refuse what no device runs: a value that names no arm, or an arm not built."""
     if request not in _REQUESTS[kind]:
@@ -162,13 +182,14 @@ def check_request(kind: str, request: str) -> None:
         raise ArmError(
             "moe_impl=triton: this build of dormouse has no Triton MoE arm; use --set "
             "moe_impl=grouped (torch grouped matmul: CUDA sm_80+, CPU torch >= 2.9), "
-            "moe_impl=batched (runs everywhere) or moe_impl=auto (picks between them)"
+            "moe_impl=batched (runs everywhere), moe_impl=dense (every expert on every token, "
+            "runs everywhere) or moe_impl=auto (picks between them)"
         )
 
 
 def why_not(kind: str, arm: str, device, dtype=torch.float32, shape=None) -> str | None:
     """None when `arm` runs on `device` at `dtype` (and `shape`), else why not."""
-    if arm == _ARMS[kind][0]:
+    if arm == _ARMS[kind][0] or (kind, arm) == ("moe", "dense"):
         return None
     blockers = _fla_blockers if kind == "kda" else _grouped_blockers
     return "; ".join(blockers(card_of(device), dtype, shape or {})) or None
@@ -183,14 +204,15 @@ def choose_arm(
 ) -> Arm:
     """The arm `request` runs for `kind` ("kda" | "moe") on `device` at compute `dtype`.
 
-    `shape` holds the dims that matter: head_dim (KDA), d_model and d_ffn (MoE); a dim left
-    out is not checked. ArmError for a pinned arm that cannot run here.
+    `shape` holds the dims that matter: head_dim (KDA), d_model, d_ffn and n_experts (MoE); a
+    dim left out is not checked (without n_experts `auto` does not weigh the dense arm).
+    ArmError for a pinned arm that cannot run here.
     """
     check_request(kind, request)
     card, (safe, fast, safe_text) = card_of(device), _ARMS[kind]
     said = f"{kind}_impl={request}"
-    if request == safe:
-        return Arm(safe, f"{said} (pinned) on {card.label}")
+    if request == safe or (kind, request) == ("moe", "dense"):  # both run everywhere
+        return Arm(request, f"{said} (pinned) on {card.label}")
     shape = shape or {}
     why = why_not(kind, fast, card, dtype, shape)
     reading = " ".join(
@@ -201,8 +223,11 @@ def choose_arm(
     if request == fast and why:
         raise ArmError(f"{said} cannot run here: {why} [{reading}]; use --set {kind}_impl="
                        f"{safe} ({safe_text}) or {kind}_impl=auto")  # fmt: skip
-    if request == "auto" and not why and kind == "moe":
-        why = _grouped_slow(card, dtype)
+    if request == "auto" and kind == "moe":
+        dense = _dense_fits(card, shape)
+        if dense:
+            return Arm("dense", f"{said}: {reading}; {dense} -> dense")
+        why = why or _grouped_slow(card, dtype)
     arm = safe if why else fast
     return Arm(arm, f"{said}: {reading}{f'; {why}' if why else ''} -> {arm}")
 
@@ -210,9 +235,15 @@ def choose_arm(
 def require_arms(cfg: ModelConfig, device, dtype: torch.dtype = torch.float32) -> tuple[Arm, Arm]:
     """(KDA arm, MoE arm) a model of `cfg` runs on `device` at `dtype`: what the CLI asks before
     training, so a pinned arm that cannot run is refused (ArmError) before any step."""
-    return (choose_arm("kda", cfg.kda_impl, device, dtype, {"head_dim": cfg.head_dim}),
-            choose_arm("moe", cfg.moe_impl, device, dtype,
-                       {"d_model": cfg.d_model, "d_ffn": cfg.d_ffn}))  # fmt: skip
+    return (
+        choose_arm("kda", cfg.kda_impl, device, dtype, {"head_dim": cfg.head_dim}),
+        choose_arm("moe", cfg.moe_impl, device, dtype, moe_shape(cfg)),
+    )
+
+
+def moe_shape(cfg: ModelConfig) -> dict[str, int]:
+    """The MoE dims the arm rule reads."""
+    return {"d_model": cfg.d_model, "d_ffn": cfg.d_ffn, "n_experts": cfg.n_experts}
 
 
 _SAID: set[str] = set()

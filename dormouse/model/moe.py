@@ -21,8 +21,14 @@ Dispatch arms (`moe_impl`):
   batched  scatter the assignments into a zero-padded [E, P+1, D] buffer and run `bmm`;
            works for every device and dtype (fp64 too). P = the largest expert load
            (dropless; one host sync) or rows * cap (capacity: each row owns cap slots).
+  dense    every expert on every token: one matmul for all experts' gate and up projections,
+           the SwiGLU scaled by a [N, E] weight that is the gate where the token picked the
+           expert and zero elsewhere, one matmul down. The same function and gradient (a zero
+           weight passes nothing either way) in ~6 kernels instead of sorts, gathers and
+           copies; E/k times the experts' arithmetic. No sort, no host sync.
   triton   not built: refused at construction, naming the arms that exist.
-  auto     grouped where it runs AND is the fast choice, else batched; the rule is
+  auto     dense on CUDA for narrow MoEs (n_experts * d_ffn <= arms.DENSE_MAX_WIDTH), else
+           grouped where it runs AND is the fast choice, else batched; the rule is
            `dormouse.model.arms`', and each distinct verdict is logged once.
 
 Capacity (`moe_capacity > 0`): a ROW (h[b] of an input [B, T, D]; a 2-D input [N, D] is one
@@ -99,6 +105,20 @@ def _experts_grouped(xs, counts, w1, w3, w2):
     return _GMM(h, w2, offs=offs)
 
 
+def _experts_dense(x, weight, w1, w3, w2):
+    """x [N, D], weight [N, E] (a token's gate for the experts it picked, 0 elsewhere) -> [N, D].
+
+    sum_e weight[:, e] * swiglu_e(x) with every expert applied to every row: the gate and up
+    projections of all E experts are one [D, E*2F] matmul, the down projections one [E*F, D]
+    matmul over the weighted activations. A zero weight zeroes that expert's share of the
+    output and of every gradient, so the result is the dispatch arms' function."""
+    n, (E, D, F_) = x.shape[0], w1.shape
+    w13 = torch.cat([w1, w3], dim=2).transpose(0, 1).reshape(D, E * 2 * F_)
+    a, b = (x @ w13).view(n, E, 2, F_).unbind(2)
+    h = F.silu(a) * b * weight.to(x.dtype).unsqueeze(-1)
+    return h.reshape(n, E * F_) @ w2.reshape(E * F_, D)
+
+
 def _experts_batched(xs, slot, n_experts, width, w1, w3, w2):
     """xs [A, D] (dropped rows already zero), slot [A] into a [E, width, D] buffer -> [A, D].
 
@@ -133,10 +153,11 @@ def _experts_dropless_batched(xs, counts, e_sorted, n_experts, w1, w3, w2):
 
 
 @torch.compiler.assume_constant_result
-def _arm_name(impl: str, d_model: int, d_ffn: int, device: torch.device, dtype: torch.dtype) -> str:
+def _arm_name(impl: str, d_model: int, d_ffn: int, n_experts: int, device: torch.device,
+              dtype: torch.dtype) -> str:  # fmt: skip
     """MoE.arm's name, announced. A compiled graph calls this once while tracing and keeps the
     answer (asking the card for its name and capability inside the graph would split it)."""
-    shape = {"d_model": d_model, "d_ffn": d_ffn}
+    shape = {"d_model": d_model, "d_ffn": d_ffn, "n_experts": n_experts}
     return announce(choose_arm("moe", impl, device, dtype, shape)).name
 
 
@@ -286,7 +307,7 @@ class MoE(nn.Module):
 
     def arm(self, device, dtype: torch.dtype) -> Arm:
         """The dispatch arm on `device` (a torch device or a described `arms.Card`) at `dtype`."""
-        shape = {"d_model": self.d_model, "d_ffn": self.d_ffn}
+        shape = {"d_model": self.d_model, "d_ffn": self.d_ffn, "n_experts": self.n_experts}
         return choose_arm("moe", self.impl, device, dtype, shape)
 
     # ---- forward -----------------------------------------------------------------
@@ -340,27 +361,31 @@ class MoE(nn.Module):
         n, k, E = x.shape[0], self.topk, self.n_experts
         a = n * k
         dev = x.device
-        order = torch.sort(flat_e, stable=True).indices
-        e_sorted = flat_e[order]
-
         if torch.is_autocast_enabled(dev.type):
             cdt = torch.get_autocast_dtype(dev.type)
         else:
             cdt = x.dtype
+        arm = _arm_name(self.impl, self.d_model, self.d_ffn, E, dev, cdt)
+        if place is not None:  # a dropped assignment passes nothing
+            flat_g = torch.where(place < width, flat_g, torch.zeros((), device=dev))
+        w1, w3, w2 = (w.to(cdt) for w in (self.w1, self.w3, self.w2))
+        if arm == "dense":
+            # picked experts are distinct per token, so a scatter (not an add) places the gates
+            weight = flat_g.new_zeros(n, E).scatter(1, flat_e.view(n, k), flat_g.view(n, k))
+            return at_least_fp32(_experts_dense(x.to(cdt), weight, w1, w3, w2))
+        order = torch.sort(flat_e, stable=True).indices
+        e_sorted = flat_e[order]
         inv = torch.empty_like(order)
         inv[order] = torch.arange(a, device=dev)
         # sorted slot j holds assignment order[j] of token order[j] // k; token t's k
         # assignments sit at slots inv[t*k : t*k+k]
         xs = _GatherRows.apply(x, order // k, inv, k).to(cdt)
-        gates = flat_g
         if place is not None:
-            gates = torch.where(place < width, flat_g, torch.zeros((), device=dev))
             place = place[order]
             keep = place < width
             xs = torch.where(keep[:, None], xs, torch.zeros((), dtype=cdt, device=dev))
 
-        w1, w3, w2 = (w.to(cdt) for w in (self.w1, self.w3, self.w2))
-        if _arm_name(self.impl, self.d_model, self.d_ffn, dev, cdt) == "grouped":
+        if arm == "grouped":
             grouped = _experts_grouped if dev.type == "cuda" else _experts_grouped_eager
             ys = grouped(xs, counts, w1, w3, w2)
         elif place is None:
@@ -373,7 +398,7 @@ class MoE(nn.Module):
 
         # Undo the sort (a permutation: gather, not scatter) and sum each token's k
         # contributions in a fixed order, so the forward is deterministic on any device.
-        contrib = at_least_fp32(_GatherRows.apply(ys, inv, order, 1)) * gates[:, None]
+        contrib = at_least_fp32(_GatherRows.apply(ys, inv, order, 1)) * flat_g[:, None]
         return contrib.view(n, k, self.d_model).sum(1)
 
     # ---- LFB controller ------------------------------------------------------------

@@ -146,6 +146,19 @@ MUTATIONS: list[Mutation] = [
         scope="process",
     ),
     Mutation(
+        "dense_moe_gate_up_swapped",
+        "the dense MoE arm stacks each expert's up projection where its gate belongs: "
+        "silu(x @ w3) * (x @ w1)",
+        (
+            (
+                "dormouse.model.moe:_experts_dense",
+                lambda orig: lambda x, weight, w1, w3, w2: orig(x, weight, w3, w1, w2),
+            ),
+        ),
+        ("g19_kernels",),
+        scope="process",
+    ),
+    Mutation(
         "moe_backward_first_copy_only",
         "the MoE dispatch's backward reads back only each token's first assignment: the "
         "gradient into a token misses its other k-1 experts' shares",
