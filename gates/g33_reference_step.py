@@ -155,6 +155,7 @@ CASES = (
             "val_bytes=0",
             "val_frac=0.2185",
         ),
+        stop_at=2,  # the checkpoint right after the tie holds best step 1, since-best 1
         poison=1,
     ),
 )
