@@ -10,6 +10,7 @@ gate lines (between its status markers, from the same records), exit 1 on a FAIL
                                         that must catch it, write docs/mutations.md
     python -m gates --mutations NAME..  only these mutations (the table is not written)
     python -m gates --mutations --jobs 2    the pairs in 2 worker processes
+    python -m gates --mutations NAME.. --merge   only these, their rows merged into the table
 """
 
 from __future__ import annotations
@@ -78,6 +79,11 @@ def main(argv: list[str] | None = None) -> int:
         "(each pair's fleets still spawn their ranks; 2 on a 2-core box: ~2x)",
     )
     p.add_argument(
+        "--merge",
+        action="store_true",
+        help="--mutations NAME..: replace (or add) these rows in docs/mutations.md, keep the rest",
+    )
+    p.add_argument(
         "--out",
         default=str(ROOT / "docs" / "status.md"),
         help="where the status table goes (written only when every gate ran)",
@@ -86,7 +92,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.jobs < 1 or (args.jobs > 1 and not args.mutations):
         p.error(f"--jobs {args.jobs}: a count >= 1 of worker processes for --mutations")
     if args.mutations:
-        return run_mutations(args.only, ROOT / "docs" / "mutations.md", jobs=args.jobs)
+        return run_mutations(args.only, ROOT / "docs" / "mutations.md", jobs=args.jobs,
+                             merge=args.merge)  # fmt: skip
     unknown = [g for g in args.only if g not in GATES]
     if unknown:
         p.error(f"unknown gate(s) {unknown}; choose from {GATES}")
@@ -141,14 +148,14 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if failed else 0
 
 
-def run_mutations(only: list[str], out: Path, jobs: int = 1) -> int:
+def run_mutations(only: list[str], out: Path, jobs: int = 1, merge: bool = False) -> int:
     import concurrent.futures
     import multiprocessing
     import os
     import tempfile
 
     from gates.mutation_list import BY_NAME, MUTATIONS
-    from gates.mutations import run_named, run_one, write_table
+    from gates.mutations import merge_rows, read_table, run_named, run_one, write_table
 
     unknown = [n for n in only if n not in BY_NAME]
     if unknown:
@@ -183,9 +190,9 @@ def run_mutations(only: list[str], out: Path, jobs: int = 1) -> int:
     print(f"\n{len(rows) - len(bad)}/{len(rows)} caught in {time.perf_counter() - t0:.0f} s"
           + (f"; NOT caught: {', '.join(r['mutation'] + '->' + r['gate'] for r in bad)}"
              if bad else ""))  # fmt: skip
-    if not only:
-        write_table(rows, out)
-        print(f"mutation table written to {out}")
+    if not only or merge:
+        write_table(merge_rows(read_table(out), rows) if only else rows, out)
+        print(f"mutation table written to {out}" + (" (these rows merged)" if only else ""))
     scratch.cleanup()
     return 1 if bad else 0
 

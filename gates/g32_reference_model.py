@@ -76,6 +76,13 @@ CPU_CASES = (
         True,
     ),
     (
+        # decoding past the training window: 32 bytes through a window of 12, so attention
+        # slides (and RoPE's positions pass max_seq_len) while KDA's state runs on
+        "batched hybrid attention past the window",
+        {"moe_impl": "batched", "n_layers": 2, "attn_every": 2, "max_seq_len": 12},
+        True,
+    ),
+    (
         "batched hybrid attention 2 layers train",
         {
             "moe_impl": "batched",
@@ -181,22 +188,34 @@ def perturbed(cfg, seed: int, device: str, dtype: torch.dtype):
     return model.to(device)
 
 
+def _inputs(cfg, seed: int, training: bool):
+    """x, y [B, T] random bytes; the dropout keys of step 3 (the model's from dormouse's
+    row_keys, the reference's from its own formula), or None; the training window's length
+    (at most max_seq_len: decoding alone runs past it)."""
+    from dormouse.model.layers import row_keys
+    from references.model import row_keys as ref_row_keys
+
+    gen = torch.Generator().manual_seed(seed + 2)
+    x = torch.randint(0, 256, (B, T), generator=gen)
+    y = torch.randint(0, 256, (B, T), generator=gen)
+    keys = rkeys = None
+    if training and cfg.dropout > 0:
+        keys, rkeys = row_keys(seed, 3, torch.arange(B)), ref_row_keys(seed, 3, range(B))
+    return x, y, keys, rkeys, min(T, cfg.max_seq_len)
+
+
 def compare(cfg, device: str, dtype: torch.dtype, training: bool, seed: int = 7) -> dict:
     """The model (device, dtype) against the fp64 reference on the CPU: the errors."""
-    from dormouse.model.layers import row_keys
     from references.model import ReferenceModel
 
     model = perturbed(cfg, seed, device, dtype)
     state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
-    gen = torch.Generator().manual_seed(seed + 2)
-    x = torch.randint(0, 256, (B, T), generator=gen)
-    y = torch.randint(0, 256, (B, T), generator=gen)
-    keys = row_keys(seed, 3, torch.arange(B)) if training and cfg.dropout > 0 else None
+    x, y, keys, rkeys, n = _inputs(cfg, seed, training)
     model.train(training)
-    logits, loss, _ = model(x.to(device), y.to(device), keys=keys)
+    logits, loss, _ = model(x[:, :n].to(device), y[:, :n].to(device), keys=keys)
     loss.backward()
     ref = ReferenceModel(cfg, state)
-    rlogits, rloss, aux = ref.forward(x, y, training=training, keys=keys)
+    rlogits, rloss, aux = ref.forward(x[:, :n], y[:, :n], training=training, keys=rkeys)
     rloss.backward()
     grads = []
     for n, p in model.named_parameters():
@@ -215,7 +234,7 @@ def compare(cfg, device: str, dtype: torch.dtype, training: bool, seed: int = 7)
     # must give the logits the reference's whole eval-mode forward gives at each position.
     model.eval()
     with torch.no_grad():
-        rlog_eval, _, _ = ref.forward(x, training=False)
+        rlog_eval, _, _ = ref.forward(x, training=False, window=cfg.max_seq_len)
         cache = model.init_cache(row_len=T)
         xd = x.to(device)
         steps = [model.step(xd[:, :PREFILL], cache)]
@@ -246,10 +265,64 @@ def _greedy(model, ref, prompt: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     out = sample.generate(model, given, T - PREFILL, temperature=0.0, row_len=T)
     seq = torch.tensor([list(given + out)])
     with torch.no_grad():
-        rlog, _, _ = ref.forward(seq, training=False)
+        rlog, _, _ = ref.forward(seq, training=False, window=model.cfg.max_seq_len)
     want = rlog[0, PREFILL - 1 : -1]  # the logits each output byte was drawn from
     top2 = want.topk(2, -1).values
     return torch.tensor(list(out)) == want.argmax(-1), top2[:, 0] - top2[:, 1]
+
+
+#: The GPT baseline's case: tiny's widths, 2 layers, a table of 16 positions; decoding runs
+#: the same 32 bytes through it, so the window slides (references/gpt.py: decode_windows).
+GPT_CASE = {"arch": "gpt", "n_layers": 2, "max_seq_len": 16, "dropout": 0.1}
+
+
+def gpt_compare(cfg, seed: int = 7) -> dict:
+    """The GPT baseline in fp64 against references/gpt.py: training forward (keyed dropout),
+    loss, every gradient (the tied head's reaches the embedding), decoding byte by byte
+    past max_seq_len and sample.generate at T = 0."""
+    from dormouse.model import sample
+    from dormouse.model.gpt import GPT
+    from references.gpt import ReferenceGPT
+
+    torch.manual_seed(seed)
+    model = GPT(cfg).double()
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=gen, dtype=torch.float64) * 0.05)
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    x, y, keys, rkeys, n = _inputs(cfg, seed, True)
+    model.train()
+    logits, loss, _ = model(x[:, :n], y[:, :n], keys=keys)
+    loss.backward()
+    ref = ReferenceGPT(cfg, state)
+    rlogits, rloss = ref.forward(x[:, :n], y[:, :n], training=True, keys=rkeys)
+    rloss.backward()
+    grads = []
+    for name, p in model.named_parameters():
+        r = ref.params[name].grad
+        grads.append((float((p.grad - r).abs().max() / r.abs().max()), name))
+    model.eval()
+    chunks = [PREFILL] + [1] * (T - PREFILL)
+    with torch.no_grad():
+        cache = model.init_cache(row_len=T)
+        steps, at = [], 0
+        for c in chunks:
+            steps.append(model.step(x[:, at : at + c], cache))
+            at += c
+    decoded = torch.stack(steps, 1)
+    want = ref.decode(x, chunks)
+    given = bytes(x[0, :PREFILL].tolist())
+    out = sample.generate(model, given, T - PREFILL, temperature=0.0, row_len=T)
+    glog = ref.decode(torch.tensor([list(given + out)]), chunks)[0, :-1]
+    top2 = glog.topk(2, -1).values
+    worst = max(grads)
+    return {"decode": float((decoded - want).abs().max()),
+            "greedy_same": torch.tensor(list(out)) == glog.argmax(-1),
+            "greedy_gap": top2[:, 0] - top2[:, 1],
+            "logits": float((logits.detach() - rlogits.detach()).abs().max()),
+            "loss": abs(float(loss.detach()) - float(rloss.detach())),
+            "grad": worst[0], "worst": worst[1], "counts": 0.0, "margin": math.inf}  # fmt: skip
 
 
 def _check(name: str, r: dict, tol: float, margin: float, bad: list) -> str:
@@ -328,6 +401,9 @@ def run(cuda: bool = False) -> Record:
         parts.append(_check(name + (" fp64" if fp64 else ""), r,
                             TOL_FP64 if fp64 else TOL_FP32, MARGIN["fp64" if fp64 else "fp32"],
                             bad))  # fmt: skip
+    gpt = dataclasses.replace(base, **GPT_CASE)
+    parts.append(_check("gpt past the window train fp64", gpt_compare(gpt), TOL_FP64,
+                        MARGIN["fp64"], bad))  # fmt: skip
     if cuda:
         tf32 = torch.backends.cuda.matmul.allow_tf32
         torch.backends.cuda.matmul.allow_tf32 = False  # fp32 products, as the CPU's
@@ -351,9 +427,11 @@ def run(cuda: bool = False) -> Record:
                             "dropless and capacity 1.0; KDA fla x every MoE arm, every expert "
                             "picked" if cuda else "no GPU arms (python -m gates --cuda runs "
                             "them)")
+                  + f"; the GPT baseline ({GPT_CASE}) in fp64 against references/gpt.py"
                   + "; against references/model.py in fp64 on the CPU: max |logits|, |loss|, "
                   "each gradient's max error relative to its largest entry, the LFB counts, "
-                  f"decoding's logits (a {PREFILL}-byte prefill, then byte by byte), "
+                  f"decoding's logits (a {PREFILL}-byte prefill, then byte by byte, past "
+                  f"max_seq_len where it is < {T}: attention and GPT slide their windows), "
                   f"sample.generate at T=0 against the reference's argmax over its output; "
                   f"the sampler: {DRAWS} draws from fixed logits per (T, top_k) in "
                   f"{list(SAMPLE_CASES)}, and T=0")  # fmt: skip

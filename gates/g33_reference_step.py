@@ -50,6 +50,7 @@ class Case:
     sets: tuple[str, ...]
     stop_at: int = 0  # > 0: the run stops there and is resumed from its checkpoint
     poison: int = -1  # this 0-based step's loss is made non-finite (the step must be skipped)
+    resume_sets: tuple[str, ...] = ()  # given again on the resume (it must apply them)
 
 
 #: Common to every case: the tiny preset, 32-byte windows, a train split of 7 blocks of 4
@@ -86,6 +87,7 @@ CASES = (
         ),
         stop_at=6,
         poison=7,
+        resume_sets=("lr=2e-3",),  # a new base lr from the resume on, in every group
     ),
     Case(
         "adamw-ram",
@@ -96,7 +98,9 @@ CASES = (
             "steps=12",
             "warmup=3",
             "schedule=wsd",
-            "wsd_decay_frac=0.5",
+            # 12 x 0.3 = 3.6: the decay starts at 12 - 3 = 9, neither at 8 (rounded) nor at 3
+            # (the fraction read from the start), which 0.5 could not tell apart
+            "wsd_decay_frac=0.3",
             "lr=2e-3",
             "wd=0.2",
             "grad_clip=0",
@@ -143,12 +147,16 @@ CASES = (
             "moe_capacity=0.5",
             "dropout=0.1",
             "engram_lr_mult=4",
-            "eval_every=5",
+            # step 1 skipped between the evaluations at 1 and 2: the two tie, and the first
+            # stays the best (a tie is no improvement: best step 1, one evaluation since)
+            "eval_every=1",
             # the same 264-byte val split by the fraction rule: ceil(0.2185 x 1208) = 264,
             # where a floor would give 263 (the rule's rounding shows in the train ring)
             "val_bytes=0",
             "val_frac=0.2185",
         ),
+        stop_at=2,  # the checkpoint right after the tie holds best step 1, since-best 1
+        poison=1,
     ),
 )
 
@@ -181,11 +189,12 @@ def write_corpus(where: Path) -> Path:
     return path
 
 
-def fixture(case: Case, data: Path, out: Path):
+def fixture(case: Case, data: Path, out: Path, resumed: bool = False):
     from dormouse.config import apply_sets, preset, validate
 
     return validate(apply_sets(preset("tiny"), [f"data={data}", f"out_dir={out}", *COMMON,
-                                                *case.sets]))  # fmt: skip
+                                                *case.sets,
+                                                *(case.resume_sets if resumed else ())]))  # fmt: skip
 
 
 def woken(run) -> torch.nn.Module:
@@ -374,9 +383,11 @@ def one(case: Case, work: Path) -> tuple[dict, list[str], str]:
     model = woken(run)
     start = {k: v.detach().clone() for k, v in model.state_dict().items()}
     # engram_ram's tables are no parameters: the state dict has them all the same
+    again = fixture(case, data, work / case.name, resumed=True)
     ref = ReferenceRun(run, start, data).run(
         poison=(case.poison,) if case.poison >= 0 else (),
         snapshots=(case.stop_at,) if case.stop_at else (),
+        retrain=(case.stop_at, again.train) if case.resume_sets else None,
     )
     figs, bad = {}, []
     if case.stop_at:
@@ -385,7 +396,7 @@ def one(case: Case, work: Path) -> tuple[dict, list[str], str]:
             first["checkpoint"], ref["snapshots"][case.stop_at], start, run.to_json()
         )
         bad += [f"at the resume ({case.stop_at}): {x}" for x in b]
-        second = train(run, woken(run), resume=True, poison=case.poison, start=case.stop_at)
+        second = train(again, woken(run), resume=True, poison=case.poison, start=case.stop_at)
         got = {
             k: ({**first[k], **second[k]} if isinstance(first[k], dict) else first[k])
             for k in ("losses", "gnorms")
@@ -401,7 +412,7 @@ def one(case: Case, work: Path) -> tuple[dict, list[str], str]:
     bad += b
     if got["end"] != ref["end"]:
         bad.append(f"the run ended at step {got['end']}, the reference at {ref['end']}")
-    f, b = checkpoint_errors(got["checkpoint"], ref["final"], start, run.to_json())
+    f, b = checkpoint_errors(got["checkpoint"], ref["final"], start, again.to_json())
     bad += [f"at the end: {x}" for x in b]
     where = f.pop("where")
     figs.update(f)
@@ -454,6 +465,7 @@ def run(cuda: bool = False) -> Record:
                   "val split: " + "; ".join(
                       f"{c.name} [{' '.join(c.sets)}"
                       + (f", resumed at {c.stop_at}" if c.stop_at else "")
+                      + (f" with {' '.join(c.resume_sets)}" if c.resume_sets else "")
                       + (f", step {c.poison} non-finite" if c.poison >= 0 else "") + "]"
                       for c in CASES)
                   + ". train_run in this process (fp32) vs references/step.py (fp64): logged "

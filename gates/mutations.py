@@ -145,6 +145,55 @@ def _isolated_cache(m: Mutation):
         os.environ["DORMOUSE_GATE_CACHE"] = old
 
 
+HEADER = "| mutation | the bug | scope | gate | outcome | measured (with the bug) | tolerance |"
+_FIELDS = ("mutation", "bug", "scope", "gate", "outcome", "measured", "tolerance")
+
+
+def classes_section(rows: list[dict]) -> list[str]:
+    """The classes a gate must hold (gates/mutation_list/held.py: CLASSES), each with its gate
+    and its mutations' outcomes in `rows`."""
+    from gates.mutation_list.held import CLASSES
+
+    def seen(m: str) -> str:
+        got = [f"{r['gate']} {r['outcome']}" for r in rows if r["mutation"] == m]
+        return f"{m} ({', '.join(got) or 'not run'})"
+
+    out = ["The classes of bugs held by a gate's verdict (not by a unit test alone), each with "
+           "its planted bugs:", "", "| class | gate (case) | mutations (gate outcome) |",
+           "|---|---|---|"]  # fmt: skip
+    out += [f"| {c} | {g} | {'; '.join(seen(m) for m in ms)} |" for c, g, ms in CLASSES]
+    return [*out, ""]
+
+
+def read_table(path) -> list[dict]:
+    """The rows of a table write_table wrote (none if there is no file)."""
+    import re
+    from pathlib import Path
+
+    if not Path(path).exists():
+        return []
+    rows, inside = [], False
+    for line in Path(path).read_text().splitlines():
+        if line == HEADER:
+            inside = True
+        elif inside and line.startswith("| "):
+            cells = [c.strip().replace("\\|", "|") for c in re.split(r"(?<!\\)\|", line)[1:-1]]
+            rows.append(dict(zip(_FIELDS, cells, strict=True)))
+        elif inside and not line.startswith("|"):
+            break
+    return rows
+
+
+def merge_rows(old: list[dict], new: list[dict]) -> list[dict]:
+    """old with each (mutation, gate) row of new in its place, new pairs in list order."""
+    from gates.mutation_list import MUTATIONS
+
+    by = {(r["mutation"], r["gate"]): r for r in old}
+    by.update({(r["mutation"], r["gate"]): r for r in new})
+    order = [(m.name, g) for m in MUTATIONS for g in m.gates]
+    return [by[k] for k in order if k in by]
+
+
 def write_table(rows: list[dict], path) -> None:
     from pathlib import Path
 
@@ -165,7 +214,8 @@ def write_table(rows: list[dict], path) -> None:
         "",
         f"torch {torch.__version__}, gloo on the CPU. {caught}/{len(rows)} caught.",
         "",
-        "| mutation | the bug | scope | gate | outcome | measured (with the bug) | tolerance |",
+        *classes_section(rows),
+        HEADER,
         "|---|---|---|---|---|---|---|",
     ]
     for r in rows:

@@ -168,13 +168,19 @@ class Recorder:
         self.rec = {"fingerprints": [], "decisions": [], "losses": [], "local_losses": [],
                     "lfb": [], "params": {}, "grads": {}, "probe": [],
                     "host_fingerprints": [], "host": {}, "gnorms": [], "states": [],
-                    "scales": []}  # fmt: skip
+                    "scales": [], "evals": []}  # fmt: skip
 
     def callbacks(self):
         from dormouse.train.step import Callbacks
 
         return Callbacks(after_backward=self.after_backward, after_step=self.after_step,
-                         on_log=self.on_log)  # fmt: skip
+                         on_log=self.on_log, on_eval=self.on_eval)  # fmt: skip
+
+    def on_eval(self, info: dict) -> None:
+        """(step, loss, bpb, val bytes) of each evaluation, where this rank has the result."""
+        if info.get("val"):
+            v = info["val"]
+            self.rec["evals"].append((info["step"], v["loss"], v["bpb"], v["tokens"]))
 
     def _seen(self, info: dict) -> None:
         self.model, self.net, self.opt, self.ctx = (info["model"], info["net"], info["opt"],

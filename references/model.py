@@ -147,6 +147,7 @@ class ReferenceModel:
                 continue
             self.params[name] = t.detach().to("cpu", dtype).clone().requires_grad_(True)
         self.dtype = dtype
+        self.window: int | None = None  # forward's `window`, read by attn
 
     def p(self, name: str) -> torch.Tensor | None:
         return self.params.get(name)
@@ -213,7 +214,8 @@ class ReferenceModel:
     def attn(self, l: int, x, it: int):
         """softmax(q' k'^T / sqrt(Dh) over u <= t) v, per head; q', k' = RoPE(rms_head(q)),
         RoPE(rms_head(k)): channel pair (i, i + Dh/2) at position t turned by the angle
-        t * 10000^(-2i/Dh)."""
+        t * 10000^(-2i/Dh). With `forward(window=W)` (decoding past max_seq_len) only
+        t - W < u <= t, at the stream's own positions t."""
         c, pre = self.cfg, f"blocks.{l}.mixer"
         B, T, _ = x.shape
         H, Dh = c.n_heads, c.head_dim
@@ -231,6 +233,8 @@ class ReferenceModel:
         q, k = turn(q), turn(k)
         scores = torch.einsum("bthd,buhd->bhtu", q, k) / math.sqrt(Dh)
         future = torch.ones(T, T, dtype=torch.bool).triu(1)
+        if self.window is not None:  # decoding's sliding window: u > t - window too
+            future |= torch.ones(T, T, dtype=torch.bool).tril(-self.window)
         weights = torch.softmax(scores.masked_fill(future, -math.inf), dim=-1)
         o = torch.einsum("bhtu,buhd->bthd", weights, v).reshape(B, T, H * Dh)
         return self._proj(pre, "o", o, it, "o_proj")
@@ -263,9 +267,12 @@ class ReferenceModel:
     # -- the whole --
 
     def forward(self, x: torch.Tensor, y: torch.Tensor | None = None, *, training: bool = False,
-                keys: torch.Tensor | None = None):  # fmt: skip
-        """x, y int64 [B, T]. `training` with dropout > 0 needs `keys` ([B], row_keys)."""
+                keys: torch.Tensor | None = None, window: int | None = None):  # fmt: skip
+        """x, y int64 [B, T]. `training` with dropout > 0 needs `keys` ([B], row_keys).
+        `window`: attention sees the last `window` bytes only (what decoding promises past
+        max_seq_len; KDA, Engram and the MoE have no window)."""
         c = self.cfg
+        self.window = window
         p = c.dropout if training else 0.0
         if p > 0 and keys is None:
             raise ValueError("dropout in training needs the windows' keys (row_keys)")

@@ -324,10 +324,13 @@ class ReferenceRun:
 
     # -- the run --
 
-    def run(self, poison: tuple[int, ...] = (), snapshots: tuple[int, ...] = ()) -> dict:
+    def run(self, poison: tuple[int, ...] = (), snapshots: tuple[int, ...] = (),
+            retrain: tuple[int, object] | None = None) -> dict:  # fmt: skip
         """Steps 0 .. steps-1 as the loop runs them: evaluations, early stop, skips.
         `poison`: steps whose loss is non-finite; `snapshots`: steps after which (and after
-        their evaluation) the checkpoint's state is copied."""
+        their evaluation) the checkpoint's state is copied; `retrain` (step, train config):
+        from that step on, the hyperparameters of that config (a resume given new ones:
+        every group's base lr becomes the new lr)."""
         t = self.t
         rec = {"losses": {}, "gnorms": {}, "evals": [], "skipped": [], "snapshots": {}}
         has_val = len(self.val_list) > 0
@@ -353,6 +356,8 @@ class ReferenceRun:
                     end, early = done, True
             if done in snapshots:
                 rec["snapshots"][done] = self.snapshot(done)
+            if retrain is not None and done == retrain[0]:
+                self.t = self.opt.t = retrain[1]
             if early:
                 break
         if has_val and not early:

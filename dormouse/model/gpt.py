@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
-from .layers import dropout_for
+from .layers import at_least_fp32, dropout_for
 
 
 class _Attention(nn.Module):
@@ -103,7 +103,8 @@ class GPT(nn.Module):
         logits = self._logits(h)
         loss = None
         if y is not None:
-            loss = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), y.reshape(-1))
+            loss = F.cross_entropy(at_least_fp32(logits).reshape(-1, logits.size(-1)),
+                                   y.reshape(-1))  # fmt: skip
         return logits, loss, {"load": None, "dropped": 0}
 
     # ---- decoding with a key/value cache ------------------------------------------------

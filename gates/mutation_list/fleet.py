@@ -8,6 +8,7 @@ from __future__ import annotations
 from gates.mutation_list.common import Mutation, prop, this_rank
 from gates.mutation_list.fleet_patches import (
     _clip_over_parameters,
+    _eval_own_share,
     _fp32_reduce_in_bf16,
     _hook_without_division,
     _keys_by_local_row,
@@ -306,5 +307,12 @@ MUTATIONS: list[Mutation] = [
         "torch.compile (an early return), and every trajectory still matches",
         (("dormouse.train.run:compiled", lambda orig: lambda w, run, device, autocast: w),),
         ("g31_compile_fleet",),
+    ),
+    Mutation(
+        "fleet_eval_own_share",
+        "each rank evaluates its share of the val batches (r::world) and keeps its own mean: "
+        "the sums never meet, rank 0 logs half the split",
+        (("dormouse.train.step:evaluate_fleet", _eval_own_share),),
+        ("g01_trajectory",),
     ),
 ]

@@ -12,6 +12,14 @@ Muon per matrix, with g its gradient and m its momentum:
     m <- mu*m + g;  u <- g + mu*m (nesterov) or m (plain)
     O <- NS(u)  (quintic or Polar Express, in ns_dtype)
     p <- p*(1 - lr*wd) - lr*scale(R, C)*O
+
+Conventions that differ from the public ones (docs/references.md has the measurements):
+the momentum is the sum form, where Keller Jordan's muon.py and torch.optim.Muon keep the
+average (m <- lerp(m, g, 1 - mu)): kept, because the polar's normalisation cancels the factor
+(torch's step in fp32: 1.6e-6 apart) and every checkpoint holds the buffer in this form,
+(1 - mu)^-1 = 20x torch's. The default muon_sf=rms is torch's adjust_lr_fn="match_rms_adamw",
+not its default "original" (jordan): kept, because Muon shares AdamW's lr, and rms puts the
+update's RMS at 0.16-0.22 x lr on every matrix of `small` where jordan's spreads 0.05-0.40.
 """
 
 from __future__ import annotations
