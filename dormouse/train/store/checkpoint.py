@@ -399,8 +399,21 @@ def nonfinite_entries(state: dict) -> list[str]:
 
 # ---- the sharded format ------------------------------------------------------------------
 
-#: A sharded checkpoint's directory: `<stem>.<step>.<token>.shards` beside `<stem>.pt`.
-SHARDS_NAME = re.compile(r"(?P<stem>.+)\.[0-9]+\.(?P<token>[A-Za-z0-9_]+)\.shards\Z")
+#: A sharded checkpoint's directory: `<stem>.<step>.<token>.shards` beside `<stem>.pt` (the
+#: step written with at least 6 digits, the token mkdtemp's).
+SHARDS_NAME = re.compile(r"(?P<stem>.+)\.[0-9]{6,}\.(?P<token>[A-Za-z0-9_]+)\.shards\Z")
+#: What DCP writes in a shards directory: its metadata and each rank's tensor files.
+_DCP_FILE = re.compile(r"\.metadata|__[0-9]+_[0-9]+\.distcp\Z")
+
+
+def dcp_dir(p: Path) -> bool:
+    """Whether `p` is a directory holding DCP's files only (.metadata among them): what makes
+    a `*.shards` directory dormouse's own, beside its name."""
+    try:
+        names = [q.name for q in p.iterdir()] if p.is_dir() and not p.is_symlink() else []
+    except OSError:
+        return False
+    return ".metadata" in names and all(_DCP_FILE.match(n) for n in names)
 
 
 def _dist() -> bool:
@@ -822,6 +835,9 @@ def read_checkpoint(path: str | Path, mmap: bool = False) -> dict[str, Any]:
     path = Path(path)
     if not path.exists():
         raise CheckpointError(f"no checkpoint at {path}; train first or pass the right path")
+    if not path.is_dir() and not path.is_file():  # a FIFO would block torch.load for ever
+        raise CheckpointError(f"{path} is not a regular file (a FIFO, a device or a socket); "
+                              f"pass a checkpoint file")  # fmt: skip
     if path.is_dir():
         held = sorted(p.name for p in path.glob("*.pt"))[:4]
         raise CheckpointError(
@@ -1067,11 +1083,12 @@ def load_train_state(net: torch.nn.Module, opt, ck: dict[str, Any], path: str | 
 
 
 #: A writer's temp file or shard staging directory (write_atomic, _staging_dir):
-#: `.NAME.PID.RANDOM.tmp`, or `.NAME.RANDOM.tmp` from an older writer of checkpoints. The run
-#: folder's cleaner (run_dir.clean_stale_temps) removes a dead writer's.
+#: `.NAME.PID.RANDOM.tmp` of one of the names dormouse writes in a run folder. The pid is what
+#: makes it dormouse's (a user's `.figure.png.v2.tmp` or `.notes.json.backup.tmp` is not); the
+#: run folder's cleaner (folder.clean_stale_temps) removes a dead writer's.
 TEMP_NAME = re.compile(
-    r"\.(?P<name>.+\.(?:pt|json|jsonl|png))\.(?:(?P<pid>[0-9]+)\.)?"
-    r"[A-Za-z0-9_]+\.tmp\Z"
+    r"\.(?P<name>config\.json|metrics\.jsonl|loss\.png|compare\.png|[^/]+\.pt)"
+    r"\.(?P<pid>[0-9]+)\.[A-Za-z0-9_]+\.tmp\Z"
 )
 
 
