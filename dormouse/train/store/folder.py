@@ -391,8 +391,10 @@ class RunDir:
                 f"continue it, or --overwrite to start afresh"
             )
         if self.resume_from is not None and mode != "never":
-            log.info(f"{out}: no {self.checkpoint(run).name} (the run stopped before its first "
-                     f"one); {path.name} at step {step} is its only model: resuming from it")
+            log.info(
+                f"{out}: no {self.checkpoint(run).name} (the run stopped before its first "
+                f"one); {path.name} at step {step} is its only model: resuming from it"
+            )
         if step == t.steps:
             log.info(
                 f"{out}: the run is already complete at step {step} ({path}); nothing to "
@@ -437,8 +439,10 @@ class RunDir:
         # original run's: the appends to come go to a copy of our own, put in place by rename
         shared = f.stat().st_nlink > 1
         if shared:
-            log.info(f"{f} has {f.stat().st_nlink} hard links (a `cp -al` copy?): this run "
-                     f"appends to a copy of its own; the other names keep their rows")
+            log.info(
+                f"{f} has {f.stat().st_nlink} hard links (a `cp -al` copy?): this run "
+                f"appends to a copy of its own; the other names keep their rows"
+            )
         if dropped or shared:
             text = "".join(json.dumps(r) + "\n" for r in keep).encode()
             try:
