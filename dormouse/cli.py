@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
+import math
 import os
 import sys
 from dataclasses import replace
@@ -190,6 +191,13 @@ def cmd_eval(args) -> int:
     if args.device is not None:
         check_device(args.device)
     res = score_checkpoint(args.checkpoint, args.data, args.batches, args.device)
+    if not math.isfinite(res["loss"]):
+        raise UserError(
+            f"{args.checkpoint}: its loss on the val split is {res['loss']} (largest weight "
+            f"{res['largest'][0]:.3g}, in {res['largest'][1]}): finite weights whose output "
+            f"overflows, so the file was altered or its run diverged; evaluate another "
+            f"checkpoint (best.pt, an earlier one)"
+        )
     log.info(f"eval checkpoint={args.checkpoint} step={res['step']} loss={res['loss']:.4f} "
              f"bpb={res['bpb']:.4f} tokens={res['tokens']}")  # fmt: skip
     return 0
@@ -202,6 +210,7 @@ def score_checkpoint(path, data: list[str] | None = None, batches: int | None = 
     batches; {loss, bpb, tokens, step}. Gate g33 holds the whole-split score to the
     reference's."""
     from .model import make_model
+    from .model.sample import largest_weight
     from .train.data import open_data
     from .train.run import resolve_autocast, resolve_device
     from .train.step import evaluate
@@ -225,7 +234,8 @@ def score_checkpoint(path, data: list[str] | None = None, batches: int | None = 
         what = f"the whole val split ({source.val_bytes_total()} bytes scored once)"
         todo = source.val_all(t.batch, t.seq_len)
     log.info(f"eval: {what}; --batches N evaluates N spread batches instead")
-    return {**evaluate(model, todo, dev, resolve_autocast(run, dev)), "step": ck["step"]}
+    res = evaluate(model, todo, dev, resolve_autocast(run, dev))
+    return {**res, "step": ck["step"], "largest": largest_weight(model)}
 
 
 def cmd_sample(args) -> int:
@@ -236,7 +246,7 @@ def cmd_sample(args) -> int:
     from .train.run import resolve_device
     from .train.store.checkpoint import load_model, read_checkpoint
 
-    check_sample_args(args.bytes, args.temperature, args.top_k)
+    check_sample_args(args.bytes, args.temperature, args.top_k, args.seed)
     if args.device is not None:
         check_device(args.device)
     # argv that is not UTF-8 reaches Python as surrogate escapes: they map back to the very
@@ -320,7 +330,7 @@ def cmd_link(args) -> int:
 def cmd_compare(args) -> int:
     from .compare import main_compare
 
-    return main_compare(args.runs, args.out, args.target, args.step_ms)
+    return main_compare(args.runs, args.out, args.target, args.step_ms, args.overwrite)
 
 
 def cmd_bench(args) -> int:
@@ -401,6 +411,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="time each run as steps x this solo step "
         "time (runs that shared a card, timed alone elsewhere)",
     )
+    c.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
     c.set_defaults(fn=cmd_compare)
 
     x = sub.add_parser("export", help="one checkpoint file from a run (sharded or not)")

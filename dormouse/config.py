@@ -237,10 +237,37 @@ class RunConfig:
     @classmethod
     def from_json(cls, text: str) -> RunConfig:
         try:
-            d = json.loads(text)
+            d = loads(text)
         except (TypeError, ValueError) as e:
             raise ConfigError(f"the run config is not valid JSON ({e})") from None
         return cls.from_dict(d)
+
+
+#: How deep a JSON file dormouse reads may nest: ours nest 3 deep (a config's model, a tuple
+#: field); Python's parser recursed into a RecursionError at ~1,000 (100,000 was a traceback).
+JSON_DEPTH = 32
+_JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
+_JSON_NEST = re.compile(r"[\[\]{}]")
+
+
+class DeepJSON(ValueError):
+    """JSON nested deeper than JSON_DEPTH: refused before the parser recurses."""
+
+
+def loads(text: str | bytes):
+    """json.loads with a depth bound (DeepJSON beyond JSON_DEPTH): every JSON file dormouse
+    reads (config.json, a checkpoint's config, metrics rows) comes from a folder a user or an
+    attacker may have written."""
+    if isinstance(text, bytes):
+        text = text.decode("utf-8")
+    depth = deepest = 0
+    for m in _JSON_NEST.finditer(_JSON_STRING.sub("", text)):
+        depth += 1 if m[0] in "[{" else -1
+        if depth > deepest:
+            deepest = depth
+            if deepest > JSON_DEPTH:
+                raise DeepJSON(f"JSON nested deeper than {JSON_DEPTH} levels")
+    return json.loads(text)
 
 
 def _one_dtype(model: dict[str, Any], train: dict[str, Any]) -> None:

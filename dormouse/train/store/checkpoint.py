@@ -67,6 +67,7 @@ from ...errors import UserError
 from ...model.engram import HostTables
 from ..context import local_shard
 from ..optim.routing import strip_name
+from .tensors import tensor_problems
 
 log = logging.getLogger(__name__)
 
@@ -134,6 +135,13 @@ def load_model_state(net: torch.nn.Module, state: dict, path: str | Path = "",
             f"checkpoint {path} does not match this model: {len(other)} tensor(s) of another "
             f"shape, {'; '.join(other[:4])}; the file was altered or was not written for this "
             f"model's config"
+        )
+    bad = tensor_problems(state, mine)
+    if bad:
+        raise CheckpointError(
+            f"checkpoint {path} holds {len(bad)} model tensor(s) no model can use: "
+            f"{'; '.join(bad[:3])}; the file was altered or its run diverged: use another "
+            f"checkpoint (best.pt, an earlier export), or train a new run"
         )
     state = dict(state)
     # torch puts a wrapper's prefix (DDP's `module.`) on the keys of parameters and buffers
@@ -846,7 +854,13 @@ def read_checkpoint(path: str | Path, mmap: bool = False) -> dict[str, Any]:
                if held else "")
         )  # fmt: skip
     try:
-        ck = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+        if _utf8(path):
+            ck = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+        else:
+            # torch hands a str path to C++ as UTF-8, and a name of other bytes (which Python
+            # carries as surrogate escapes) failed there; an open file is read by its bytes
+            with open(path, "rb") as f:
+                ck = torch.load(f, map_location="cpu", weights_only=True)
     except Exception as e:
         raise CheckpointError(
             f"{path} could not be read as a dormouse checkpoint ({_load_failure(e)}); it may "
@@ -901,6 +915,15 @@ def read_checkpoint(path: str | Path, mmap: bool = False) -> dict[str, Any]:
     return ck
 
 
+def _utf8(path: Path) -> bool:
+    """Whether the path's name is UTF-8 (not surrogate-escaped bytes of another encoding)."""
+    try:
+        str(path).encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def _int(x, lo: int = 0) -> bool:
     return isinstance(x, int) and not isinstance(x, bool) and x >= lo
 
@@ -909,10 +932,15 @@ def _num(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
+_RNG_BYTES = torch.get_rng_state().numel()
+
+
 def _rng_ok(r) -> bool:
     t = r.get("torch") if isinstance(r, dict) else None
     cuda = r.get("cuda", []) if isinstance(r, dict) else None
+    # the CPU generator's state is a fixed size (5056 bytes): 3 bytes failed in set_rng_state
     return (torch.is_tensor(t) and t.dtype == torch.uint8 and t.dim() == 1
+            and t.layout == torch.strided and t.numel() == _RNG_BYTES
             and isinstance(cuda, (list, tuple))
             and all(torch.is_tensor(c) and c.dtype == torch.uint8 for c in cuda))  # fmt: skip
 

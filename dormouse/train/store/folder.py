@@ -35,7 +35,14 @@ from pathlib import Path
 
 import torch
 
-from ...config import ConfigError, RunConfig, asked_differences, check_file_name
+from ...config import (
+    ConfigError,
+    DeepJSON,
+    RunConfig,
+    asked_differences,
+    check_file_name,
+    loads,
+)
 from ...errors import UserError
 from . import checkpoint as ckpt
 from .metrics import TB_DIR
@@ -566,9 +573,11 @@ def read_rows(path: Path) -> tuple[list[tuple[int, dict]], int]:
             continue
         why = ""
         try:
-            row = json.loads(line.decode("utf-8"))
+            row = loads(line.decode("utf-8"))
         except UnicodeDecodeError:
             why = "is not UTF-8 text"
+        except DeepJSON as e:  # not a torn line: a cut one is no deeper than a whole one
+            why = f"is {e}"
         except ValueError:
             if n == len(raw):  # the last line, cut short by a crash mid-write
                 torn = 1
