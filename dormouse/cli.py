@@ -14,7 +14,15 @@ import os
 import sys
 from dataclasses import replace
 
-from .config import ConfigError, apply_sets, check_device, preset, preset_names, validate
+from .config import (
+    ConfigError,
+    apply_sets,
+    check_device,
+    check_path,
+    preset,
+    preset_names,
+    validate,
+)
 from .errors import UserError
 
 log = logging.getLogger("dormouse")
@@ -224,8 +232,24 @@ def score_checkpoint(path, data: list[str] | None = None, batches: int | None = 
     model = make_model(run.model)
     load_model(model, ck, path)
     model.to(dev)
-    source = open_data(run.train)
     t = run.train
+    window = t.batch * (t.seq_len + 1)
+    for p in data or ():
+        size = os.path.getsize(p) if os.path.isfile(p) else None
+        if size is not None and size < 2 * window:  # a window of val and one of train
+            raise UserError(
+                f"--data {p} has {size} bytes; eval scores the checkpoint's windows of "
+                f"{t.batch}x({t.seq_len}+1) = {window} bytes on the file's tail, and the split "
+                f"needs two of them: give a file of at least {2 * window} bytes"
+            )
+    source = open_data(run.train)
+    # the batches that cover the split once: asking for more scored overlapping windows (each
+    # byte ~230 times for --batches 10^9 on a 3,030-byte split), so the whole split is scored
+    cover = -(-source.val_bytes_total() // (t.batch * t.seq_len)) if source.has_val else 0
+    if batches and batches >= cover:
+        log.info(f"eval: --batches {batches} is at least the {cover} batches of {t.batch}x"
+                 f"{t.seq_len} that cover the val split once; scoring the whole split")  # fmt: skip
+        batches = None
     if batches:
         todo = source.val_batches(batches, t.batch, t.seq_len)  # at most the distinct ones
         what = f"{len(todo)} batches of {t.batch}x{t.seq_len} spread over the val split"
@@ -347,7 +371,10 @@ def build_parser() -> argparse.ArgumentParser:
         "train", help="train a preset (on the embedded default corpus unless --data)"
     )
     t.add_argument("preset", choices=preset_names())
-    t.add_argument("--data", nargs="+", help="byte corpora (any file type); several form a mixture")
+    # extend: `--data a --data b` is the mixture of both (the second replaced the first)
+    t.add_argument("--data", nargs="+", action="extend",
+                   help="byte corpora (any file type); several (in one --data or several) form a "
+                   "mixture")  # fmt: skip
     t.add_argument("--steps", type=int, help="optimizer steps")
     t.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config field")
     t.add_argument("--out", help="run folder (checkpoint, metrics.jsonl, loss.png)")
@@ -379,7 +406,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     e = sub.add_parser("eval", help="evaluate a checkpoint on the validation split")
     e.add_argument("checkpoint")
-    e.add_argument("--data", nargs="+")
+    e.add_argument("--data", nargs="+", action="extend")
     e.add_argument(
         "--batches",
         type=int,
@@ -474,6 +501,7 @@ def main(argv: list[str] | None = None) -> int:
         if argv and argv[0] in passthrough:
             return passthrough[argv[0]](argparse.Namespace(rest=argv[1:]))
         args = build_parser().parse_args(argv)
+        _check_paths(args)
         return args.fn(args)
     except KeyboardInterrupt:
         print("dormouse: interrupted", file=sys.stderr)
@@ -488,6 +516,19 @@ def main(argv: list[str] | None = None) -> int:
         what = "config error: " if isinstance(e, ConfigError) else ""
         print(f"dormouse: {what}{e}", file=sys.stderr)
         return 2
+
+
+#: The flags that name a file or folder, checked before any is used (config.check_path).
+_PATH_FLAGS = {"out": "--out", "data": "--data", "to": "--to", "checkpoint": "the checkpoint",
+               "run": "the run", "runs": "the run"}  # fmt: skip
+
+
+def _check_paths(args) -> None:
+    for key, flag in _PATH_FLAGS.items():
+        value = getattr(args, key, None)
+        for path in value if isinstance(value, list) else [value]:
+            if isinstance(path, str):
+                check_path(f"{flag} {path[:40]}{'...' if len(path) > 40 else ''}", path)
 
 
 def out_of_memory(e: BaseException) -> str:

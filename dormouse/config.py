@@ -12,6 +12,7 @@ import difflib
 import json
 import logging
 import math
+import os
 import re
 import typing
 from dataclasses import dataclass, field, fields, replace
@@ -268,6 +269,25 @@ def loads(text: str | bytes):
             if deepest > JSON_DEPTH:
                 raise DeepJSON(f"JSON nested deeper than {JSON_DEPTH} levels")
     return json.loads(text)
+
+
+def check_path(flag: str, path) -> None:
+    """Refuse a path the system cannot name (ENAMETOOLONG was a traceback): a part longer than
+    the filesystem's NAME_MAX (255 bytes on Linux), or the whole longer than PATH_MAX."""
+    raw = os.fsencode(path)
+    longest = max(raw.split(b"/"), key=len, default=b"")
+    try:
+        name_max = os.pathconf(".", "PC_NAME_MAX")
+    except (OSError, ValueError):
+        name_max = 255
+    if len(longest) > name_max:
+        raise ConfigError(
+            f"{flag}: a name in it is {len(longest)} bytes ({os.fsdecode(longest[:24])}...), "
+            f"longer than this filesystem allows ({name_max}); use a shorter name"
+        )
+    if len(raw) >= 4096:
+        raise ConfigError(f"{flag}: the path is {len(raw)} bytes, longer than the system allows "
+                          f"(4095); use a shorter one")  # fmt: skip
 
 
 def _one_dtype(model: dict[str, Any], train: dict[str, Any]) -> None:

@@ -330,7 +330,7 @@ class _Recording:
     def write(self, data) -> int:
         try:
             return self.f.write(data)
-        except OSError as e:
+        except (OSError, KeyboardInterrupt) as e:  # a second Ctrl-C lands here as well
             self.error = self.error or e
             raise
 
@@ -354,7 +354,10 @@ def write_atomic(path: Path, write: Callable[[IO[bytes]], None]) -> None:
             rec = _Recording(f)
             try:
                 write(rec)
-            except RuntimeError:
+            except RuntimeError as e:
+                # a Ctrl-C anywhere inside torch.save (its pickler, our write) ends in the zip
+                # writer's 'unexpected pos' as it closes the archive: the interrupt is the cause
+                rec.error = rec.error or _interrupt(e)
                 if rec.error is None:
                     raise
             if rec.error is not None:
@@ -369,6 +372,14 @@ def write_atomic(path: Path, write: Callable[[IO[bytes]], None]) -> None:
         raise
 
 
+def _interrupt(e: BaseException) -> KeyboardInterrupt | None:
+    """The KeyboardInterrupt among the exceptions `e` was raised while handling, if any."""
+    seen = e.__context__
+    while seen is not None and not isinstance(seen, KeyboardInterrupt):
+        seen = seen.__context__
+    return seen
+
+
 def _write_file(path: Path, payload: dict, step: int) -> None:
     """torch.save `payload` to `path` atomically (write_atomic); a failure is one line."""
     _mkdir(path.parent)
@@ -376,6 +387,13 @@ def _write_file(path: Path, payload: dict, step: int) -> None:
         write_atomic(path, lambda f: torch.save(payload, f))
     except OSError as e:
         raise _write_failed(path, step, e) from None
+    except KeyboardInterrupt:  # the second Ctrl-C, during the save the first one asked for
+        kept = ("the previous checkpoint there is untouched: --resume auto continues from it"
+                if path.exists() else "no earlier checkpoint exists")  # fmt: skip
+        raise CheckpointError(
+            f"interrupted (a second Ctrl-C) while writing {path} at step {step}: the partial "
+            f"write was removed and {kept}; one Ctrl-C lets the checkpoint finish"
+        ) from None
 
 
 def _fsync_dir(folder: Path) -> None:
