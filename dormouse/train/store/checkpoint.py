@@ -67,6 +67,7 @@ from ...errors import UserError
 from ...model.engram import HostTables
 from ..context import local_shard
 from ..optim.routing import strip_name
+from . import tensorfile
 from .tensors import tensor_problems
 
 log = logging.getLogger(__name__)
@@ -817,8 +818,13 @@ def export_checkpoint(src: str | Path, dest: str | Path) -> Path:
         raise CheckpointError(f"--to {dest}: {above} is a file, not a folder; name a file in a "
                               f"folder, e.g. {above.parent / 'model.pt'}")  # fmt: skip
     ck = read_checkpoint(src)
-    model, optim = (ck["model"], ck["optimizer"]) if "model" in ck else _full_state(ck, src)
+    model, optim = (ck["model"], ck.get("optimizer")) if "model" in ck else _full_state(ck, src)
     try:
+        if dest.suffix == tensorfile.SUFFIX:
+            return _export_model_file(dest, ck, model)
+        if ck["format"] == tensorfile.FORMAT:
+            raise CheckpointError(f"{src} is a safetensors model (weights only): it exports "
+                                  f"to another .safetensors file, not to {dest.name}")  # fmt: skip
         return save_checkpoint(dest, run=ck["run"], model_state=model, optimizer_state=optim,
                                step=ck["step"], data_state=ck.get("data"),
                                data_fingerprint=ck.get("data_fingerprint"),
@@ -834,6 +840,19 @@ def export_checkpoint(src: str | Path, dest: str | Path) -> Path:
             f"export could not write --to {dest}: {write_error(cause)}; nothing is left there "
             f"and {src} is untouched: {escape}"
         ) from None
+
+
+def _export_model_file(dest: Path, ck: dict, model: dict) -> Path:
+    """The weights and the run config as a safetensors file (tensorfile.py), atomically."""
+    bad = nonfinite_entries(model)
+    if bad:
+        raise _diverged(dest, ck["step"], f"{len(bad)} tensor(s) of the model hold NaN/inf "
+                                          f"(first: {bad[0]})")  # fmt: skip
+    try:
+        write_atomic(dest, lambda f: tensorfile.write(f, ck["run"].to_json(), ck["step"], model))
+    except OSError as e:
+        raise _write_failed(dest, ck["step"], e) from None
+    return dest
 
 
 def _load_failure(e: Exception) -> str:
@@ -871,6 +890,8 @@ def read_checkpoint(path: str | Path, mmap: bool = False) -> dict[str, Any]:
             + (f"; pass one of its checkpoints: {', '.join(str(path / n) for n in held)}"
                if held else "")
         )  # fmt: skip
+    if tensorfile.looks_like(path):
+        return _read_model_file(path)
     try:
         if _utf8(path):
             ck = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
@@ -931,6 +952,31 @@ def read_checkpoint(path: str | Path, mmap: bool = False) -> dict[str, Any]:
         ) from None
     _check_fields(ck, path, sharded_)
     return ck
+
+
+def _read_model_file(path: Path) -> dict[str, Any]:
+    """A safetensors model (tensorfile.py) as read_checkpoint's dict: format, config, run,
+    step and model; no optimizer, data position or RNG (eval and sample need none)."""
+    try:
+        meta, model = tensorfile.read(path)
+    except Exception as e:  # safetensors' SafetensorError, a torn header
+        raise CheckpointError(f"{path} could not be read as a safetensors model "
+                              f"({_load_failure(e)}); it may be truncated or not a model "
+                              f"at all") from None  # fmt: skip
+    step = meta.get("step", "")
+    if meta.get("format") != tensorfile.FORMAT or "config" not in meta or not step.isdigit():
+        raise CheckpointError(
+            f"{path} is a safetensors file but not a dormouse model (its metadata holds no "
+            f"format {tensorfile.FORMAT!r}, config and step); export one with `dormouse "
+            f"export RUN --to {path.name}`"
+        )
+    try:
+        run = validate(RunConfig.from_json(meta["config"]))
+    except ConfigError as e:
+        raise CheckpointError(f"{path}: its embedded run config is unusable ({e}); the file is "
+                              f"damaged or from another version of dormouse") from None  # fmt: skip
+    return {"format": tensorfile.FORMAT, "config": meta["config"], "run": run,
+            "step": int(step), "model": model}  # fmt: skip
 
 
 def _utf8(path: Path) -> bool:
