@@ -247,8 +247,10 @@ def score_checkpoint(path, data: list[str] | None = None, batches: int | None = 
     # byte ~230 times for --batches 10^9 on a 3,030-byte split), so the whole split is scored
     cover = -(-source.val_bytes_total() // (t.batch * t.seq_len)) if source.has_val else 0
     if batches and batches >= cover:
-        log.info(f"eval: --batches {batches} is at least the {cover} batches of {t.batch}x"
-                 f"{t.seq_len} that cover the val split once; scoring the whole split")  # fmt: skip
+        log.info(
+            f"eval: --batches {batches} is at least the {cover} batches of {t.batch}x"
+            f"{t.seq_len} that cover the val split once; scoring the whole split"
+        )
         batches = None
     if batches:
         todo = source.val_batches(batches, t.batch, t.seq_len)  # at most the distinct ones
@@ -372,9 +374,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     t.add_argument("preset", choices=preset_names())
     # extend: `--data a --data b` is the mixture of both (the second replaced the first)
-    t.add_argument("--data", nargs="+", action="extend",
-                   help="byte corpora (any file type); several (in one --data or several) form a "
-                   "mixture")  # fmt: skip
+    t.add_argument(
+        "--data",
+        nargs="+",
+        action="extend",
+        help="byte corpora (any file type); several (in one --data or several) form a mixture",
+    )
     t.add_argument("--steps", type=int, help="optimizer steps")
     t.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config field")
     t.add_argument("--out", help="run folder (checkpoint, metrics.jsonl, loss.png)")
@@ -519,8 +524,14 @@ def main(argv: list[str] | None = None) -> int:
 
 
 #: The flags that name a file or folder, checked before any is used (config.check_path).
-_PATH_FLAGS = {"out": "--out", "data": "--data", "to": "--to", "checkpoint": "the checkpoint",
-               "run": "the run", "runs": "the run"}  # fmt: skip
+_PATH_FLAGS = {
+    "out": "--out",
+    "data": "--data",
+    "to": "--to",
+    "checkpoint": "the checkpoint",
+    "run": "the run",
+    "runs": "the run",
+}
 
 
 def _check_paths(args) -> None:

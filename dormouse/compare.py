@@ -155,15 +155,22 @@ def parse_step_ms(text: str | None, n: int) -> list[float] | None:
     return ms
 
 
-def main_compare(paths: list[str], out: str | None, target: float | None,
-                 step_ms: str | None = None, overwrite: bool = False) -> int:  # fmt: skip
+def main_compare(
+    paths: list[str],
+    out: str | None,
+    target: float | None,
+    step_ms: str | None = None,
+    overwrite: bool = False,
+) -> int:
     if len(paths) < 2:
         raise CompareError("compare needs at least two run folders: dormouse compare RUN_A RUN_B")
     # export's rule: a file compare did not write is never replaced unasked (RUN_A/compare.png,
     # the default, is compare's own)
     if out is not None and os.path.lexists(out) and not os.path.isdir(out) and not overwrite:
-        raise CompareError(f"--out {out} exists; compare never replaces a file it did not "
-                           f"write: name a new file, or add --overwrite")  # fmt: skip
+        raise CompareError(
+            f"--out {out} exists; compare never replaces a file it did not "
+            f"write: name a new file, or add --overwrite"
+        )
     if target is not None and not math.isfinite(target):
         raise CompareError(f"--target {target}: give a finite validation loss (nats/byte)")
     runs = [read_evals(p) for p in paths]

@@ -286,8 +286,10 @@ def check_path(flag: str, path) -> None:
             f"longer than this filesystem allows ({name_max}); use a shorter name"
         )
     if len(raw) >= 4096:
-        raise ConfigError(f"{flag}: the path is {len(raw)} bytes, longer than the system allows "
-                          f"(4095); use a shorter one")  # fmt: skip
+        raise ConfigError(
+            f"{flag}: the path is {len(raw)} bytes, longer than the system allows "
+            f"(4095); use a shorter one"
+        )
 
 
 def _one_dtype(model: dict[str, Any], train: dict[str, Any]) -> None:

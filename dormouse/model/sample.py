@@ -33,8 +33,10 @@ def check_sample_args(n: int, temperature: float, top_k: int, seed: int = 0) -> 
             f"most likely byte; 0.8 is the default)"
         )
     if not 0 <= seed < 2**64:
-        raise SampleError(f"--seed {seed}: a seed is an integer from 0 to 2^64-1 (the "
-                          f"generator's range); give one in it")  # fmt: skip
+        raise SampleError(
+            f"--seed {seed}: a seed is an integer from 0 to 2^64-1 (the "
+            f"generator's range); give one in it"
+        )
     if top_k < 0:
         raise SampleError(f"--top-k {top_k}: must be >= 0 (0 = no top-k cut, K = keep the K most "
                           f"likely bytes)")  # fmt: skip

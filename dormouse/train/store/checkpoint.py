@@ -389,8 +389,11 @@ def _write_file(path: Path, payload: dict, step: int) -> None:
     except OSError as e:
         raise _write_failed(path, step, e) from None
     except KeyboardInterrupt:  # the second Ctrl-C, during the save the first one asked for
-        kept = ("the previous checkpoint there is untouched: --resume auto continues from it"
-                if path.exists() else "no earlier checkpoint exists")  # fmt: skip
+        kept = (
+            "the previous checkpoint there is untouched: --resume auto continues from it"
+            if path.exists()
+            else "no earlier checkpoint exists"
+        )
         raise CheckpointError(
             f"interrupted (a second Ctrl-C) while writing {path} at step {step}: the partial "
             f"write was removed and {kept}; one Ctrl-C lets the checkpoint finish"
@@ -823,8 +826,10 @@ def export_checkpoint(src: str | Path, dest: str | Path) -> Path:
         if dest.suffix == tensorfile.SUFFIX:
             return _export_model_file(dest, ck, model)
         if ck["format"] == tensorfile.FORMAT:
-            raise CheckpointError(f"{src} is a safetensors model (weights only): it exports "
-                                  f"to another .safetensors file, not to {dest.name}")  # fmt: skip
+            raise CheckpointError(
+                f"{src} is a safetensors model (weights only): it exports "
+                f"to another .safetensors file, not to {dest.name}"
+            )
         return save_checkpoint(dest, run=ck["run"], model_state=model, optimizer_state=optim,
                                step=ck["step"], data_state=ck.get("data"),
                                data_fingerprint=ck.get("data_fingerprint"),
@@ -846,8 +851,9 @@ def _export_model_file(dest: Path, ck: dict, model: dict) -> Path:
     """The weights and the run config as a safetensors file (tensorfile.py), atomically."""
     bad = nonfinite_entries(model)
     if bad:
-        raise _diverged(dest, ck["step"], f"{len(bad)} tensor(s) of the model hold NaN/inf "
-                                          f"(first: {bad[0]})")  # fmt: skip
+        raise _diverged(
+            dest, ck["step"], f"{len(bad)} tensor(s) of the model hold NaN/inf (first: {bad[0]})"
+        )
     try:
         write_atomic(dest, lambda f: tensorfile.write(f, ck["run"].to_json(), ck["step"], model))
     except OSError as e:
@@ -881,8 +887,9 @@ def read_checkpoint(path: str | Path, mmap: bool = False) -> dict[str, Any]:
     if not path.exists():
         raise CheckpointError(f"no checkpoint at {path}; train first or pass the right path")
     if not path.is_dir() and not path.is_file():  # a FIFO would block torch.load for ever
-        raise CheckpointError(f"{path} is not a regular file (a FIFO, a device or a socket); "
-                              f"pass a checkpoint file")  # fmt: skip
+        raise CheckpointError(
+            f"{path} is not a regular file (a FIFO, a device or a socket); pass a checkpoint file"
+        )
     if path.is_dir():
         held = sorted(p.name for p in path.glob("*.pt"))[:4]
         raise CheckpointError(
@@ -960,9 +967,11 @@ def _read_model_file(path: Path) -> dict[str, Any]:
     try:
         meta, model = tensorfile.read(path)
     except Exception as e:  # safetensors' SafetensorError, a torn header
-        raise CheckpointError(f"{path} could not be read as a safetensors model "
-                              f"({_load_failure(e)}); it may be truncated or not a model "
-                              f"at all") from None  # fmt: skip
+        raise CheckpointError(
+            f"{path} could not be read as a safetensors model "
+            f"({_load_failure(e)}); it may be truncated or not a model "
+            f"at all"
+        ) from None
     step = meta.get("step", "")
     if meta.get("format") != tensorfile.FORMAT or "config" not in meta or not step.isdigit():
         raise CheckpointError(
@@ -973,10 +982,17 @@ def _read_model_file(path: Path) -> dict[str, Any]:
     try:
         run = validate(RunConfig.from_json(meta["config"]))
     except ConfigError as e:
-        raise CheckpointError(f"{path}: its embedded run config is unusable ({e}); the file is "
-                              f"damaged or from another version of dormouse") from None  # fmt: skip
-    return {"format": tensorfile.FORMAT, "config": meta["config"], "run": run,
-            "step": int(step), "model": model}  # fmt: skip
+        raise CheckpointError(
+            f"{path}: its embedded run config is unusable ({e}); the file is "
+            f"damaged or from another version of dormouse"
+        ) from None
+    return {
+        "format": tensorfile.FORMAT,
+        "config": meta["config"],
+        "run": run,
+        "step": int(step),
+        "model": model,
+    }
 
 
 def _utf8(path: Path) -> bool:

@@ -92,8 +92,9 @@ def pid_alive(pid: int) -> bool:
 def _leftover(p: Path) -> bool:
     """What only a dormouse writer makes: a temp file named with a writer's pid, or a shards
     directory of DCP's files (a user's `photos.2024.summer.shards` is neither)."""
-    return bool(ckpt.TEMP_NAME.match(p.name)
-                or (ckpt.SHARDS_NAME.match(p.name) and ckpt.dcp_dir(p)))  # fmt: skip
+    return bool(
+        ckpt.TEMP_NAME.match(p.name) or (ckpt.SHARDS_NAME.match(p.name) and ckpt.dcp_dir(p))
+    )
 
 
 class NotOurs(OSError):
@@ -113,8 +114,10 @@ def open_own(path: Path, flags: int, mode: int = 0o666, *, writing: bool = True)
     if not stat.S_ISREG(st.st_mode):
         why = "is not a regular file (a FIFO, a device or a socket)"
     elif writing and st.st_nlink > 1:
-        why = (f"has {st.st_nlink} hard links: its data is shared with a file elsewhere (a "
-               f"`cp -al` copy?), which a write here would change")  # fmt: skip
+        why = (
+            f"has {st.st_nlink} hard links: its data is shared with a file elsewhere (a "
+            f"`cp -al` copy?), which a write here would change"
+        )
     if why:
         os.close(fd)
         raise NotOurs(errno.EPERM, f"{path} {why}")
@@ -275,8 +278,10 @@ class RunDir:
         try:
             return open_own(self.file(LOCK), flags)
         except NotOurs as e:
-            raise RunDirError(f"{e.strerror}; dormouse makes its own lock file: remove "
-                              f"{self.file(LOCK)}, or pick another --out") from None  # fmt: skip
+            raise RunDirError(
+                f"{e.strerror}; dormouse makes its own lock file: remove "
+                f"{self.file(LOCK)}, or pick another --out"
+            ) from None
         except FileNotFoundError:
             if flags & os.O_CREAT:  # the folder itself went (removed under us)
                 raise RunDirError(f"the run folder {self.typed} vanished as it was being "

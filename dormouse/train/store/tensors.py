@@ -19,11 +19,14 @@ def tensor_problems(state: dict, mine: dict) -> list[str]:
         if not torch.is_tensor(v) or want is None:
             continue
         if v.layout != torch.strided:
-            bad.append(f"{k} is a {str(v.layout).removeprefix('torch.')} tensor (a model "
-                       f"tensor is dense)")  # fmt: skip
+            bad.append(
+                f"{k} is a {str(v.layout).removeprefix('torch.')} tensor (a model tensor is dense)"
+            )
         elif v.dtype != want.dtype:
-            bad.append(f"{k} is {str(v.dtype).removeprefix('torch.')} (the model's is "
-                       f"{str(want.dtype).removeprefix('torch.')})")  # fmt: skip
+            bad.append(
+                f"{k} is {str(v.dtype).removeprefix('torch.')} (the model's is "
+                f"{str(want.dtype).removeprefix('torch.')})"
+            )
         elif v.is_floating_point() and not bool(torch.isfinite(local_shard(v)).all()):
             bad.append(f"{k} holds NaN or inf")
     return bad
