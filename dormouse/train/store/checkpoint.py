@@ -68,6 +68,7 @@ from ...model.engram import HostTables
 from ..context import local_shard
 from ..optim.routing import strip_name
 from . import tensorfile
+from .errors import CheckpointError
 from .tensors import tensor_problems
 
 log = logging.getLogger(__name__)
@@ -77,10 +78,6 @@ log = logging.getLogger(__name__)
 #: file naming a directory of DCP shards). The model state is the same in all.
 FORMAT = 2
 SHARDED_FORMAT = 3
-
-
-class CheckpointError(UserError, RuntimeError):
-    """A checkpoint or run folder the run cannot use or write; names cause and escape."""
 
 
 #: One process needs no process group for these; under one, the full state is rank 0's.
@@ -898,7 +895,7 @@ def read_checkpoint(path: str | Path, mmap: bool = False) -> dict[str, Any]:
                if held else "")
         )  # fmt: skip
     if tensorfile.looks_like(path):
-        return _read_model_file(path)
+        return tensorfile.read_model(path)
     try:
         if _utf8(path):
             ck = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
@@ -959,40 +956,6 @@ def read_checkpoint(path: str | Path, mmap: bool = False) -> dict[str, Any]:
         ) from None
     _check_fields(ck, path, sharded_)
     return ck
-
-
-def _read_model_file(path: Path) -> dict[str, Any]:
-    """A safetensors model (tensorfile.py) as read_checkpoint's dict: format, config, run,
-    step and model; no optimizer, data position or RNG (eval and sample need none)."""
-    try:
-        meta, model = tensorfile.read(path)
-    except Exception as e:  # safetensors' SafetensorError, a torn header
-        raise CheckpointError(
-            f"{path} could not be read as a safetensors model "
-            f"({_load_failure(e)}); it may be truncated or not a model "
-            f"at all"
-        ) from None
-    step = meta.get("step", "")
-    if meta.get("format") != tensorfile.FORMAT or "config" not in meta or not step.isdigit():
-        raise CheckpointError(
-            f"{path} is a safetensors file but not a dormouse model (its metadata holds no "
-            f"format {tensorfile.FORMAT!r}, config and step); export one with `dormouse "
-            f"export RUN --to {path.name}`"
-        )
-    try:
-        run = validate(RunConfig.from_json(meta["config"]))
-    except ConfigError as e:
-        raise CheckpointError(
-            f"{path}: its embedded run config is unusable ({e}); the file is "
-            f"damaged or from another version of dormouse"
-        ) from None
-    return {
-        "format": tensorfile.FORMAT,
-        "config": meta["config"],
-        "run": run,
-        "step": int(step),
-        "model": model,
-    }
 
 
 def _utf8(path: Path) -> bool:

@@ -4,20 +4,22 @@ run config in its metadata, so `eval` and `sample` build the model from the file
 as s; s.load_file('model.safetensors')"` reads it without dormouse. It holds no optimizer,
 data position or RNG: a run resumes from its ckpt.pt, never from this.
 
-The run folder's rules (which checkpoint, where --to may go) are folder.export's; reading
-(read_checkpoint) and the write's atomicity (write_atomic) are checkpoint.py's.
+`read_model` gives read_checkpoint's dict for such a file (checkpoint.py hands it over when
+the header says safetensors). The run folder's rules (which checkpoint, where --to may go) are
+folder.export's; the write's atomicity (write_atomic) is checkpoint.py's.
 """
 
 from __future__ import annotations
 
 import struct
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 import safetensors.torch
 import torch
 
-from ...config import loads
+from ...config import ConfigError, RunConfig, loads, validate
+from .errors import CheckpointError
 
 SUFFIX = ".safetensors"
 #: The metadata's `format` value: what tells a dormouse model from another safetensors file.
@@ -60,3 +62,37 @@ def read(path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
     if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
         raise ValueError("its header holds no metadata of strings")
     return meta, safetensors.torch.load(raw)
+
+
+def read_model(path: Path) -> dict[str, Any]:
+    """A safetensors model (tensorfile.py) as read_checkpoint's dict: format, config, run,
+    step and model; no optimizer, data position or RNG (eval and sample need none)."""
+    try:
+        meta, model = read(path)
+    except Exception as e:  # safetensors' SafetensorError, a torn header
+        raise CheckpointError(
+            f"{path} could not be read as a safetensors model "
+            f"({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}); it may be truncated or not a model "
+            f"at all"
+        ) from None
+    step = meta.get("step", "")
+    if meta.get("format") != FORMAT or "config" not in meta or not step.isdigit():
+        raise CheckpointError(
+            f"{path} is a safetensors file but not a dormouse model (its metadata holds no "
+            f"format {FORMAT!r}, config and step); export one with `dormouse "
+            f"export RUN --to {path.name}`"
+        )
+    try:
+        run = validate(RunConfig.from_json(meta["config"]))
+    except ConfigError as e:
+        raise CheckpointError(
+            f"{path}: its embedded run config is unusable ({e}); the file is "
+            f"damaged or from another version of dormouse"
+        ) from None
+    return {
+        "format": FORMAT,
+        "config": meta["config"],
+        "run": run,
+        "step": int(step),
+        "model": model,
+    }
