@@ -9,11 +9,12 @@ bytes each took to reach the target (default: RUN_B's best, RUN_B being the base
 
 from __future__ import annotations
 
-import json
 import logging
 import math
+import os
 from pathlib import Path
 
+from .config import loads
 from .errors import UserError
 
 log = logging.getLogger(__name__)
@@ -52,16 +53,18 @@ def read_evals(run: str | Path) -> tuple[str, list[dict]]:
             f"{metrics}: eval rows without train_s/bytes (steps {missing[:3]}...): "
             f"written by an older dormouse; train the run again to compare it"
         )
-    label = folder.name
+    # a name of bytes that are not UTF-8 (surrogate escapes in Python) is drawn as its escapes:
+    # matplotlib's fonts refused the surrogates
+    label = os.fsencode(folder.name).decode("utf-8", "backslashreplace")
     cfg = folder / CONFIG
     if cfg.is_file():
         try:
-            source = json.loads(cfg.read_bytes().decode("utf-8")).get("source")
+            source = loads(cfg.read_bytes().decode("utf-8")).get("source")
         except (ValueError, AttributeError):  # not JSON, not UTF-8, not an object
             raise CompareError(f"{cfg} is not a dormouse run config (the run's label comes from "
                                f"it); the file is damaged: restore it, or delete it to label "
                                f"the run by its folder name") from None  # fmt: skip
-        label = f"{folder.name} ({source if isinstance(source, str) else '?'})"
+        label = f"{label} ({source if isinstance(source, str) else '?'})"
     return label, sorted(rows, key=lambda r: r["step"])
 
 
@@ -152,10 +155,22 @@ def parse_step_ms(text: str | None, n: int) -> list[float] | None:
     return ms
 
 
-def main_compare(paths: list[str], out: str | None, target: float | None,
-                 step_ms: str | None = None) -> int:  # fmt: skip
+def main_compare(
+    paths: list[str],
+    out: str | None,
+    target: float | None,
+    step_ms: str | None = None,
+    overwrite: bool = False,
+) -> int:
     if len(paths) < 2:
         raise CompareError("compare needs at least two run folders: dormouse compare RUN_A RUN_B")
+    # export's rule: a file compare did not write is never replaced unasked (RUN_A/compare.png,
+    # the default, is compare's own)
+    if out is not None and os.path.lexists(out) and not os.path.isdir(out) and not overwrite:
+        raise CompareError(
+            f"--out {out} exists; compare never replaces a file it did not "
+            f"write: name a new file, or add --overwrite"
+        )
     if target is not None and not math.isfinite(target):
         raise CompareError(f"--target {target}: give a finite validation loss (nats/byte)")
     runs = [read_evals(p) for p in paths]
