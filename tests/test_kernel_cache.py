@@ -192,3 +192,36 @@ def test_shipped_fla_configs_seed_the_cache_folder_and_the_users_entries_win(
     with caplog.at_level(logging.INFO):
         fla_tuned.point_at("GeForce GTX 1650")
     assert "FLA_CONFIG_DIR" not in os.environ and "none for GeForce GTX 1650" in caplog.text
+
+
+def test_saved_fla_configs_are_what_flas_own_reader_installs(tmp_path, monkeypatch):
+    """fla_tuned.save writes a tuned winner in fla's file layout; fla's CachedAutotuner reads it
+    back for that exact key (strict) and installs it without timing anything, and not for
+    another key. Needs fla-core and Triton (the GPU box); no kernel runs."""
+    fla_cache = pytest.importorskip("fla.ops.utils.cache")
+    import triton
+    import triton.language as tl
+
+    from dormouse.model import fla_tuned
+
+    @fla_cache.fla_cache_autotune(
+        configs=[triton.Config({"BK": b}, num_warps=w) for b in (16, 32) for w in (2, 4)],
+        key=["K"],
+    )
+    @triton.jit
+    def toy_kernel(x, K: tl.constexpr, BK: tl.constexpr):
+        pass
+
+    x = torch.zeros(4)
+    toy_kernel.cache[(64, str(x.dtype))] = triton.Config({"BK": 32}, num_warps=4, num_stages=2)
+    assert fla_tuned.save(tmp_path) == (1, 1)
+    monkeypatch.setenv("FLA_CONFIG_DIR", str(tmp_path))
+    monkeypatch.setattr(fla_cache, "FLA_CACHE_MODE", fla_cache.FlaCacheMode.STRICT)
+    key = fla_cache.AutotuneKey.build(toy_kernel.arg_names, toy_kernel.keys, (x, 64), {})
+    other = fla_cache.AutotuneKey.build(toy_kernel.arg_names, toy_kernel.keys, (x, 128), {})
+    got = fla_cache.load_cached_config("toy_kernel", key)
+    assert got["kwargs"] == {"BK": 32} and (got["num_warps"], got["num_stages"]) == (4, 2)
+    assert fla_cache.load_cached_config("toy_kernel", other) is None
+    toy_kernel.cache.clear()
+    toy_kernel.maybe_load_cached_config(key=key, nargs={"x": x, "K": 64}, runtime_kwargs={})
+    assert toy_kernel.cache[(64, "torch.float32")].kwargs == {"BK": 32}

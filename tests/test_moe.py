@@ -190,7 +190,7 @@ def test_grouped_refusal_and_auto_fallback(caplog):
 def test_auto_policy_on_cuda(sm, dtype, grouped):
     """auto takes grouped on CUDA only where the fused kernel exists (bf16, sm_90/sm_100), for
     an MoE too wide for the dense arm."""
-    m = make(moe_impl="auto", d_ffn=arms.DENSE_MAX_WIDTH // E + 16)
+    m = make(moe_impl="auto", d_ffn=2048 // E + 16)  # too wide for the dense arm at 2048 too
     assert m.arm(Card("cuda", sm, "card"), dtype).name == ("grouped" if grouped else "batched")
     assert m.arm(Card("cpu", name="cpu"), torch.float32).name == "grouped"
     m.impl = "grouped"  # pinned: runs wherever the grouped matmul does (sm_80+ on torch 2.9+)
@@ -200,10 +200,15 @@ def test_auto_policy_on_cuda(sm, dtype, grouped):
 
 
 @pytest.mark.parametrize("sm", [(7, 5), (9, 0), (12, 0)])
-def test_auto_takes_dense_for_narrow_moes_on_cuda_only(sm, caplog):
+def test_auto_takes_dense_for_narrow_moes_on_cuda_only(sm, monkeypatch):
     """n_experts * d_ffn <= DENSE_MAX_WIDTH: every expert on every token on any CUDA card and
     dtype (fp16 on sm_75 too), never on the CPU; one wider is the dispatch rule's, and the
-    verdict names what it read."""
+    verdict names what it read. (The bound is 0 until measured on a card; the rule at 2048.)"""
+    assert (
+        arms.DENSE_MAX_WIDTH == 0
+        and make(moe_impl="auto").arm(Card("cuda", sm, "c"), torch.bfloat16).name != "dense"
+    )
+    monkeypatch.setattr(arms, "DENSE_MAX_WIDTH", 2048)
     narrow = make(moe_impl="auto", d_ffn=arms.DENSE_MAX_WIDTH // E)
     wide = make(moe_impl="auto", d_ffn=arms.DENSE_MAX_WIDTH // E + 16)
     for dtype in (torch.bfloat16, torch.float16, torch.float32):

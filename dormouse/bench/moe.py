@@ -26,7 +26,7 @@ from .common import BenchError, configure, machine_lines, report, resolve_device
 log = logging.getLogger(__name__)
 
 HEADER = ["preset", "E x d_ffn (d_model)", "tokens", "arm", "eager ms", "compiled ms",
-          "kernels (eager)", "auto picks"]  # fmt: skip
+          "kernels (eager; ops on the CPU)", "auto picks"]  # fmt: skip
 ARMS = ("grouped", "batched", "dense")
 
 

@@ -112,10 +112,13 @@ def run(args, command: str) -> str:
     notes = [kernel_cache_line()]
     if device.type == "cuda":
         folder = fla_tuned.folder_for(torch.cuda.get_device_name(device))
-        kernels, added = fla_tuned.save(folder)
-        notes.append(f"fla's tuned configs: {kernels} kernels, {added} new entries written to "
-                     f"{folder} (FLA_CONFIG_DIR there: a machine given a copy skips the "
-                     "tuning for these keys)")  # fmt: skip
+        try:
+            kernels, added = fla_tuned.save(folder)
+            notes.append(f"fla's tuned configs: {kernels} kernels, {added} new entries written "
+                         f"to {folder} (FLA_CONFIG_DIR there: a machine given a copy skips the "
+                         "tuning for these keys)")  # fmt: skip
+        except OSError as e:  # the warm itself succeeded; only the copy for other machines failed
+            notes.append(f"fla's tuned configs NOT written to {folder}: {e}")
     notes += [
              "A second run of this command shows the cached times: what it saves a training run "
              "before its first step. Other shapes (another --batch or --seq, a fleet rank's "

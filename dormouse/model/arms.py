@@ -41,9 +41,11 @@ _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what both fas
 
 #: `moe_impl=auto` computes every expert on every token (the dense arm: a few large matmuls in
 #: place of a sort, gathers and a grouped matmul per call) on CUDA where the experts' summed
-#: width n_experts * d_ffn is at most this (bench moe, docs/performance.md: the dense arm
-#: measured faster up to here and slower past it on an H100).
-DENSE_MAX_WIDTH = 2048
+#: width n_experts * d_ffn is at most this. 0 until measured on a card: for small the dense arm
+#: does 4x the experts' arithmetic (~0.45 TFLOP more a 64 x 256 step) to save ~30 dispatch
+#: kernels a call, an estimate that could go either way; `bench moe` on the card decides
+#: (docs/performance.md). Pin `--set moe_impl=dense` to use it meanwhile.
+DENSE_MAX_WIDTH = 0
 
 _REQUESTS = {"kda": typing.get_args(KdaImpl), "moe": typing.get_args(MoeImpl)}
 #: kind -> (the arm that runs on every device and dtype, the fast arm, the first in words)

@@ -22,6 +22,7 @@ import json
 import logging
 import os
 import re
+import warnings
 from pathlib import Path
 
 from dormouse import cache
@@ -113,9 +114,10 @@ def tuned_now() -> dict[str, dict]:
     except ImportError:
         return {}
     out: dict[str, dict] = {}
-    for obj in gc.get_objects():
-        if not isinstance(obj, CachedAutotuner):
-            continue
+    with warnings.catch_warnings():  # isinstance on some deprecated torch objects warns
+        warnings.simplefilter("ignore")
+        tuners = [o for o in gc.get_objects() if isinstance(o, CachedAutotuner)]
+    for obj in tuners:
         for key, cfg in getattr(obj, "cache", {}).items():
             entry = {"autotune_key": AutotuneKey.normalize_autotune_key(list(key)),
                      "config": _config_of(cfg)}  # fmt: skip

@@ -27,9 +27,9 @@ Dispatch arms (`moe_impl`):
            weight passes nothing either way) in ~6 kernels instead of sorts, gathers and
            copies; E/k times the experts' arithmetic. No sort, no host sync.
   triton   not built: refused at construction, naming the arms that exist.
-  auto     dense on CUDA for narrow MoEs (n_experts * d_ffn <= arms.DENSE_MAX_WIDTH), else
-           grouped where it runs AND is the fast choice, else batched; the rule is
-           `dormouse.model.arms`', and each distinct verdict is logged once.
+  auto     dense on CUDA for narrow MoEs (n_experts * d_ffn <= arms.DENSE_MAX_WIDTH, 0 until
+           measured on a card), else grouped where it runs AND is the fast choice, else
+           batched; the rule is `dormouse.model.arms`', each distinct verdict logged once.
 
 Capacity (`moe_capacity > 0`): a ROW (h[b] of an input [B, T, D]; a 2-D input [N, D] is one
 row) may send cap = ceil(capacity * T * k / E) assignments to each expert. They are kept

@@ -21,7 +21,8 @@ import torch
 
 from ...config import RunConfig, preset, preset_names, validate
 from ...errors import UserError
-from ...model.arms import DENSE_MAX_WIDTH, Arm, card_of, choose_arm
+from ...model import arms
+from ...model.arms import Arm, card_of, choose_arm
 from ..context import accumulate
 from ..optim.quant import BLOCK
 
@@ -215,7 +216,7 @@ def moe_dense(run: RunConfig) -> bool:
     m, dev = run.model, run.train.device
     if m.moe_impl in ("dense", "grouped", "batched"):
         return m.moe_impl == "dense"
-    return dev != "cpu" and m.n_experts * m.d_ffn <= DENSE_MAX_WIDTH
+    return dev != "cpu" and m.n_experts * m.d_ffn <= arms.DENSE_MAX_WIDTH
 
 
 def half_compute(run: RunConfig) -> bool:
