@@ -592,3 +592,14 @@ def test_gather_rows_backward_equals_autograd_index_backward(k):
     assert torch.equal(out, ref)
     # k = 1, 2: one addend or a commutative pair, bit for bit; k = 3: another summation order
     torch.testing.assert_close(ours, x.grad, rtol=0, atol=0 if k < 3 else 1e-6)
+
+
+@pytest.mark.parametrize("E, A", [(8, 1000), (4, 7), (16, 5000), (3, 0), (1, 9)])
+def test_the_counted_expert_order_is_the_stable_sort(E, A):
+    """expert_order's counted permutation is torch.sort(stable=True)'s, and inv its inverse."""
+    from dormouse.model.moe import expert_order
+
+    e = torch.randint(0, E, (A,), generator=torch.Generator().manual_seed(A))
+    order, inv = expert_order(e, (e.unsqueeze(1) == torch.arange(E)).sum(0))
+    ref = torch.sort(e, stable=True).indices
+    assert torch.equal(order, ref) and torch.equal(inv[ref], torch.arange(A))

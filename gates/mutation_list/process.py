@@ -30,6 +30,14 @@ def _remainder_to_rank0(orig):
     return split
 
 
+def _shifted_order(orig, flat_e, counts):
+    import torch
+
+    _order, inv = orig(flat_e, counts)
+    inv = (inv + 1) % max(inv.numel(), 1)
+    return torch.empty_like(inv).scatter_(0, inv, torch.arange(inv.numel(), device=inv.device)), inv
+
+
 def _first_copy_only(orig):
     def backward(ctx, g):
         (back,) = ctx.saved_tensors
@@ -153,6 +161,19 @@ MUTATIONS: list[Mutation] = [
             (
                 "dormouse.model.moe:_experts_dense",
                 lambda orig: lambda x, weight, w1, w3, w2: orig(x, weight, w3, w1, w2),
+            ),
+        ),
+        ("g19_kernels",),
+        scope="process",
+    ),
+    Mutation(
+        "expert_slots_from_one",
+        "the counted expert order ranks each expert's first assignment 1, not 0: the slots "
+        "shift by one inside every expert's group (and the last lands in the next group)",
+        (
+            (
+                "dormouse.model.moe:expert_order",
+                lambda orig: lambda flat_e, counts: _shifted_order(orig, flat_e, counts),
             ),
         ),
         ("g19_kernels",),
