@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dormouse.config import ModelConfig
-from dormouse.model.layers import LowRankDelta, RMSNorm, at_least_fp32
+from dormouse.model.layers import LowRankDelta, RMSNorm, at_least_fp32, with_deltas
 
 #: RoPE's base: channel pair i turns by position x ROPE_BASE^(-2i / head_dim) radians
 ROPE_BASE = 10000.0
@@ -112,11 +112,11 @@ class AttnMixer(nn.Module):
         H, Dh = self.n_heads, self.head_dim
         if T == 0:
             return h.new_zeros(h.shape), cache
-        qkv = F.linear(h, torch.cat([self.q_proj.weight, self.k_proj.weight,
-                                     self.v_proj.weight]))  # fmt: skip
-        if self.q_delta is not None:
-            qkv = qkv + torch.cat([getattr(self, f"{n}_delta")[iteration](h)
-                                   for n in ("q", "k", "v")], dim=-1)  # fmt: skip
+        deltas = None
+        if self.q_delta is not None:  # folded into the weights (layers.with_deltas)
+            deltas = [getattr(self, f"{n}_delta")[iteration] for n in ("q", "k", "v")]
+        w = with_deltas([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight], deltas)
+        qkv = F.linear(h, w)
         q, k, v = qkv.view(B, T, 3, H, Dh).unbind(dim=2)
         past_kv = None if cache is None else cache.get(iteration)
         pos = 0 if past_kv is None else past_kv["pos"]  # the bytes this stream has seen
@@ -131,9 +131,8 @@ class AttnMixer(nn.Module):
         # decoding reads back at most max_seq_len bytes, the farthest a training window sees
         window = None if cache is None else self.window
         o = attend(q, k, v, past, window).transpose(1, 2).reshape(B, T, self.d_attn)
-        out = self.o_proj(o)
-        if self.o_delta is not None:
-            out = out + self.o_delta[iteration](o)
+        out = F.linear(o, with_deltas([self.o_proj.weight], None if self.o_delta is None
+                                      else [self.o_delta[iteration]]))  # fmt: skip
         if cache is None:
             return out, None
         keep = self.window - 1  # what the next byte can still see besides itself

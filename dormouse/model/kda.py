@@ -22,7 +22,7 @@ from dormouse.config import ModelConfig
 from dormouse.model.arms import Arm, announce, check_request, choose_arm
 from dormouse.model.kda_fla import kda_fla
 from dormouse.model.kda_torch import kda_torch
-from dormouse.model.layers import LowRankDelta, RMSNorm, at_least_fp32
+from dormouse.model.layers import LowRankDelta, RMSNorm, at_least_fp32, with_deltas
 from dormouse.model.qk_norm import EPS as _L2_EPS
 from dormouse.model.qk_norm import qk_l2norm
 from dormouse.model.short_conv import ShortConv
@@ -169,9 +169,6 @@ class KDAMixer(nn.Module):
     def _small_weights(self, iteration: int) -> tuple[list[torch.Tensor], list[str]]:
         """The narrow weights that read the mixer's input x, in the order of one matmul."""
         ws, names = [], []
-        if self.q_delta is not None:
-            ws += [getattr(self, f"{n}_delta")[iteration].A for n in ("q", "k", "v")]
-            names += ["qa", "ka", "va"]
         if self.f_down is not None:
             ws.append(self.f_down.weight)
             names.append("f")
@@ -181,16 +178,19 @@ class KDAMixer(nn.Module):
 
     def _project(self, x: torch.Tensor, iteration: int) -> dict[str, torch.Tensor]:
         """x [B, T, d_model] -> every projection of x, from two matmuls against stacked
-        weights: q|k|v, and the narrow ones (the deltas' down halves, the decay's down half,
-        beta's, the output gate's down half: N = n_heads..gate_rank each, too skinny to fill
-        a matmul alone). The parameters stay separate (Muon sees each matrix alone); only
-        the products are fused: x is read twice instead of up to nine times, and the
-        backward's input gradient is two matmuls instead of a sum of up to nine. Two, not
-        one: the narrow outputs are kept for the backward, and a slice keeps its whole base
-        alive, so one product would keep q|k|v's columns too (b1 at 32 x 2048 then ran out
-        of the H200's memory)."""
-        parts = {"qkv": F.linear(x, torch.cat(
-            [self.q_proj.weight, self.k_proj.weight, self.v_proj.weight]))}  # fmt: skip
+        weights: q|k|v with this iteration's low-rank deltas folded in (layers.with_deltas),
+        and the narrow ones (the decay's down half, beta's, the output gate's down half: N =
+        n_heads..gate_rank each, too skinny to fill a matmul alone). The parameters stay
+        separate (Muon sees each matrix alone); only the products are fused: x is read twice
+        instead of up to nine times, and the backward's input gradient is two matmuls
+        instead of a sum of up to nine. Two, not one: the narrow outputs are kept for the
+        backward, and a slice keeps its whole base alive, so one product would keep q|k|v's
+        columns too (b1 at 32 x 2048 then ran out of the H200's memory)."""
+        deltas = None
+        if self.q_delta is not None:
+            deltas = [getattr(self, f"{n}_delta")[iteration] for n in ("q", "k", "v")]
+        w = with_deltas([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight], deltas)
+        parts = {"qkv": F.linear(x, w)}
         ws, names = self._small_weights(iteration)
         y = F.linear(x, torch.cat(ws))
         parts.update(zip(names, y.split([w.shape[0] for w in ws], dim=-1)))
@@ -200,12 +200,6 @@ class KDAMixer(nn.Module):
         B, T, _ = x.shape
         H, Dh = self.n_heads, self.head_dim
         qkv = y["qkv"]
-        if self.q_delta is not None:
-            dl = torch.cat(
-                [y[f"{n}a"] @ getattr(self, f"{n}_delta")[iteration].B.t().to(qkv.dtype)
-                 for n in ("q", "k", "v")], dim=-1,
-            )  # fmt: skip
-            qkv = qkv + dl
         fla = self._impl == "fla"
         qkv, new_tail = self.qkv_conv.silu(qkv, conv_tail, fused=fla)
         if fla:  # one pass each way in our Triton kernels, q, k, v contiguous (qk_norm.py)
@@ -238,10 +232,8 @@ class KDAMixer(nn.Module):
             gate_low = self.g_down(x)
         gate = torch.sigmoid(self.g_up(gate_low)).view(B, T, self.n_heads, self.head_dim)
         o = (self.o_norm(o) * gate.to(o.dtype)).reshape(B, T, self.d_attn)
-        out = self.o_proj(o)
-        if self.o_delta is None:
-            return out
-        return out + self.o_delta[iteration](o)
+        deltas = None if self.o_delta is None else [self.o_delta[iteration]]
+        return F.linear(o, with_deltas([self.o_proj.weight], deltas))
 
     # -- forward -------------------------------------------------------------------------
 

@@ -37,6 +37,23 @@ class LowRankDelta(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return (x @ self.A.t().to(x.dtype)) @ self.B.t().to(x.dtype)
 
+    def matrix(self) -> torch.Tensor:
+        """B A [d_out, d_in], in fp32 whatever autocast says: the delta as a weight, so that
+        x (W + B A)^T is one full-width matmul where x W^T + B (A x) was three (the mixers
+        fold their deltas this way: two matmuls fewer each way per projection and call, for
+        rank x d_in x d_out multiply-adds)."""
+        with torch.autocast(self.A.device.type, enabled=False):
+            return self.B @ self.A
+
+
+def with_deltas(weights: list[torch.Tensor], deltas: list[LowRankDelta] | None) -> torch.Tensor:
+    """The stacked weights [sum d_out, d_in], each plus its delta's matrix where there are
+    deltas (rank > 0)."""
+    w = torch.cat(weights) if len(weights) > 1 else weights[0]
+    if deltas is None:
+        return w
+    return w + torch.cat([d.matrix() for d in deltas])
+
 
 # ---- dropout keyed by (seed, step, global row) -------------------------------------------
 

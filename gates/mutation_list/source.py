@@ -36,7 +36,23 @@ from gates.mutation_list.source_patches import (
     _without_since_best,
 )
 
+
+def _single_without_delta(orig):
+    return lambda weights, deltas: orig(weights, None if len(weights) == 1 else deltas)
+
+
 MUTATIONS: list[Mutation] = [
+    Mutation(
+        "output_delta_forgotten",
+        "the mixers' output projection is folded without its per-iteration low-rank delta "
+        "(layers.with_deltas given one weight drops the delta)",
+        (
+            ("dormouse.model.kda:with_deltas", _single_without_delta),
+            ("dormouse.model.attn:with_deltas", _single_without_delta),
+        ),
+        ("g32_reference_model",),
+        scope="source",
+    ),
     Mutation(
         "muon_decay_base_lr",
         "Muon's decoupled weight decay uses the base lr, not the scheduled one (too strong "
