@@ -5,6 +5,7 @@ and the announcement of each shape's first call (its kernels autotune then)."""
 from __future__ import annotations
 
 import logging
+import os
 import time
 
 import torch
@@ -285,8 +286,10 @@ class _FirstCall:
             if cache.autotune_cached()
             else f"NOT cached: {cache.TRITON_AUTOTUNE} is not 1, so every run tunes again"
         )
+        configs = os.environ.get("FLA_CONFIG_DIR")
+        tuned = f"; the kernels whose keys are in {configs} skip it" if configs else ""
         log.info(f"kda: first fla call for {words}; on a fresh machine its kernels autotune for "
-                 f"~3 minutes ({later})")  # fmt: skip
+                 f"~3 minutes ({later}{tuned})")  # fmt: skip
         return cls(words, q.device)
 
     def _took(self, what: str, t0: float) -> float:
