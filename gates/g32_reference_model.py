@@ -387,6 +387,11 @@ def cuda_cases() -> list[tuple[str, dict]]:
             )
             for m in moe
         ]
+        # decoding past the training window on the fla arm too: 32 bytes through a window of
+        # 12, attention sliding while fla's state runs on
+        cases.append((f"cuda fla/{moe[0]} hybrid past the window",
+                      {"kda_impl": "fla", "moe_impl": moe[0], "moe_topk": 4, "n_layers": 2,
+                       "attn_every": 2, "max_seq_len": 12}))  # fmt: skip
     return cases
 
 
