@@ -23,7 +23,7 @@ log = logging.getLogger(__name__)
 
 KdaImpl = Literal["auto", "torch", "fla"]
 MoeImpl = Literal["auto", "grouped", "batched", "dense", "triton"]
-Dtype = Literal["auto", "fp32", "bf16", "fp16"]  # auto: the device policy's (train/device.py)
+Dtype = Literal["auto", "fp32", "bf16", "fp16"]  # auto: the device policy's (train/plan/device.py)
 
 
 class ConfigError(UserError, ValueError):
@@ -140,7 +140,7 @@ class TrainConfig:
     grad_clip: float = 1.0
     max_skips: int = 10  # consecutive non-finite steps before the run stops
     # dtype=fp16 (on any rank of a fleet): the dynamic loss scale doubles after this many clean
-    # steps in a row (train/scaler.py; torch.amp.GradScaler's default growth interval)
+    # steps in a row (train/optim/scaler.py; torch.amp.GradScaler's default growth interval)
     loss_scale_every: int = 2000
     # optimizer
     opt: Literal["mix", "adamw"] = "mix"
@@ -151,7 +151,7 @@ class TrainConfig:
     # 1.016 B a value
     muon_state_dtype: Literal["fp32", "bf16", "int8"] = "fp32"
     # the Engram tables' Adam moments (the bulk of b1's optimizer state): bf16 halves them,
-    # int8 (8-bit codes, an fp32 scale per table row and moment) ~quarters them (train/quant.py)
+    # int8 (8-bit codes, an fp32 scale per table row and moment) ~quarters them (train/optim/quant.py)
     engram_state_dtype: Literal["fp32", "bf16", "int8"] = "fp32"
     muon_variant: Literal["nesterov", "plain"] = "nesterov"
     muon_sf: Literal["rms", "jordan"] = "rms"
@@ -169,7 +169,7 @@ class TrainConfig:
     val_bytes: int = 0
     log_every: int = 10
     # also write the metrics rows as TensorBoard scalars into RUN/tb/ (rank 0; needs the [tb]
-    # extra: pip install -e ".[tb]"); metrics.jsonl is written either way (train/metrics.py)
+    # extra: pip install -e ".[tb]"); metrics.jsonl is written either way (train/store/metrics.py)
     tensorboard: bool = False
     eval_every: int = 100
     eval_batches: int = 8
@@ -188,7 +188,7 @@ class TrainConfig:
     # longer, ends every rank of the fleet (docs/reliability.md, the fleet)
     dist_timeout: float = 600.0
     fit_gb: float = 0.0  # 0 = no --fit
-    # re-balancing a fleet while it trains (train/balance.py): with dist_capacity=auto, every
+    # re-balancing a fleet while it trains (train/fleet/balance.py): with dist_capacity=auto, every
     # rebalance_every steps the ranks' measured compute times re-split the same global batch;
     # a new split is taken only when it shortens the predicted step by more than
     # rebalance_threshold (the hysteresis). 0 = the start-up split stays.

@@ -10,8 +10,11 @@ the model's public names.
 from __future__ import annotations
 
 import ast
+import io
+import re
 import subprocess
 import sys
+import tokenize
 from pathlib import Path
 
 import pytest
@@ -145,3 +148,38 @@ def test_a_single_process_run_never_imports_the_fleet_modules(tmp_path, source_c
     p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                        timeout=300)  # fmt: skip
     assert p.returncode == 0, p.stderr[-2000:]
+
+
+#: A `*.py` path in prose: `model/gpt.py`, `train/run.py resolve_dropout`, `scaler.py`.
+_PY_PATH = re.compile(r"(?<![\w./-])((?:[\w.-]+/)*[\w-]+\.py)\b")
+#: Named-path comments in files another engineer owns this round; each goes when its owner
+#: fixes it (store/ is the faults work this round).
+_PENDING = {("dormouse/train/store/checkpoint.py", "run_dir.py")}
+
+
+def _prose(path: Path):
+    """(line, text) of every comment and every module, class and function docstring."""
+    src = path.read_text()
+    for tok in tokenize.generate_tokens(io.StringIO(src).readline):
+        if tok.type == tokenize.COMMENT:
+            yield tok.start[0], tok.string
+    for node in ast.walk(ast.parse(src)):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            doc = ast.get_docstring(node, clean=False)
+            if doc is not None:
+                yield node.body[0].lineno, doc
+
+
+def test_comments_name_only_files_that_exist():
+    """A path named in a comment or docstring resolves from the repository root, from
+    dormouse/ (`train/run.py`), or from the file's own folder (`scaler.py` beside it)."""
+    missing = []
+    for top in PACKAGES:
+        for p in sorted((ROOT / top).rglob("*.py")):
+            rel = p.relative_to(ROOT).as_posix()
+            for line, text in _prose(p):
+                for name in _PY_PATH.findall(text):
+                    bases = (ROOT, PKG, p.parent)
+                    if (rel, name) not in _PENDING and not any((b / name).exists() for b in bases):
+                        missing.append(f"{rel}:{line}: {name}")
+    assert not missing, missing

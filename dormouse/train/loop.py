@@ -503,7 +503,7 @@ def train(model: torch.nn.Module, wrapped: Wrapped, opt, ctx: DPContext, run, *,
     `stream_of(data, ctx, run, model)`: this rank's stream of training windows (a fleet's
     re-splits on its agreed steps: fleet/balance.py FleetStream)."""
     cfg = run.train
-    # fp16 anywhere in the fleet: one loss scale, the same on every rank (scaler.py)
+    # fp16 anywhere in the fleet: one loss scale, the same on every rank (optim/scaler.py)
     scaler = LossScaler(cfg.loss_scale_every) if loss_scaled(autocast, ctx) else None
     s = Step(model, wrapped, opt, ctx, cfg, autocast, scaler, callbacks or Callbacks())
     sinks = Sinks()

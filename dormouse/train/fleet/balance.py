@@ -14,7 +14,7 @@ rank's measured compute, and never exceeds what fits a rank's memory.
 * `FleetStream` — the loop's data stream on a fleet: at a re-split every rank rebuilds its
   stream at the new offset at the same position and replaces its DPContext, on the same step;
   its state (position and the split in force) goes into the checkpoint, so a resume continues
-  the split it stopped in. The bytes of a step do not depend on the split (data.py's layout).
+  the split it stopped in. The bytes of a step do not depend on the split (train/data.py's layout).
 * `fleet_table` — rank 0's one table of the fleet.
 """
 
@@ -360,7 +360,7 @@ class FleetStream:
                 log.info(f"rebalance off: {off} (the start-up split stays)")
             else:
                 self.every = int(t.rebalance_every)
-        from .launch import parse_slow  # a fleet only: one process never imports fleet.py
+        from .launch import parse_slow  # a fleet only: one process never imports launch.py
 
         slow = parse_slow(t.emulate_slow, ctx.rank)
         if slow:

@@ -357,7 +357,7 @@ def resolve_dtype(requested: str, record: DeviceRecord | None = None) -> tuple[t
     """Turn `dtype=` into the forward's compute dtype, with the line that says why (logged).
 
     Returns torch.float32 for fp32 (plain, no autocast), torch.bfloat16 for bf16 and
-    torch.float16 for fp16 (the loop then carries a loss scale, scaler.py); probes the device
+    torch.float16 for fp16 (the loop then carries a loss scale, train/optim/scaler.py); probes the device
     `auto` would pick when `record` is None and the answer depends on the card.
     """
     global _fallbacks

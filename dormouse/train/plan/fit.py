@@ -51,13 +51,13 @@ ACT_ROUTED = ((7.0, 8.0), (10.0, 16.0))
 ACT_CKPT_INPUT = (4.0, 2.0)
 
 #: Bytes of Muon's momentum per value, by muon_state_dtype. int8: the code and one fp32 absmax
-#: per BLOCK (256) values (train/quant.py). A parameter's last block is padded, up to 255 B a
+#: per BLOCK (256) values (train/optim/quant.py). A parameter's last block is padded, up to 255 B a
 #: tensor more; every preset's Muon tensors are multiples of 256 values, so none is padded.
 MUON_STATE_BYTES = {"fp32": 4, "bf16": 2, "int8": 1 + 4 / BLOCK}
 #: Bytes of the two Adam moments of one Engram table value, by engram_state_dtype.
 ENGRAM_MOMENT_BYTES = {"fp32": 8, "bf16": 4, "int8": 2}
 #: Bytes per Engram table row beside the moments: its int32 step count, and for int8 the two
-#: moments' fp32 scales (a block is one row: train/rowadam.py `row_state`).
+#: moments' fp32 scales (a block is one row: train/optim/rowadam.py `row_state`).
 ENGRAM_ROW_BYTES = {"fp32": 4, "bf16": 4, "int8": 12}
 
 #: The ladder, cheapest first: (name, config field, value that engages it, its default).
