@@ -15,7 +15,7 @@ import math
 import re
 import typing
 from dataclasses import dataclass, field, fields, replace
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from .errors import UserError
 
@@ -34,8 +34,47 @@ class ConfigError(UserError, ValueError):
 DROPOUT_AUTO = -1.0
 
 
+class _Part:
+    """What a config part checks of its own fields, read from their annotations and the part's
+    POSITIVE / NON_NEGATIVE lists: finite numbers, an integer range, a Literal's values, the
+    signs. A part's `check` adds its own rules; a rule that reads two parts is `validate`'s."""
+
+    POSITIVE: ClassVar[tuple[str, ...]] = ()
+    NON_NEGATIVE: ClassVar[tuple[str, ...]] = ()
+
+    def out_of_range(self, name: str, v: int) -> str | None:
+        # Python's ints are unbounded, torch's and numpy's 64-bit
+        return f"{name}={v} is out of range (|value| < 2**62)" if abs(v) >= 2**62 else None
+
+    def check_fields(self) -> None:
+        vals = {f.name: getattr(self, f.name) for f in fields(self)}
+        for k, v in vals.items():
+            # nan passes every `< 0` test and inf every `> 0` one: refuse them by name first
+            for x in v if isinstance(v, (tuple, list)) else (v,):
+                if isinstance(x, float) and not math.isfinite(x):
+                    raise ConfigError(f"{k}={v} is not a finite number; give a finite value with "
+                                      f"--set {k}=X")  # fmt: skip
+        for k, v in vals.items():
+            if isinstance(v, int) and not isinstance(v, bool) and (why := self.out_of_range(k, v)):
+                raise ConfigError(why)
+        for k, v in vals.items():
+            if k in CHOICES and v not in CHOICES[k]:
+                raise ConfigError(f"{k}={v!r} is not one of {CHOICES[k]}")
+        for k in self.POSITIVE:
+            if vals[k] <= 0:
+                raise ConfigError(
+                    f"{k}={vals[k]} must be positive; set it with --set {k}=N (N >= 1)"
+                )
+        for k in self.NON_NEGATIVE:
+            if vals[k] < 0:
+                raise ConfigError(f"{k}={vals[k]} must not be negative")
+
+    def check(self) -> None:
+        self.check_fields()
+
+
 @dataclass(frozen=True)
-class ModelConfig:
+class ModelConfig(_Part):
     """The network's shape. Field names are unique across ModelConfig and TrainConfig."""
 
     # "dormouse" (Engram + looped KDA/MoE body) or "gpt": the plain causal transformer
@@ -93,10 +132,89 @@ class ModelConfig:
         """The mixer of body block `layer` (0-based): "attn" for every attn_every-th block."""
         return "attn" if self.attn_every and (layer + 1) % self.attn_every == 0 else "kda"
 
+    POSITIVE = ("vocab", "d_model", "n_layers", "max_iter", "n_heads", "head_dim", "conv_size",
+                "kda_chunk", "d_ffn", "n_experts", "moe_topk", "engram_rows", "engram_dim",
+                "engram_heads", "max_seq_len")  # fmt: skip
+    NON_NEGATIVE = ("rank", "gate_rank", "segment_len", "attn_every", "shared_rank",
+                    "moe_capacity", "moe_lb_coef", "init_std")  # fmt: skip
+
+    def out_of_range(self, name: str, v: int) -> str | None:
+        if v < _SHAPE_MAX:
+            return None
+        return (f"{name}={v} is beyond any model dormouse builds (limit {_SHAPE_MAX - 1}); "
+                f"lower --set {name}")  # fmt: skip
+
+    def check(self) -> None:
+        self.check_fields()
+        m = self
+        if m.dropout != DROPOUT_AUTO and not 0 <= m.dropout < 1:
+            raise ConfigError(f"dropout={m.dropout} must be in [0, 1) (0.1 drops one value in ten), "
+                              f"or auto (chosen from the passes over the data)")  # fmt: skip
+        if m.vocab != 256:
+            raise ConfigError(f"vocab={m.vocab}: dormouse is byte-level, vocab must be 256")
+        if m.moe_topk > m.n_experts:
+            raise ConfigError(
+                f"moe_topk={m.moe_topk} exceeds n_experts={m.n_experts}: a token cannot pick more "
+                f"experts than exist; lower --set moe_topk or raise --set n_experts"
+            )
+        if m.n_heads * m.head_dim != m.d_model:
+            raise ConfigError(
+                f"n_heads*head_dim = {m.n_heads}*{m.head_dim} = {m.n_heads * m.head_dim} but "
+                f"d_model={m.d_model}; the mixer's heads must tile the model width: set head_dim="
+                f"{m.d_model // m.n_heads if m.d_model % m.n_heads == 0 else '?'} or change n_heads"
+            )
+        if not m.engram_orders or any(n < 2 for n in m.engram_orders):
+            raise ConfigError(f"engram_orders={m.engram_orders}: each order must be >= 2 bytes")
+        if len(set(m.engram_orders)) != len(m.engram_orders):
+            # an order's tables hash by (order, head) alone: a repeat reads the very same rows
+            raise ConfigError(
+                f"engram_orders={m.engram_orders} repeats an order: its tables would hash every "
+                f"n-gram to the same rows as the first's (memory for nothing); for more tables of "
+                f"one order raise --set engram_heads"
+            )
+        if m.attn_every and m.arch == "dormouse":
+            if m.attn_every > m.n_layers:
+                raise ConfigError(
+                    f"attn_every={m.attn_every} exceeds n_layers={m.n_layers}: no block would mix "
+                    f"by attention; pick 1..{m.n_layers} or attn_every=0 (KDA everywhere)"
+                )
+            if m.segment_len:
+                raise ConfigError(
+                    f"attn_every={m.attn_every} with segment_len={m.segment_len}: attention carries "
+                    f"no state across segments; set segment_len=0 or attn_every=0"
+                )
+            if m.head_dim % 2:
+                raise ConfigError(
+                    f"attn_every={m.attn_every} with head_dim={m.head_dim}: rotary positions turn "
+                    f"channel pairs, so head_dim must be even"
+                )
+        biggest = max(m.n_experts * m.d_model * m.d_ffn, m.engram_rows * m.engram_dim,
+                      m.d_model * m.d_attn, m.d_model * m.vocab)  # fmt: skip
+        if biggest > _TENSOR_MAX:
+            raise ConfigError(
+                f"one weight of this model would hold {biggest:.3g} elements (n_experts*d_model*"
+                f"d_ffn = {m.n_experts}*{m.d_model}*{m.d_ffn}, engram_rows*engram_dim = "
+                f"{m.engram_rows}*{m.engram_dim}): more than {_TENSOR_MAX:.3g}, beyond any card; "
+                f"lower the sizes"
+            )
+        # a lower bound of the parameters: the experts (the MLP) and the mixers' projections of
+        # every layer, the Engram tables, the embedding (count_params: tiny 133,120 of 170,000)
+        ffn = 3 * m.n_experts if m.arch == "dormouse" else 2  # SwiGLU experts, or the GPT's MLP
+        least = (m.n_layers * (ffn * m.d_model * m.d_ffn + 4 * m.d_model * m.d_attn)
+                 + (m.arch == "dormouse") * len(m.engram_orders) * m.engram_heads
+                 * m.engram_rows * m.engram_dim + m.vocab * m.d_model)  # fmt: skip
+        if least > _MODEL_MAX:
+            raise ConfigError(
+                f"this model would have at least {least:.3g} parameters (n_layers={m.n_layers} of "
+                f"d_model={m.d_model}, d_ffn={m.d_ffn}), more than "
+                f"{_MODEL_MAX:.3g}: beyond any machine dormouse trains on; lower the sizes"
+            )
+
 
 @dataclass(frozen=True)
-class TrainConfig:
-    steps: int = 300
+class Training(_Part):
+    """The step's shape, where it runs and how it survives a bad step."""
+
     batch: int = 8  # the most windows one forward takes (per rank: the micro-batch cap)
     seq_len: int = 256
     # windows per optimizer step, over the whole fleet; 0 = batch on every rank, no
@@ -105,21 +223,6 @@ class TrainConfig:
     seed: int = 0
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     dtype: Dtype = "auto"
-    # torch.compile the model's training forward (and so its backward); compile_mode is
-    # torch.compile's mode (reduce-overhead replays the compiled regions as CUDA graphs, and the
-    # optimizer step is captured as one too). "auto" (the default of both) is decided per run by
-    # train/run.py resolve_compile, which logs what it read: on CUDA compile, in
-    # reduce-overhead where the step's shapes are static and nothing accumulates or streams
-    # from the host, else default; on the CPU no compile. Evaluation runs uncompiled.
-    compile: Literal["auto", True, False] = "auto"
-    compile_mode: Literal["auto", "default", "reduce-overhead", "max-autotune-no-cudagraphs"] = (
-        "auto"
-    )
-    # torch.compile's backend: inductor generates fused kernels; aot_eager runs the same
-    # dynamo graphs and AOTAutograd's forward/backward split with eager kernels (no codegen:
-    # seconds, not minutes, on a CPU) to check what compiling does to a run's arithmetic
-    # routing, wrappers and hooks apart from inductor's own kernels
-    compile_backend: Literal["inductor", "aot_eager"] = "inductor"
     # where the step's finiteness verdict (a non-finite loss or gradient skips the step) is
     # decided: "host" reads it before the optimizer, one synchronisation a step; "device"
     # keeps it on the device: the optimizer step and the LFB update apply it themselves (what
@@ -130,20 +233,53 @@ class TrainConfig:
     # (compile_mode=reduce-overhead on CUDA) and its copy aside takes at most 1/16 of the
     # card's memory, else host; logged with what it read.
     verdict: Literal["auto", "host", "device"] = "auto"
-    # schedule
-    lr: float = 3e-3
-    min_lr_frac: float = 0.1
-    warmup: int = 20
-    schedule: Literal["cosine", "wsd", "constant"] = "cosine"
-    wsd_decay_frac: float = 0.2
-    wd: float = 0.1
     grad_clip: float = 1.0
     max_skips: int = 10  # consecutive non-finite steps before the run stops
     # dtype=fp16 (on any rank of a fleet): the dynamic loss scale doubles after this many clean
     # steps in a row (train/optim/scaler.py; torch.amp.GradScaler's default growth interval)
     loss_scale_every: int = 2000
-    # optimizer
+    fit_gb: float = 0.0  # 0 = no --fit
+
+    POSITIVE = ("batch", "seq_len", "max_skips", "loss_scale_every")
+    NON_NEGATIVE = ("grad_clip", "fit_gb", "global_batch")
+
+    def check(self) -> None:
+        self.check_fields()
+        if self.seed < 0:
+            raise ConfigError(f"seed={self.seed} must not be negative (torch and numpy seeds "
+                              f"are unsigned); pick a seed in [0, 2**62)")  # fmt: skip
+        check_device(self.device, "device")
+
+
+@dataclass(frozen=True)
+class Schedule(_Part):
+    """The run's length and the shape of its learning rate (a factor of the optimizer's lr)."""
+
+    steps: int = 300
+    warmup: int = 20
+    schedule: Literal["cosine", "wsd", "constant"] = "cosine"
+    min_lr_frac: float = 0.1
+    wsd_decay_frac: float = 0.2
+
+    NON_NEGATIVE = ("steps", "warmup", "min_lr_frac")
+
+    def check(self) -> None:
+        self.check_fields()
+        if self.min_lr_frac > 1:
+            raise ConfigError(f"min_lr_frac={self.min_lr_frac} must be in [0, 1]")
+        if self.warmup > self.steps and self.steps > 0:
+            raise ConfigError(f"warmup={self.warmup} is longer than the run (steps={self.steps})")
+        if not 0 <= self.wsd_decay_frac <= 1:
+            raise ConfigError(f"wsd_decay_frac={self.wsd_decay_frac} must be in [0, 1]")
+
+
+@dataclass(frozen=True)
+class Optim(_Part):
+    """MixOptimizer's knobs (train/optim/mix.py): Muon, AdamW and the Engram tables' Adam."""
+
     opt: Literal["mix", "adamw"] = "mix"
+    lr: float = 3e-3
+    wd: float = 0.1
     ns_steps: int = 5
     ns_kind: Literal["quintic", "polar_express"] = "quintic"
     ns_dtype: Literal["auto", "fp32", "bf16"] = "auto"
@@ -151,7 +287,8 @@ class TrainConfig:
     # 1.016 B a value
     muon_state_dtype: Literal["fp32", "bf16", "int8"] = "fp32"
     # the Engram tables' Adam moments (the bulk of b1's optimizer state): bf16 halves them,
-    # int8 (8-bit codes, an fp32 scale per table row and moment) ~quarters them (train/optim/quant.py)
+    # int8 (8-bit codes, an fp32 scale per table row and moment) ~quarters them
+    # (train/optim/quant.py)
     engram_state_dtype: Literal["fp32", "bf16", "int8"] = "fp32"
     muon_variant: Literal["nesterov", "plain"] = "nesterov"
     muon_sf: Literal["rms", "jordan"] = "rms"
@@ -161,24 +298,90 @@ class TrainConfig:
     adam_eps: float = 1e-8
     engram_lr_mult: float = 5.0
     optim_8bit: bool = False
-    # data and I/O
+
+    POSITIVE = ("ns_steps",)
+    NON_NEGATIVE = ("wd", "lr", "engram_lr_mult")
+
+    def check(self) -> None:
+        self.check_fields()
+        if len(self.adam_betas) != 2 or not all(0 <= b < 1 for b in self.adam_betas):
+            raise ConfigError(f"adam_betas={self.adam_betas} must be two numbers in [0, 1)")
+        if not (math.isfinite(self.adam_eps) and self.adam_eps > 0):
+            raise ConfigError(
+                f"adam_eps={self.adam_eps} must be a finite number > 0 (Adam's epsilon; "
+                f"torch's default is 1e-8)"
+            )
+        if not 0 <= self.muon_momentum < 1:
+            raise ConfigError(
+                f"muon_momentum={self.muon_momentum} must be in [0, 1) (0.95 is usual); "
+                f"at 1 or above the momentum never forgets and grows without bound"
+            )
+
+
+@dataclass(frozen=True)
+class Corpus(_Part):
+    """Which bytes the run reads, and how it splits and orders them."""
+
     data: tuple[str, ...] = ()
     data_weights: tuple[float, ...] = ()
     shuffle: bool = True  # visit each pass's blocks in a seeded order (rank-consistent)
     val_frac: float = 0.01
     val_bytes: int = 0
+
+    NON_NEGATIVE = ("val_bytes",)
+
+    def check(self) -> None:
+        self.check_fields()
+        if not 0 <= self.val_frac < 1:
+            raise ConfigError(f"val_frac={self.val_frac} must be in [0, 1); e.g. --set "
+                              f"val_frac=0.01")  # fmt: skip
+        for d in self.data:
+            _check_path(d, "data")
+        if self.data_weights and len(self.data_weights) != len(self.data):
+            raise ConfigError(
+                f"{len(self.data_weights)} data_weights for {len(self.data)} corpora; give one "
+                f"weight per --data file or none"
+            )
+
+
+@dataclass(frozen=True)
+class Metrics(_Part):
+    """What the run logs and evaluates, and when evaluation stops it."""
+
     log_every: int = 10
     # also write the metrics rows as TensorBoard scalars into RUN/tb/ (rank 0; needs the [tb]
-    # extra: pip install -e ".[tb]"); metrics.jsonl is written either way (train/store/metrics.py)
+    # extra: pip install -e ".[tb]"); metrics.jsonl is written either way
+    # (train/store/metrics.py)
     tensorboard: bool = False
     eval_every: int = 100
     eval_batches: int = 8
     # stop after this many evaluations in a row without a new best val loss (0 = never)
     early_stop: int = 0
+
+    POSITIVE = ("eval_batches",)
+    NON_NEGATIVE = ("log_every", "eval_every", "early_stop")
+
+
+@dataclass(frozen=True)
+class Checkpoint(_Part):
+    """Where the run folder is and how often the checkpoint is written."""
+
     ckpt_every: int = 500
     out_dir: str = "runs/default"
     ckpt_name: str = "ckpt"
-    # distributed
+
+    NON_NEGATIVE = ("ckpt_every",)
+
+    def check(self) -> None:
+        self.check_fields()
+        check_file_name(self.ckpt_name)
+        _check_path(self.out_dir, "out_dir")
+
+
+@dataclass(frozen=True)
+class Fleet(_Part):
+    """A data-parallel fleet: joining it, splitting its batch, reducing, re-balancing."""
+
     dist: bool = False
     dist_capacity: str = ""
     dist_reduce: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
@@ -187,10 +390,9 @@ class TrainConfig:
     # seconds: a rank whose heartbeat is older than this, or one collective that waits
     # longer, ends every rank of the fleet (docs/reliability.md, the fleet)
     dist_timeout: float = 600.0
-    fit_gb: float = 0.0  # 0 = no --fit
-    # re-balancing a fleet while it trains (train/fleet/balance.py): with dist_capacity=auto, every
-    # rebalance_every steps the ranks' measured compute times re-split the same global batch;
-    # a new split is taken only when it shortens the predicted step by more than
+    # re-balancing a fleet while it trains (train/fleet/balance.py): with dist_capacity=auto,
+    # every rebalance_every steps the ranks' measured compute times re-split the same global
+    # batch; a new split is taken only when it shortens the predicted step by more than
     # rebalance_threshold (the hysteresis). 0 = the start-up split stays.
     rebalance_every: int = 50
     rebalance_threshold: float = 0.05
@@ -200,6 +402,115 @@ class TrainConfig:
     # EMULATION of a slow card on a CPU fleet: "RANK:FACTOR" makes that rank sleep FACTOR x
     # its own measured compute every step (bench fleet, docs/fleet.md); "" = off
     emulate_slow: str = ""
+
+    NON_NEGATIVE = ("bucket_mb", "rebalance_every", "rebalance_threshold")
+
+    def check(self) -> None:
+        self.check_fields()
+        if not 0 < self.dist_timeout <= _DIST_TIMEOUT_MAX:
+            raise ConfigError(
+                f"dist_timeout={self.dist_timeout} must be in (0, {_DIST_TIMEOUT_MAX:.0f}] "
+                f"seconds: it is how long a fleet waits for a silent rank or one collective "
+                f"before every rank stops; e.g. --set dist_timeout=600"
+            )
+        if self.dist_capacity.strip() and not self.dist:
+            raise ConfigError(
+                f"--capacity / dist_capacity={self.dist_capacity!r} splits a fleet's batch, and "
+                f"this run is one process (no --dist), so it would be ignored; drop --capacity, "
+                f"or launch a fleet: torchrun --nproc_per_node=N -m dormouse train ... --dist "
+                f"--capacity {self.dist_capacity}"
+            )
+        for knob in ("rebalance_at", "emulate_slow"):
+            if getattr(self, knob).strip() and not self.dist:
+                raise ConfigError(
+                    f"{knob}={getattr(self, knob)!r} acts on a fleet's split, and this run is "
+                    f"one process (no --dist), so it would be ignored; drop it, or launch a "
+                    f"fleet with --dist"
+                )
+
+
+@dataclass(frozen=True)
+class Compile(_Part):
+    """torch.compile of the training forward (and so its backward)."""
+
+    # compile_mode is torch.compile's mode (reduce-overhead replays the compiled regions as
+    # CUDA graphs, and the optimizer step is captured as one too). "auto" (the default of
+    # both) is decided per run by train/run.py resolve_compile, which logs what it read: on
+    # CUDA compile, in reduce-overhead where the step's shapes are static and nothing
+    # accumulates or streams from the host, else default; on the CPU no compile. Evaluation
+    # runs uncompiled.
+    compile: Literal["auto", True, False] = "auto"
+    compile_mode: Literal["auto", "default", "reduce-overhead", "max-autotune-no-cudagraphs"] = (
+        "auto"
+    )
+    # torch.compile's backend: inductor generates fused kernels; aot_eager runs the same
+    # dynamo graphs and AOTAutograd's forward/backward split with eager kernels (no codegen:
+    # seconds, not minutes, on a CPU) to check what compiling does to a run's arithmetic
+    # routing, wrappers and hooks apart from inductor's own kernels
+    compile_backend: Literal["inductor", "aot_eager"] = "inductor"
+
+    def check(self) -> None:
+        self.check_fields()
+        if self.compile_backend != "inductor" and self.compile_mode not in ("default", "auto"):
+            raise ConfigError(
+                f"compile_mode={self.compile_mode} is inductor's (CUDA graphs, autotuning); "
+                f"compile_backend={self.compile_backend} has no modes. Use --set "
+                f"compile_mode=default or compile_backend=inductor"
+            )
+
+
+#: The parts of TrainConfig by the name `--set PART.key=value` and `train.PART` give them.
+PARTS: dict[str, type[_Part]] = {
+    "training": Training,
+    "lr_schedule": Schedule,
+    "optim": Optim,
+    "corpus": Corpus,
+    "metrics": Metrics,
+    "checkpoint": Checkpoint,
+    "fleet": Fleet,
+    "compiler": Compile,
+}
+
+
+@dataclass(frozen=True)
+class TrainConfig(Training, Schedule, Optim, Corpus, Metrics, Checkpoint, Fleet, Compile):
+    """Every knob of training: the union of the parts above, each a small dataclass with its
+    checks beside it. Stored flat, so a field has one name everywhere (`train.lr`,
+    `replace(train, lr=...)`, `--set lr=`, config.json's keys); `train.optim` (and each part's
+    name in PARTS) is that part alone, for the code that owns it."""
+
+    def part(self, cls: type[_Part]) -> Any:
+        return cls(**{f.name: getattr(self, f.name) for f in fields(cls)})
+
+    training = property(lambda self: self.part(Training))
+    lr_schedule = property(lambda self: self.part(Schedule))
+    optim = property(lambda self: self.part(Optim))
+    corpus = property(lambda self: self.part(Corpus))
+    metrics = property(lambda self: self.part(Metrics))
+    checkpoint = property(lambda self: self.part(Checkpoint))
+    fleet = property(lambda self: self.part(Fleet))
+    compiler = property(lambda self: self.part(Compile))
+
+    def check(self) -> None:
+        """Each part's rules, then those that read two parts."""
+        for cls in PARTS.values():
+            self.part(cls).check()
+        graphs = self.compile is True and self.compile_mode == "reduce-overhead"
+        if graphs and not self.dist and self.global_batch > self.batch:
+            # a CUDA graph's outputs live in its pool until the next replay: a micro-batch's
+            # gradients, accumulated into .grad, would be overwritten by the next micro-batch's
+            raise ConfigError(
+                f"compile_mode=reduce-overhead with accumulation (global_batch="
+                f"{self.global_batch} > batch={self.batch}): every micro-batch's replay reuses "
+                f"the CUDA graphs' gradient buffers. Use --set compile_mode=default, or --set "
+                f"batch={self.global_batch}"
+            )
+        if self.verdict == "device" and self.dist and self.dist_shard == "fsdp":
+            raise ConfigError(
+                "verdict=device needs the optimizer's device-side step, and FSDP2's shards step "
+                "through collectives (DTensors), so the verdict is read on the host there. Use "
+                "--set verdict=auto (host under FSDP2), or DDP (dist_shard=none)"
+            )
 
 
 @dataclass(frozen=True)
@@ -230,7 +541,7 @@ class RunConfig:
             if not isinstance(d.get(part, {}), dict):
                 raise ConfigError(f"the run config's {part!r} must be a JSON object, got "
                                   f"{type(d[part]).__name__}")  # fmt: skip
-        model, train = dict(d.get("model", {})), dict(d.get("train", {}))
+        model, train = dict(d.get("model", {})), _flat_train(dict(d.get("train", {})))
         _one_dtype(model, train)
         return cls(str(d["source"]), _build(ModelConfig, model), _build(TrainConfig, train))
 
@@ -241,6 +552,23 @@ class RunConfig:
         except (TypeError, ValueError) as e:
             raise ConfigError(f"the run config is not valid JSON ({e})") from None
         return cls.from_dict(d)
+
+
+def _flat_train(train: dict[str, Any]) -> dict[str, Any]:
+    """A config's train object, flat: a part written as an object (`"optim": {"lr": ..}`,
+    what `--set optim.lr=` names) gives its fields; config.json as dormouse writes it is flat."""
+    out = {}
+    for k, v in train.items():
+        if k in PARTS and isinstance(v, dict):
+            known = {f.name for f in fields(PARTS[k])}
+            if set(v) - known:
+                raise ConfigError(f"the run config's train.{k} has no field(s) "
+                                  f"{sorted(set(v) - known)}; this file was written by another "
+                                  f"version of dormouse")  # fmt: skip
+            out.update(v)
+        else:
+            out[k] = v
+    return out
 
 
 def _one_dtype(model: dict[str, Any], train: dict[str, Any]) -> None:
@@ -450,7 +778,8 @@ def _tname(tp) -> str:
 
 
 def apply_sets(run: RunConfig, sets: list[str] | tuple[str, ...]) -> RunConfig:
-    """Apply `key=value` overrides (key may be `model.k`, `train.k` or plain `k`)."""
+    """Apply `key=value` overrides. The key is a field's name (`lr`), or that name under its
+    owner: `model.k`, `train.k`, a training part's `PART.k` or `train.PART.k` (`optim.lr`)."""
     owner = _field_owner()
     hints = {
         "model": typing.get_type_hints(ModelConfig),
@@ -462,11 +791,7 @@ def apply_sets(run: RunConfig, sets: list[str] | tuple[str, ...]) -> RunConfig:
             raise ConfigError(f"--set expects key=value, got {item!r}")
         key, _, text = item.partition("=")
         key = key.strip()
-        part, _, bare = key.rpartition(".")
-        if part and part not in ("model", "train"):
-            raise ConfigError(f"--set {key}: prefix must be 'model.' or 'train.'")
-        if bare not in owner or (part and owner[bare] != part):
-            raise ConfigError(f"--set: unknown key {key!r}" + _suggest(bare, sorted(owner)))
+        bare = _owned_key(key, owner)
         where = owner[bare]
         new[where][bare] = parse_value(hints[where][bare], text, key)
     return RunConfig(
@@ -474,6 +799,25 @@ def apply_sets(run: RunConfig, sets: list[str] | tuple[str, ...]) -> RunConfig:
         model=replace(run.model, **new["model"]),
         train=replace(run.train, **new["train"]),
     )
+
+
+def _owned_key(key: str, owner: dict[str, str]) -> str:
+    """The field a `--set` key names, refusing a prefix that does not own it."""
+    prefix, _, bare = key.rpartition(".")
+    if prefix.startswith("train."):
+        prefix = prefix[len("train.") :]
+    if prefix and prefix not in ("model", "train") and prefix not in PARTS:
+        raise ConfigError(f"--set {key}: prefix must be 'model.', 'train.' or a part of the "
+                          f"training config ({', '.join(p + '.' for p in PARTS)})")  # fmt: skip
+    if bare not in owner:
+        raise ConfigError(f"--set: unknown key {key!r}" + _suggest(bare, sorted(owner)))
+    part = _PART_OF.get(bare)
+    if prefix in PARTS and part != prefix:
+        where = f"{part}.{bare}" if part else f"model.{bare}"
+        raise ConfigError(f"--set {key}: {bare} is not in {prefix}; it is {where}")
+    if prefix in ("model", "train") and owner[bare] != prefix:
+        raise ConfigError(f"--set: unknown key {key!r}" + _suggest(bare, sorted(owner)))
+    return bare
 
 
 def asked_differences(saved: RunConfig, asked: RunConfig) -> list[str]:
@@ -493,64 +837,14 @@ def asked_differences(saved: RunConfig, asked: RunConfig) -> list[str]:
 # ---- validation ----------------------------------------------------------------
 
 #: Every field with a fixed set of values: its Literal annotation, stated once.
-_CHOICES = {
+CHOICES = {
     name: typing.get_args(tp)
     for cls in (ModelConfig, TrainConfig)
     for name, tp in typing.get_type_hints(cls).items()
     if typing.get_origin(tp) is Literal
 }
-
-_POSITIVE = [
-    "vocab",
-    "d_model",
-    "n_layers",
-    "max_iter",
-    "n_heads",
-    "head_dim",
-    "conv_size",
-    "kda_chunk",
-    "d_ffn",
-    "n_experts",
-    "moe_topk",
-    "engram_rows",
-    "engram_dim",
-    "engram_heads",
-    "max_seq_len",
-    "batch",
-    "seq_len",
-    "ns_steps",
-    "eval_batches",
-    "max_skips",
-    "loss_scale_every",
-]
-_NON_NEGATIVE = [
-    "rank",
-    "gate_rank",
-    "segment_len",
-    "attn_every",
-    "shared_rank",
-    "moe_capacity",
-    "moe_lb_coef",
-    "steps",
-    "warmup",
-    "wd",
-    "grad_clip",
-    "log_every",
-    "eval_every",
-    "ckpt_every",
-    "val_bytes",
-    "bucket_mb",
-    "fit_gb",
-    "lr",
-    "min_lr_frac",
-    "global_batch",
-    "rebalance_every",
-    "rebalance_threshold",
-    "engram_lr_mult",
-    "init_std",
-    "early_stop",
-]
-
+#: A training field's part: `lr` -> "optim".
+_PART_OF = {f.name: name for name, cls in PARTS.items() for f in fields(cls)}
 
 #: Devices a run may name: what `torch.device` accepts and dormouse runs on.
 _DEVICE = re.compile(r"(auto|cpu|cuda(:[0-9]+)?)\Z")
@@ -599,58 +893,11 @@ def _check_path(text: str, what: str) -> None:
 
 
 def validate(run: RunConfig) -> RunConfig:
-    """Refuse impossible combinations; return the run unchanged when it is sound."""
+    """Refuse impossible combinations; return the run unchanged when it is sound: the model's
+    rules, each training part's, then those that read the model and the training both."""
     m, t = run.model, run.train
-    vals = {**dataclasses.asdict(m), **dataclasses.asdict(t)}
-    for k, v in vals.items():
-        # nan passes every `< 0` test and inf every `> 0` one: refuse them by name first
-        for x in v if isinstance(v, (tuple, list)) else (v,):
-            if isinstance(x, float) and not math.isfinite(x):
-                raise ConfigError(f"{k}={v} is not a finite number; give a finite value with "
-                                  f"--set {k}=X")  # fmt: skip
-    for f in fields(ModelConfig):
-        v = vals[f.name]
-        if isinstance(v, int) and not isinstance(v, bool) and v >= _SHAPE_MAX:
-            raise ConfigError(f"{f.name}={v} is beyond any model dormouse builds (limit "
-                              f"{_SHAPE_MAX - 1}); lower --set {f.name}")  # fmt: skip
-    for f in fields(TrainConfig):
-        v = vals[f.name]
-        if isinstance(v, int) and not isinstance(v, bool) and abs(v) >= 2**62:
-            raise ConfigError(f"{f.name}={v} is out of range (|value| < 2**62)")
-    for k, options in _CHOICES.items():
-        if vals[k] not in options:
-            raise ConfigError(f"{k}={vals[k]!r} is not one of {options}")
-    for k in _POSITIVE:
-        if vals[k] <= 0:
-            raise ConfigError(f"{k}={vals[k]} must be positive; set it with --set {k}=N (N >= 1)")
-    for k in _NON_NEGATIVE:
-        if vals[k] < 0:
-            raise ConfigError(f"{k}={vals[k]} must not be negative")
-    if m.dropout != DROPOUT_AUTO and not 0 <= m.dropout < 1:
-        raise ConfigError(f"dropout={m.dropout} must be in [0, 1) (0.1 drops one value in ten), "
-                          f"or auto (chosen from the passes over the data)")  # fmt: skip
-    if m.vocab != 256:
-        raise ConfigError(f"vocab={m.vocab}: dormouse is byte-level, vocab must be 256")
-    if m.moe_topk > m.n_experts:
-        raise ConfigError(
-            f"moe_topk={m.moe_topk} exceeds n_experts={m.n_experts}: a token cannot pick more "
-            f"experts than exist; lower --set moe_topk or raise --set n_experts"
-        )
-    if m.n_heads * m.head_dim != m.d_model:
-        raise ConfigError(
-            f"n_heads*head_dim = {m.n_heads}*{m.head_dim} = {m.n_heads * m.head_dim} but "
-            f"d_model={m.d_model}; the mixer's heads must tile the model width: set head_dim="
-            f"{m.d_model // m.n_heads if m.d_model % m.n_heads == 0 else '?'} or change n_heads"
-        )
-    if not m.engram_orders or any(n < 2 for n in m.engram_orders):
-        raise ConfigError(f"engram_orders={m.engram_orders}: each order must be >= 2 bytes")
-    if len(set(m.engram_orders)) != len(m.engram_orders):
-        # an order's tables hash by (order, head) alone: a repeat reads the very same rows
-        raise ConfigError(
-            f"engram_orders={m.engram_orders} repeats an order: its tables would hash every "
-            f"n-gram to the same rows as the first's (memory for nothing); for more tables of "
-            f"one order raise --set engram_heads"
-        )
+    m.check()
+    t.check()
     if t.seq_len > m.max_seq_len:
         raise ConfigError(
             f"seq_len={t.seq_len} exceeds the model's max_seq_len={m.max_seq_len}; "
@@ -660,116 +907,5 @@ def validate(run: RunConfig) -> RunConfig:
         raise ConfigError(
             f"segment_len={m.segment_len} does not divide seq_len={t.seq_len}; segments must "
             f"tile the window: pick a divisor of {t.seq_len} or segment_len=0 (whole window)"
-        )
-    if m.attn_every and m.arch == "dormouse":
-        if m.attn_every > m.n_layers:
-            raise ConfigError(
-                f"attn_every={m.attn_every} exceeds n_layers={m.n_layers}: no block would mix "
-                f"by attention; pick 1..{m.n_layers} or attn_every=0 (KDA everywhere)"
-            )
-        if m.segment_len:
-            raise ConfigError(
-                f"attn_every={m.attn_every} with segment_len={m.segment_len}: attention carries "
-                f"no state across segments; set segment_len=0 or attn_every=0"
-            )
-        if m.head_dim % 2:
-            raise ConfigError(
-                f"attn_every={m.attn_every} with head_dim={m.head_dim}: rotary positions turn "
-                f"channel pairs, so head_dim must be even"
-            )
-    if t.min_lr_frac > 1:
-        raise ConfigError(f"min_lr_frac={t.min_lr_frac} must be in [0, 1]")
-    if t.warmup > t.steps and t.steps > 0:
-        raise ConfigError(f"warmup={t.warmup} is longer than the run (steps={t.steps})")
-    if len(t.adam_betas) != 2 or not all(0 <= b < 1 for b in t.adam_betas):
-        raise ConfigError(f"adam_betas={t.adam_betas} must be two numbers in [0, 1)")
-    if not (math.isfinite(t.adam_eps) and t.adam_eps > 0):
-        raise ConfigError(
-            f"adam_eps={t.adam_eps} must be a finite number > 0 (Adam's epsilon; "
-            f"torch's default is 1e-8)"
-        )
-    biggest = max(m.n_experts * m.d_model * m.d_ffn, m.engram_rows * m.engram_dim,
-                  m.d_model * m.d_attn, m.d_model * m.vocab)  # fmt: skip
-    if biggest > _TENSOR_MAX:
-        raise ConfigError(
-            f"one weight of this model would hold {biggest:.3g} elements (n_experts*d_model*"
-            f"d_ffn = {m.n_experts}*{m.d_model}*{m.d_ffn}, engram_rows*engram_dim = "
-            f"{m.engram_rows}*{m.engram_dim}): more than {_TENSOR_MAX:.3g}, beyond any card; "
-            f"lower the sizes"
-        )
-    # a lower bound of the parameters: the experts (the MLP) and the mixers' projections of
-    # every layer, the Engram tables, the embedding (count_params: tiny 133,120 of 170,000)
-    ffn = 3 * m.n_experts if m.arch == "dormouse" else 2  # SwiGLU experts, or the GPT's MLP
-    least = (m.n_layers * (ffn * m.d_model * m.d_ffn + 4 * m.d_model * m.d_attn)
-             + (m.arch == "dormouse") * len(m.engram_orders) * m.engram_heads
-             * m.engram_rows * m.engram_dim + m.vocab * m.d_model)  # fmt: skip
-    if least > _MODEL_MAX:
-        raise ConfigError(
-            f"this model would have at least {least:.3g} parameters (n_layers={m.n_layers} of "
-            f"d_model={m.d_model}, d_ffn={m.d_ffn}), more than "
-            f"{_MODEL_MAX:.3g}: beyond any machine dormouse trains on; lower the sizes"
-        )
-    if not 0 <= t.muon_momentum < 1:
-        raise ConfigError(
-            f"muon_momentum={t.muon_momentum} must be in [0, 1) (0.95 is usual); "
-            f"at 1 or above the momentum never forgets and grows without bound"
-        )
-    if not 0 <= t.wsd_decay_frac <= 1:
-        raise ConfigError(f"wsd_decay_frac={t.wsd_decay_frac} must be in [0, 1]")
-    if not 0 <= t.val_frac < 1:
-        raise ConfigError(f"val_frac={t.val_frac} must be in [0, 1); e.g. --set val_frac=0.01")
-    if not 0 < t.dist_timeout <= _DIST_TIMEOUT_MAX:
-        raise ConfigError(
-            f"dist_timeout={t.dist_timeout} must be in (0, {_DIST_TIMEOUT_MAX:.0f}] seconds: it "
-            f"is how long a fleet waits for a silent rank or one collective before every rank "
-            f"stops; e.g. --set dist_timeout=600"
-        )
-    if t.seed < 0:
-        raise ConfigError(f"seed={t.seed} must not be negative (torch and numpy seeds are "
-                          f"unsigned); pick a seed in [0, 2**62)")  # fmt: skip
-    check_device(t.device, "device")
-    check_file_name(t.ckpt_name)
-    _check_path(t.out_dir, "out_dir")
-    for d in t.data:
-        _check_path(d, "data")
-    if t.compile_backend != "inductor" and t.compile_mode not in ("default", "auto"):
-        raise ConfigError(
-            f"compile_mode={t.compile_mode} is inductor's (CUDA graphs, autotuning); "
-            f"compile_backend={t.compile_backend} has no modes. Use --set compile_mode=default "
-            f"or compile_backend=inductor"
-        )
-    graphs = t.compile is True and t.compile_mode == "reduce-overhead"
-    if graphs and not t.dist and t.global_batch > t.batch:
-        # a CUDA graph's outputs live in its pool until the next replay: a micro-batch's
-        # gradients, accumulated into .grad, would be overwritten by the next micro-batch's
-        raise ConfigError(
-            f"compile_mode=reduce-overhead with accumulation (global_batch={t.global_batch} > "
-            f"batch={t.batch}): every micro-batch's replay reuses the CUDA graphs' gradient "
-            f"buffers. Use --set compile_mode=default, or --set batch={t.global_batch}"
-        )
-    if t.verdict == "device" and t.dist and t.dist_shard == "fsdp":
-        raise ConfigError(
-            "verdict=device needs the optimizer's device-side step, and FSDP2's shards step "
-            "through collectives (DTensors), so the verdict is read on the host there. Use "
-            "--set verdict=auto (host under FSDP2), or DDP (dist_shard=none)"
-        )
-    if t.dist_capacity.strip() and not t.dist:
-        raise ConfigError(
-            f"--capacity / dist_capacity={t.dist_capacity!r} splits a fleet's batch, and this "
-            f"run is one process (no --dist), so it would be ignored; drop --capacity, or "
-            f"launch a fleet: torchrun --nproc_per_node=N -m dormouse train ... --dist "
-            f"--capacity {t.dist_capacity}"
-        )
-    for knob in ("rebalance_at", "emulate_slow"):
-        if getattr(t, knob).strip() and not t.dist:
-            raise ConfigError(
-                f"{knob}={getattr(t, knob)!r} acts on a fleet's split, and this run is one "
-                f"process (no --dist), so it would be ignored; drop it, or launch a fleet with "
-                f"--dist"
-            )
-    if t.data_weights and len(t.data_weights) != len(t.data):
-        raise ConfigError(
-            f"{len(t.data_weights)} data_weights for {len(t.data)} corpora; give one weight "
-            f"per --data file or none"
         )
     return run
