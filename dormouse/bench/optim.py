@@ -15,6 +15,8 @@ import statistics
 
 import torch
 
+from dormouse.config import Optim
+
 from .common import configure, machine_lines, report, resolve_device, table, timed
 
 log = logging.getLogger(__name__)
@@ -68,7 +70,7 @@ def run(args, command: str) -> str:
     torch.manual_seed(0)
     model = DormouseModel(cfg).to(device)
     grads = {p: torch.randn_like(p) * 1e-3 for p in model.parameters()}  # same work each step
-    opt = MixOptimizer(model, lr=1e-6, wd=0.1, ns_dtype=ns_dtype, ns_kind=args.ns_kind)
+    opt = MixOptimizer(model, Optim(lr=1e-6, wd=0.1, ns_dtype=ns_dtype, ns_kind=args.ns_kind))
     muon = {id(p): p for g in opt.param_groups if g["kind"] == "muon" for p in g["params"]}
     per_matrix, n_mat = per_matrix_muon(opt)
     rows = []

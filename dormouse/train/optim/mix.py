@@ -30,14 +30,14 @@ decay uses the scheduled `lr` (p *= 1 - lr*wd), as torch.optim.Muon and AdamW do
 from __future__ import annotations
 
 import logging
-import math
 import statistics
 import time
+from dataclasses import replace
 
 import torch
 from torch import Tensor, nn
 
-from ...config import ConfigError
+from ...config import ConfigError, Optim, TrainConfig
 from ...model.engram import HostTables, touched_rows
 from ..context import local_shard
 from .muon import DTYPES, muon_step_
@@ -47,11 +47,6 @@ from .rowadam import moments, row_adam_, row_adam_dense_, row_state
 
 log = logging.getLogger(__name__)
 
-#: Adam's epsilon, the AdamW groups' and the Engram group's (torch AdamW's default); the
-#: config's adam_eps.
-ADAM_EPS = 1e-8
-#: muon_state_dtype / engram_state_dtype values; "int8": blockwise codes (dormouse.train.optim.quant)
-STATE_DTYPES = ("fp32", "bf16", "int8")
 #: Group entries a load leaves as built: the kernel choice is this machine's, not the run's.
 _KEEP_ON_LOAD = ("params", "fused", "foreach")
 #: Eager steps before the optimizer step is captured (`MixOptimizer.capture_step`): AdamW's
@@ -95,11 +90,6 @@ def _resolve_ns_dtype(ns_dtype: str, device_type: str) -> str:
     return chosen
 
 
-def _check(name: str, value, options: tuple) -> None:
-    if value not in options:
-        raise ConfigError(f"{name}={value!r} is not one of {options}")
-
-
 def _refuse_sharded_int8(named: list, muon_state_dtype: str, engram_state_dtype: str) -> None:
     """int8 state is kept per process in blocks of the local elements; an FSDP2 shard's would
     have to be resharded through fp32 whenever the world size changes (nothing does that)."""
@@ -141,38 +131,16 @@ class MixOptimizer(torch.optim.Optimizer):
     resharded through fp32 on a resume at another world size, which nothing here does.
     """
 
-    def __init__(
-        self,
-        model: nn.Module,
-        lr: float,
-        wd: float = 0.0,
-        opt: str = "mix",
-        ns_steps: int = 5,
-        ns_kind: str = "quintic",
-        ns_dtype: str = "fp32",
-        muon_state_dtype: str = "fp32",
-        engram_state_dtype: str = "fp32",
-        muon_variant: str = "nesterov",
-        muon_sf: str = "rms",
-        momentum: float = 0.95,
-        adam_betas: tuple[float, float] = (0.9, 0.95),
-        engram_lr_mult: float = 5.0,
-        optim_8bit: bool = False,
-        adam_eps: float = ADAM_EPS,
-    ):
-        _check("opt", opt, ("mix", "adamw"))
-        _check("ns_kind", ns_kind, ("quintic", "polar_express"))
-        _check("ns_dtype", ns_dtype, ("auto", "fp32", "bf16"))
-        _check("muon_state_dtype", muon_state_dtype, STATE_DTYPES)
-        _check("engram_state_dtype", engram_state_dtype, STATE_DTYPES)
+    def __init__(self, model: nn.Module, cfg: Optim):
+        """`cfg`: the optimizer's part of the run's config (`run.train.optim`); its rules are
+        Optim.check's (config.py), run here for an optimizer built without a run."""
+        cfg.check()
+        opt, lr, wd, ns_dtype = cfg.opt, cfg.lr, cfg.wd, cfg.ns_dtype
+        muon_state_dtype, engram_state_dtype = cfg.muon_state_dtype, cfg.engram_state_dtype
+        adam_betas, adam_eps = tuple(cfg.adam_betas), cfg.adam_eps
+        self.cfg = cfg
         self._engram_state_dtype = engram_state_dtype
-        _check("muon_variant", muon_variant, ("nesterov", "plain"))
-        _check("muon_sf", muon_sf, ("rms", "jordan"))
-        if ns_steps < 1:
-            raise ConfigError(f"ns_steps={ns_steps} must be >= 1")
-        if not (math.isfinite(adam_eps) and adam_eps > 0):
-            raise ConfigError(f"adam_eps={adam_eps} must be a finite number > 0")
-        self.optim_8bit = optim_8bit
+        self.optim_8bit = cfg.optim_8bit
         self.routes = route_params(model, opt)
         named = [(r, p) for r, (_, p) in zip(self.routes, model.named_parameters(), strict=True)]
 
@@ -195,12 +163,12 @@ class MixOptimizer(torch.optim.Optimizer):
                 "lr": lr,
                 "base_lr": lr,
                 "weight_decay": wd,
-                "momentum": momentum,
-                "nesterov": muon_variant == "nesterov",
-                "ns_steps": ns_steps,
-                "ns_kind": ns_kind,
+                "momentum": cfg.muon_momentum,
+                "nesterov": cfg.muon_variant == "nesterov",
+                "ns_steps": cfg.ns_steps,
+                "ns_kind": cfg.ns_kind,
                 "ns_dtype": ns_dtype,
-                "muon_sf": muon_sf,
+                "muon_sf": cfg.muon_sf,
                 "matrix": mat,
             })  # fmt: skip
 
@@ -228,7 +196,7 @@ class MixOptimizer(torch.optim.Optimizer):
         ]  # fmt: skip
         engram = []
         if vram or self._host:
-            glr = lr * engram_lr_mult
+            glr = lr * cfg.engram_lr_mult
             engram = [{
                 "params": [p for _, p in vram],
                 "names": [r.name for r, _ in vram] + [n for n, _ in self._host],
@@ -334,23 +302,19 @@ class MixOptimizer(torch.optim.Optimizer):
     # ---- public surface ----
 
     @classmethod
-    def from_config(cls, model: nn.Module, train_cfg, device_type: str) -> MixOptimizer:
+    def from_config(
+        cls, model: nn.Module, train_cfg: TrainConfig, device_type: str
+    ) -> MixOptimizer:
         """Build from a TrainConfig; ns_dtype="auto" -> bf16 on cuda, fp32 elsewhere (logged).
         compile_mode=reduce-overhead on CUDA also captures the optimizer step in a CUDA graph
         (`capture_step`; logged, with the reason when it cannot)."""
-        t = train_cfg
+        t, o = train_cfg, train_cfg.optim
         ns_dtype = (
-            _resolve_ns_dtype(t.ns_dtype, device_type)
-            if t.opt == "mix"
-            else ("fp32" if t.ns_dtype == "auto" else t.ns_dtype)
+            _resolve_ns_dtype(o.ns_dtype, device_type)
+            if o.opt == "mix"
+            else ("fp32" if o.ns_dtype == "auto" else o.ns_dtype)
         )
-        opt = cls(
-            model, lr=t.lr, wd=t.wd, opt=t.opt, ns_steps=t.ns_steps, ns_kind=t.ns_kind,
-            ns_dtype=ns_dtype, muon_state_dtype=t.muon_state_dtype, muon_variant=t.muon_variant,
-            muon_sf=t.muon_sf, momentum=t.muon_momentum, adam_betas=tuple(t.adam_betas),
-            engram_lr_mult=t.engram_lr_mult, optim_8bit=t.optim_8bit,
-            engram_state_dtype=t.engram_state_dtype, adam_eps=t.adam_eps,
-        )  # fmt: skip
+        opt = cls(model, replace(o, ns_dtype=ns_dtype))
         if t.compile and t.compile_mode == "reduce-overhead" and device_type == "cuda":
             why = opt.capture_step()
             log.info(
