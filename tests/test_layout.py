@@ -183,3 +183,12 @@ def test_comments_name_only_files_that_exist():
                     if (rel, name) not in _PENDING and not any((b / name).exists() for b in bases):
                         missing.append(f"{rel}:{line}: {name}")
     assert not missing, missing
+
+
+def test_no_private_name_crosses_a_module():
+    """A leading underscore means this module's own: no module of dormouse/ imports another's
+    private name (the mutation list reaches any name by gates/mutations.py, not by imports)."""
+    private = [f"{p.relative_to(ROOT)}: {target}.{n}" for p in PKG.rglob("*.py")
+               for target, names in _imports(p) for n in names
+               if n.startswith("_") and not n.startswith("__")]  # fmt: skip
+    assert not private, private

@@ -6,7 +6,7 @@ compute dtype, beside the arm it replaced, and gives each arm's error from the f
 same inputs:
 - the short conv + SiLU's backward (dx, dw): ours, and fla's `causal_conv1d_bwd`, whose forward
   stays in use;
-- the q/k L2-norm forward + backward: our op, and the torch arm's `kda._l2norm` chain on q|k|v's
+- the q/k L2-norm forward + backward: our op, and the torch arm's `kda.l2norm` chain on q|k|v's
   views (eager autograd, then q, k, v made contiguous as fla's kernel takes them).
 GB/s counts the bytes each must move at least (conv: x and dy read, dx written; norm: q|k|v
 read, q, k, v written, then q, k, dq, dk, dv read and d(q|k|v) written), over the median time.
@@ -83,14 +83,14 @@ def _conv_rows(x, w, dy, steps, warmup, device, shape) -> list[list[str]]:
 def _norm_rows(qkv, dys, heads, steps, warmup, device, shape) -> list[list[str]]:
     from references.short_conv import qk_l2norm as reference_norm
 
-    from ..model.kda import _l2norm
+    from ..model.kda import l2norm
     from ..model.qk_norm import qk_l2norm
 
     B, T, _ = qkv.shape
 
     def torch_norm(x):
         q, k, v = x.view(B, T, 3, heads, -1).unbind(2)
-        return [t.contiguous() for t in (_l2norm(q), _l2norm(k), v)]
+        return [t.contiguous() for t in (l2norm(q), l2norm(k), v)]
 
     def fwd_bwd(fn, x):
         with torch.enable_grad():
@@ -99,11 +99,11 @@ def _norm_rows(qkv, dys, heads, steps, warmup, device, shape) -> list[list[str]]
             torch.autograd.backward(outs, [d.to(o.dtype) for d, o in zip(dys, outs)])
         return outs, x.grad
 
-    # the truth: the written-out norm in fp64 (`_l2norm` computes in fp32 whatever x is)
+    # the truth: the written-out norm in fp64 (`l2norm` computes in fp32 whatever x is)
     (q64, k64, _), dx64 = fwd_bwd(lambda x: reference_norm(x, heads), qkv.double())
     rows = []
     for arm, fn in (("ours (model/qk_norm.py)", lambda x: list(qk_l2norm(x, heads))),
-                    ("torch _l2norm chain, eager (the torch arm)", torch_norm)):  # fmt: skip
+                    ("torch l2norm chain, eager (the torch arm)", torch_norm)):  # fmt: skip
         log.info(f"timing the q/k norm: {arm} ...")
         (q, k, _), dx = fwd_bwd(fn, qkv)
         err = f"q {_rel(q, q64):.2e}, k {_rel(k, k64):.2e}, d(q|k|v) {_rel(dx, dx64):.2e}"

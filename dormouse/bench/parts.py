@@ -21,7 +21,7 @@ import statistics
 
 import torch
 
-from ..train.step import _autocast, clip_and_verdict, graph_forward
+from ..train.step import autocast_on, clip_and_verdict, graph_forward
 from .common import BenchError, Harness, timed
 
 #: the parts in train_step's order; "forward + backward" is timed, "backward" is its difference
@@ -43,13 +43,13 @@ def time_parts(h: Harness, window: torch.Tensor, reps: int, warmup: int,
     last: dict = {}
 
     def forward() -> torch.Tensor:
-        with _autocast(device, h.dtype):  # with the copies out of a graph's buffers
+        with autocast_on(device, h.dtype):  # with the copies out of a graph's buffers
             loss, _ = graph_forward(h.s.wrapped, x, y)
         last["loss"] = loss.detach()
         return loss
 
     def forward_backward(_i) -> None:
-        with _autocast(device, h.dtype):
+        with autocast_on(device, h.dtype):
             weighted = forward() * ctx.loss_scale
             (weighted if scaler is None else weighted * scaler.scale).backward()
 

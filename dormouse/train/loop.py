@@ -22,11 +22,22 @@ from dataclasses import dataclass, field
 import torch
 
 from ..errors import UserError
-from . import step as steps  # by module: a planted bug (gates/mutations.py) reaches the loop
 from .context import DPContext, OneStream
 from .data import DataError, fingerprint_mismatch, open_data
 from .optim.scaler import LossScaler, loss_scaled
-from .step import LN2, Callbacks, Step, Wrapped, _call, _Deferred, _Settled, device_verdict
+from .step import (
+    LN2,
+    Callbacks,
+    Deferred,
+    Settled,
+    Step,
+    Wrapped,
+    device_verdict,
+    evaluate_fleet,
+    lr_factor,
+    notify,
+    train_step,
+)
 from .store import checkpoint as ckpt
 from .store.folder import METRICS, PLOT, RunDir, RunDirError, read_rows
 from .store.metrics import Sinks
@@ -259,7 +270,7 @@ class _Run:
         self.skips = self.consecutive = self.tokens = self.since_log = 0
         self.last_loss, self.t_log = math.nan, time.perf_counter()
         self.last_saved: int | None = None
-        self.pending: _Settled | None = None  # verdict=device: settled behind the next step
+        self.pending: Settled | None = None  # verdict=device: settled behind the next step
 
     # -- before the first step ---------------------------------------------------------------
 
@@ -363,7 +374,7 @@ class _Run:
         checkpoint worth keeping."""
         s, cfg, best = self.s, self.cfg, self.best
         self.beat.at(step, "eval")
-        res = steps.evaluate_fleet(s.model, self.val, s.ctx, s.autocast)
+        res = evaluate_fleet(s.model, self.val, s.ctx, s.autocast)
         tag = (f" dist={s.ctx.rank}/{s.ctx.world} (split over the ranks)" if s.ctx.world > 1
                else "")  # fmt: skip
         log.info(f"eval step={step} loss={res['loss']:.4f} bpb={res['bpb']:.4f} on "
@@ -385,13 +396,13 @@ class _Run:
                             f"best (early_stop={cfg.early_stop}); best was step {best.step} "
                             f"(val {best.loss:.4f}, in {self.best_file})")  # fmt: skip
                 stop = True
-        _call(s.callbacks.on_eval, step=step, val=res if self.main else {}, **s.seen())
+        notify(s.callbacks.on_eval, step=step, val=res if self.main else {}, **s.seen())
         return res, stop
 
     def logs(self, done: int) -> bool:
         return bool(self.cfg.log_every and (done % self.cfg.log_every == 0 or done == self.end))
 
-    def settle(self, p: _Settled) -> bool:
+    def settle(self, p: Settled) -> bool:
         """The bookkeeping of step p.step once its verdict is read: the skip count (and the
         divergence stop), the log line and metrics row, the bar. False: skipped."""
         s, cfg, scaler = self.s, self.cfg, self.s.scaler
@@ -424,16 +435,16 @@ class _Run:
         self.bar.update(done, self.last_loss)
         return True
 
-    def _log_row(self, p: _Settled, done: int, gnorm: float) -> None:
+    def _log_row(self, p: Settled, done: int, gnorm: float) -> None:
         s, cfg, scaler, ctx = self.s, self.cfg, self.s.scaler, self.s.ctx
         fleet, local = p.losses(ctx)
-        _call(s.callbacks.on_log, loss=fleet, local_loss=local, **s.seen())
+        notify(s.callbacks.on_log, loss=fleet, local_loss=local, **s.seen())
         p.wait()
         now = time.perf_counter()
         ms = 1000 * (now - self.t_log) / max(1, self.since_log)
         tps = ctx.global_tokens * self.since_log / max(1e-9, now - self.t_log)
         self.t_log, self.since_log, self.last_loss = now, 0, fleet
-        lr_now = cfg.lr * steps.lr_factor(p.step, cfg)
+        lr_now = cfg.lr * lr_factor(p.step, cfg)
         self.bar.clear()
         said = "" if scaler is None else f" scale={scaler.scale:g}"
         log.info(f"step={done} loss={fleet:.4f} bpb={fleet / LN2:.4f} lr={lr_now:.3e} "
@@ -573,7 +584,7 @@ def _steps(r: _Run) -> tuple[bool, dict]:
             t_step = time.perf_counter()
             x, y = r.stream.next()
             s.ctx = r.stream.ctx  # a fleet's re-split replaces its context
-            loss, aux, ok = steps.train_step(s, x, y, steps.lr_factor(step, cfg), step)
+            loss, aux, ok = train_step(s, x, y, lr_factor(step, cfg), step)
             if step == r.start:  # the first step may be long on one rank (kernel autotune)
                 r.beat.settled()
                 _say_first_step(t_step, s.ctx.device)
@@ -583,9 +594,9 @@ def _steps(r: _Run) -> tuple[bool, dict]:
             saves = bool(cfg.ckpt_every and done % cfg.ckpt_every == 0 and done != r.end)
             # (a step decided on the host anyway, e.g. a reference's dropped batch: settled)
             this = (
-                _Deferred(step, loss, aux, ok, want_load=r.logs(done))
+                Deferred(step, loss, aux, ok, want_load=r.logs(done))
                 if s.defer and torch.is_tensor(ok)
-                else _Settled(step, loss, aux, ok)
+                else Settled(step, loss, aux, ok)
             )
             r.flush()  # the step before, read while this one runs
             if s.defer and not (evals or saves or done == r.end):

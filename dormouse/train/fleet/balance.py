@@ -465,9 +465,9 @@ class FleetStream:
         return self.data.train_stream(s.windows, s.seq_len, offset=ctx.offset, stride=ctx.stride)
 
     def _rebalance(self, step: int) -> None:
-        from .launch import _agree
+        from .launch import agree_values
 
-        per_window = _agree([self.meter.value()], self.ctx.device)  # the ONE collective
+        per_window = agree_values([self.meter.value()], self.ctx.device)  # the ONE collective
         if not all(math.isfinite(s) and s > 0 for s in per_window):
             return  # a rank without a measured step since the last switch (a resume): wait
         d = self.balancer.decide(step, self._split(), per_window)

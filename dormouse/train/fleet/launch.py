@@ -446,7 +446,7 @@ def _agree_ints(values: list[int], device: torch.device) -> list[list[int]]:
 # ---- joining the fleet --------------------------------------------------------------------
 
 
-def _agree(values: list[float], device: torch.device) -> list[float]:
+def agree_values(values: list[float], device: torch.device) -> list[float]:
     """All-gather one float per rank."""
     mine = torch.tensor(values, dtype=torch.float64, device=device)
     out = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
@@ -518,7 +518,7 @@ def join(
         refuse_uneven_fsdp(shapes, cfg.dist_shard)
         _agree_config(run, shapes, device, rank)
         # every rank's compute dtype: a bf16 card beside an fp16 one is a fleet by design
-        codes = _agree([float(("fp32", "bf16", "fp16").index(compute))], device)
+        codes = agree_values([float(("fp32", "bf16", "fp16").index(compute))], device)
         names = tuple(("fp32", "bf16", "fp16")[int(c)] for c in codes)
         reduce = cfg.dist_reduce
         if reduce == "auto":
@@ -576,7 +576,7 @@ def _capacity(run: RunConfig, device: torch.device, world: int,
         # EMULATION (emulate_slow): the rank named trains 1 + FACTOR times slower, and its
         # start-up guess says so too (a matmul burst would not see a sleep)
         mine /= 1.0 + parse_slow(cfg.emulate_slow, int(os.environ.get("RANK", "0")))
-        rates = _agree([mine], device)
+        rates = agree_values([mine], device)
         log.info(f"capacity auto: matmul rates {', '.join(f'{r / 1e9:.2f}' for r in rates)} "
                  f"GFLOP/s {'(injected)' if rate is not None else '(measured)'}")  # fmt: skip
     try:

@@ -350,6 +350,12 @@ class MixOptimizer(torch.optim.Optimizer):
             self._step_body(None)
         return loss
 
+    @property
+    def device_side(self) -> bool:
+        """Whether step() runs its device-side form (`capture_step`: a CUDA graph, or that
+        arithmetic eagerly), the one that can take the verdict on the device."""
+        return self._graph is not None
+
     def commit_on_device(self) -> str:
         """From the next step on, step(commit=...) decides on the device (see step): "" when
         on, else why it cannot be. Needs the device-side step (`capture_step`), before its
