@@ -192,3 +192,50 @@ def test_no_private_name_crosses_a_module():
                for target, names in _imports(p) for n in names
                if n.startswith("_") and not n.startswith("__")]  # fmt: skip
     assert not private, private
+
+
+def _parameters(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
+    a = fn.args
+    n = len(a.posonlyargs) + len(a.args) + len(a.kwonlyargs) + bool(a.vararg) + bool(a.kwarg)
+    first = (a.posonlyargs + a.args)[:1]
+    return n - bool(first and first[0].arg in ("self", "cls"))
+
+
+#: Functions still over 8 parameters, each until its owner moves it to a config part or
+#: `loop.Hooks`: train_run keeps the keywords cli.py calls it with (cli.py is the faults
+#: work this round), store/'s writers likewise, row_adam_ is the Engram rows' functional Adam.
+_WIDE = {
+    "dormouse/train/run.py:train_run",
+    "dormouse/train/store/checkpoint.py:save_checkpoint",
+    "dormouse/train/store/checkpoint.py:save_state",
+    "dormouse/train/optim/rowadam.py:row_adam_",
+}
+#: Modules still over 600 lines, until each is split by role.
+_LONG = {
+    "dormouse/config.py",
+    "dormouse/train/optim/mix.py",
+    "dormouse/train/plan/fit.py",
+    "dormouse/train/data.py",
+    "dormouse/train/store/checkpoint.py",
+    "dormouse/train/store/folder.py",
+    "dormouse/train/fleet/launch.py",
+}
+
+
+def test_no_function_takes_more_than_8_parameters():
+    """The trainer, the benchmarks and the command line pass a config part or one resolved
+    object, not a value threaded through 12-argument signatures (model/'s kernel ops, which
+    mirror fla's signatures, aside). _WIDE lists what is left."""
+    files = [*(PKG / "train").rglob("*.py"), *(PKG / "bench").rglob("*.py"), PKG / "cli.py",
+             PKG / "config.py"]  # fmt: skip
+    wide = {f"{p.relative_to(ROOT).as_posix()}:{fn.name}" for p in files
+            for fn in ast.walk(ast.parse(p.read_text()))
+            if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)) and _parameters(fn) > 8}  # fmt: skip
+    assert wide <= _WIDE, sorted(wide - _WIDE)
+
+
+def test_no_module_over_600_lines():
+    """_LONG lists what is left."""
+    long = {p.relative_to(ROOT).as_posix() for p in PKG.rglob("*.py")
+            if len(p.read_text().splitlines()) > 600}  # fmt: skip
+    assert long <= _LONG, sorted(long - _LONG)

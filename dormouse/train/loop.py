@@ -1,8 +1,8 @@
 """The training loop, the same code in one process and on every rank of a fleet.
 
-`train(model, wrapped, opt, ctx, run)` runs the steps (`step.train_step`) and owns what lies
-between them: the LR schedule's position, logging, evaluation, the best checkpoint,
-checkpoints, resume, a graceful stop. What differs on a fleet is asked of the data-parallel
+`train(model, wrapped, opt, ctx, run, autocast, hooks)` runs the steps (`step.train_step`) and
+owns what lies between them: the LR schedule's position, logging, evaluation, the best
+checkpoint, checkpoints, resume, a graceful stop (on the flag signals.py raises). What differs on a fleet is asked of the data-parallel
 context (`context.DPContext`: the identity in one process); the model arrives built and
 wrapped (`run.py`), the run folder held (`store/folder.py`). `Callbacks` are observation
 points: the gates record runs through them.
@@ -13,9 +13,7 @@ from __future__ import annotations
 import itertools
 import logging
 import math
-import signal
 import sys
-import threading
 import time
 from dataclasses import dataclass, field
 
@@ -25,6 +23,7 @@ from ..errors import UserError
 from .context import DPContext, OneStream
 from .data import DataError, fingerprint_mismatch, open_data
 from .optim.scaler import LossScaler, loss_scaled
+from .signals import GracefulStop
 from .step import (
     LN2,
     Callbacks,
@@ -47,65 +46,6 @@ log = logging.getLogger(__name__)
 
 class TrainingError(UserError, RuntimeError):
     pass
-
-
-# ---- stopping on a signal -------------------------------------------------------------
-
-
-class _GracefulStop:
-    """SIGINT / SIGTERM while training: finish the step in hand, checkpoint, then stop.
-
-    A signal only raises a flag; the loop reads it between steps, where model, optimizer
-    and data position agree, so the checkpoint written then resumes exactly (a
-    KeyboardInterrupt raised mid-step could not promise that). A second Ctrl-C stops at
-    once, without a checkpoint. Schedulers send SIGTERM before they preempt a job: it is
-    honoured the same way. A disposition of SIG_IGN (a shell's background job) is left
-    alone. Some libraries put their own SIGINT handler in place on first use, so the loop
-    re-installs ours between steps and says so once. Off the main thread (where Python
-    cannot set handlers) this does nothing.
-    """
-
-    NAMES = ("SIGINT", "SIGTERM")
-
-    def __init__(self):
-        self.caught: str | None = None
-        self.stopped = False  # the loop stopped on the signal, with a checkpoint
-        self._handler = self._on_signal  # one bound method, so `is` finds it again
-        self._previous: dict = {}
-        self._told = False
-
-    def _on_signal(self, signum, _frame) -> None:
-        if self.caught is not None and signum == signal.SIGINT:
-            raise KeyboardInterrupt  # the second Ctrl-C: stop now
-        self.caught = signal.Signals(signum).name
-
-    def install(self) -> None:
-        if threading.current_thread() is not threading.main_thread():
-            return
-        for name in self.NAMES:
-            sig = getattr(signal, name, None)
-            if sig is None:
-                continue
-            old = signal.getsignal(sig)
-            if old is signal.SIG_IGN:
-                continue
-            self._previous[sig] = old
-            signal.signal(sig, self._handler)
-
-    def keep_installed(self) -> None:
-        for sig in self._previous:
-            now = signal.getsignal(sig)
-            if now is not self._handler:
-                if not self._told:
-                    log.info(f"note: the {signal.Signals(sig).name} handler was replaced "
-                             f"({now!r}) by something the run loaded; re-installed so a stop "
-                             f"still writes a checkpoint")  # fmt: skip
-                    self._told = True
-                signal.signal(sig, self._handler)
-
-    def restore(self) -> None:
-        for sig, old in self._previous.items():
-            signal.signal(sig, old if old is not None else signal.SIG_DFL)
 
 
 class _Progress:
@@ -245,12 +185,27 @@ def _say_first_step(t_step: float, device: torch.device) -> None:
 # ---- the loop -------------------------------------------------------------------------------
 
 
+@dataclass
+class Hooks:
+    """What a caller asks of one run beside its config. `resume`: from the run folder's
+    checkpoint. `stop_at`: end after that many steps, keeping the full run's schedule (an
+    interrupted run, for resume tests; the final checkpoint is written). `progress`: a
+    progress bar on a terminal. `callbacks`: observation points (the gates record runs
+    there). `folder`: the run folder as the CLI holds it; else opened from out_dir."""
+
+    resume: bool = False
+    stop_at: int | None = None
+    progress: bool = False
+    callbacks: Callbacks = field(default_factory=Callbacks)
+    folder: RunDir | None = None
+
+
 class _Run:
     """One run's state between its steps, and the moves the loop makes with it: resume,
     save, evaluate, settle a step's verdict (log, metrics, skips), stop."""
 
-    def __init__(self, s: Step, run, folder: RunDir | None, sinks: Sinks, progress: bool,
-                 stop_at: int | None, stream_of=OneStream):  # fmt: skip
+    def __init__(self, s: Step, run, hooks: Hooks, sinks: Sinks, stream_of=OneStream):
+        folder, progress, stop_at = hooks.folder, hooks.progress, hooks.stop_at
         cfg = self.cfg = run.train
         self.s, self.run, self.sinks, self.main = s, run, sinks, s.ctx.is_main
         self.data = open_data(cfg)
@@ -472,7 +427,7 @@ class _Run:
             p, self.pending = self.pending, None
             self.settle(p)
 
-    def stop_checks(self, step: int, stopper: _GracefulStop, every: int) -> None:
+    def stop_checks(self, step: int, stopper: GracefulStop, every: int) -> None:
         """Before step `step` (`step` steps complete: the one place a stop leaves a resumable
         state): a signal, here or on another rank, or a data file shrunk under the run ends
         the run with a checkpoint. Every rank stops on the same step."""
@@ -503,23 +458,20 @@ class _Run:
             )
 
 
-def train(model: torch.nn.Module, wrapped: Wrapped, opt, ctx: DPContext, run, *,
-          autocast: torch.dtype | None = None, resume: bool = False, stop_at: int | None = None,
-          progress: bool = False, callbacks: Callbacks | None = None,
-          folder: RunDir | None = None, stream_of=OneStream) -> dict:  # fmt: skip
+def train(model: torch.nn.Module, wrapped: Wrapped, opt, ctx: DPContext, run,
+          autocast: torch.dtype | None, hooks: Hooks, stream_of=OneStream) -> dict:  # fmt: skip
     """Train `model` (the forward runs on `wrapped.net`, on ctx.device) as `run` says (a
-    validated, resolved run: train_run's); returns a report. `stop_at` ends the run after
-    that many steps while keeping the schedule of the full run (an interrupted run, for resume
-    tests); the final checkpoint is written. `folder`: the run folder as the CLI holds it.
+    validated, resolved run: train_run's) and `hooks` ask; returns a report.
     `stream_of(data, ctx, run, model)`: this rank's stream of training windows (a fleet's
     re-splits on its agreed steps: fleet/balance.py FleetStream)."""
     cfg = run.train
     # fp16 anywhere in the fleet: one loss scale, the same on every rank (optim/scaler.py)
     scaler = LossScaler(cfg.loss_scale_every) if loss_scaled(autocast, ctx) else None
-    s = Step(model, wrapped, opt, ctx, cfg, autocast, scaler, callbacks or Callbacks())
+    s = Step(model, wrapped, opt, ctx, cfg, autocast, scaler, hooks.callbacks)
     sinks = Sinks()
+    resume = hooks.resume
     try:
-        r = _Run(s, run, folder, sinks, progress, stop_at, stream_of)
+        r = _Run(s, run, hooks, sinks, stream_of)
         if resume:
             r.resume()
         r.open_folder(resume)
@@ -573,7 +525,7 @@ def _steps(r: _Run) -> tuple[bool, dict]:
     s, cfg = r.s, r.cfg
     # a fleet must stop on the same step on every rank: the ranks agree every 10 steps
     every = 1 if s.ctx.world == 1 else 10
-    stopper = _GracefulStop()
+    stopper = GracefulStop()
     stopper.install()
     last_val, step = {}, r.start
     try:

@@ -17,7 +17,7 @@ import torch
 
 from ..config import RunConfig, validate
 from .context import DPContext, unpacked_lines
-from .loop import TrainingError, train
+from .loop import Hooks, TrainingError, train
 from .step import Callbacks, Wrapped
 
 log = logging.getLogger(__name__)
@@ -262,6 +262,7 @@ def train_run(
     group up for a caller that gathers more afterwards. `prepared`: what `prepare` returned
     for this run (the CLI prepares before it plans the run folder); else prepared here.
     """
+    hooks = Hooks(resume, stop_at, progress, callbacks or Callbacks(), folder)
     if not run.train.dist:
         run, device, autocast = prepared or prepare(run, device_type)
         t = run.train
@@ -270,23 +271,21 @@ def train_run(
             log.warning(line)
         model = (model if model is not None else build_model(run)).to(device).train()
         return train(model, compiled(Wrapped(model), run, device, autocast),
-                     _optimizer(model, run, device), ctx, run, autocast=autocast,
-                     resume=resume, stop_at=stop_at, progress=progress,
-                     callbacks=callbacks, folder=folder)  # fmt: skip
+                     _optimizer(model, run, device), ctx, run, autocast, hooks)  # fmt: skip
     from .fleet.watchdog import ending
 
     try:
-        return _train_fleet(run, resume=resume, stop_at=stop_at, model=model,
-                            callbacks=callbacks, device_type=device_type, rate=rate,
-                            timeout_s=timeout_s, close=close, folder=folder,
-                            prepared=prepared)  # fmt: skip
+        return _train_fleet(run, hooks, model, prepared, device_type, rate=rate,
+                            timeout_s=timeout_s, close=close)  # fmt: skip
     except BaseException:
         ending()  # a refusal while joining: every rank says its line before the agent's SIGTERM
         raise
 
 
-def _train_fleet(run: RunConfig, *, resume, stop_at, model, callbacks, device_type, rate,
-                 timeout_s, close, folder, prepared) -> dict:  # fmt: skip
+def _train_fleet(run: RunConfig, hooks: Hooks, model: torch.nn.Module | None,
+                 prepared: tuple | None, device_type: str | None, *, rate: float | None,
+                 timeout_s: float | None, close: bool) -> dict:  # fmt: skip
+    """train_run on a fleet rank (its arguments: train_run's)."""
     import torch.distributed as dist
 
     from .context import RefusedError
@@ -318,9 +317,7 @@ def _train_fleet(run: RunConfig, *, resume, stop_at, model, callbacks, device_ty
         wrapped = compiled(parallelize(model, ctx), run, device, autocast)
         try:
             report = train(model, wrapped, _optimizer(model, run, device), ctx, run,
-                           autocast=autocast, resume=resume, stop_at=stop_at,
-                           callbacks=callbacks, folder=folder,
-                           stream_of=FleetStream)  # fmt: skip
+                           autocast, hooks, FleetStream)  # fmt: skip
         except Exception as e:
             ending()  # before the explaining: it may wait a second for the launcher's exit
             if not fleet_failure(e):
