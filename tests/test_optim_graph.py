@@ -141,14 +141,14 @@ def test_the_graph_stays_only_when_its_replay_is_not_slower(
     device; the choice itself is held here on the CPU with those times given."""
     import logging
 
-    from dormouse.train.optim.mix import GRAPH_KEEP, GRAPH_TIMED
+    from dormouse.train.optim.graph import GRAPH_KEEP, GRAPH_TIMED
 
     assert GRAPH_KEEP >= 1.0 and GRAPH_TIMED >= 1
     opt = MixOptimizer(tiny_model(**TORCH_KDA), Optim(wd=0.0, ns_dtype="fp32", lr=0.01))
     assert opt.capture_step(capture=False) == ""
     g = opt._graph
     g.graph, g.times = object(), {"eager": [eager, eager], "replay": [replay] * GRAPH_TIMED}
-    with caplog.at_level(logging.INFO, logger="dormouse.train.optim.mix"):
+    with caplog.at_level(logging.INFO, logger="dormouse.train.optim.graph"):
         g._choose()
     assert (opt._graph is g) is kept and (g.graph is not None) is kept and g.times is None
     line = caplog.text
