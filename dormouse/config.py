@@ -52,8 +52,9 @@ class _Part:
             # nan passes every `< 0` test and inf every `> 0` one: refuse them by name first
             for x in v if isinstance(v, (tuple, list)) else (v,):
                 if isinstance(x, float) and not math.isfinite(x):
-                    raise ConfigError(f"{k}={v} is not a finite number; give a finite value with "
-                                      f"--set {k}=X")  # fmt: skip
+                    raise ConfigError(
+                        f"{k}={v} is not a finite number; give a finite value with --set {k}=X"
+                    )
         for k, v in vals.items():
             if isinstance(v, int) and not isinstance(v, bool) and (why := self.out_of_range(k, v)):
                 raise ConfigError(why)
@@ -132,24 +133,50 @@ class ModelConfig(_Part):
         """The mixer of body block `layer` (0-based): "attn" for every attn_every-th block."""
         return "attn" if self.attn_every and (layer + 1) % self.attn_every == 0 else "kda"
 
-    POSITIVE = ("vocab", "d_model", "n_layers", "max_iter", "n_heads", "head_dim", "conv_size",
-                "kda_chunk", "d_ffn", "n_experts", "moe_topk", "engram_rows", "engram_dim",
-                "engram_heads", "max_seq_len")  # fmt: skip
-    NON_NEGATIVE = ("rank", "gate_rank", "segment_len", "attn_every", "shared_rank",
-                    "moe_capacity", "moe_lb_coef", "init_std")  # fmt: skip
+    POSITIVE = (
+        "vocab",
+        "d_model",
+        "n_layers",
+        "max_iter",
+        "n_heads",
+        "head_dim",
+        "conv_size",
+        "kda_chunk",
+        "d_ffn",
+        "n_experts",
+        "moe_topk",
+        "engram_rows",
+        "engram_dim",
+        "engram_heads",
+        "max_seq_len",
+    )
+    NON_NEGATIVE = (
+        "rank",
+        "gate_rank",
+        "segment_len",
+        "attn_every",
+        "shared_rank",
+        "moe_capacity",
+        "moe_lb_coef",
+        "init_std",
+    )
 
     def out_of_range(self, name: str, v: int) -> str | None:
         if v < _SHAPE_MAX:
             return None
-        return (f"{name}={v} is beyond any model dormouse builds (limit {_SHAPE_MAX - 1}); "
-                f"lower --set {name}")  # fmt: skip
+        return (
+            f"{name}={v} is beyond any model dormouse builds (limit {_SHAPE_MAX - 1}); "
+            f"lower --set {name}"
+        )
 
     def check(self) -> None:
         self.check_fields()
         m = self
         if m.dropout != DROPOUT_AUTO and not 0 <= m.dropout < 1:
-            raise ConfigError(f"dropout={m.dropout} must be in [0, 1) (0.1 drops one value in ten), "
-                              f"or auto (chosen from the passes over the data)")  # fmt: skip
+            raise ConfigError(
+                f"dropout={m.dropout} must be in [0, 1) (0.1 drops one value in ten), "
+                f"or auto (chosen from the passes over the data)"
+            )
         if m.vocab != 256:
             raise ConfigError(f"vocab={m.vocab}: dormouse is byte-level, vocab must be 256")
         if m.moe_topk > m.n_experts:
@@ -188,8 +215,12 @@ class ModelConfig(_Part):
                     f"attn_every={m.attn_every} with head_dim={m.head_dim}: rotary positions turn "
                     f"channel pairs, so head_dim must be even"
                 )
-        biggest = max(m.n_experts * m.d_model * m.d_ffn, m.engram_rows * m.engram_dim,
-                      m.d_model * m.d_attn, m.d_model * m.vocab)  # fmt: skip
+        biggest = max(
+            m.n_experts * m.d_model * m.d_ffn,
+            m.engram_rows * m.engram_dim,
+            m.d_model * m.d_attn,
+            m.d_model * m.vocab,
+        )
         if biggest > _TENSOR_MAX:
             raise ConfigError(
                 f"one weight of this model would hold {biggest:.3g} elements (n_experts*d_model*"
@@ -200,9 +231,15 @@ class ModelConfig(_Part):
         # a lower bound of the parameters: the experts (the MLP) and the mixers' projections of
         # every layer, the Engram tables, the embedding (count_params: tiny 133,120 of 170,000)
         ffn = 3 * m.n_experts if m.arch == "dormouse" else 2  # SwiGLU experts, or the GPT's MLP
-        least = (m.n_layers * (ffn * m.d_model * m.d_ffn + 4 * m.d_model * m.d_attn)
-                 + (m.arch == "dormouse") * len(m.engram_orders) * m.engram_heads
-                 * m.engram_rows * m.engram_dim + m.vocab * m.d_model)  # fmt: skip
+        least = (
+            m.n_layers * (ffn * m.d_model * m.d_ffn + 4 * m.d_model * m.d_attn)
+            + (m.arch == "dormouse")
+            * len(m.engram_orders)
+            * m.engram_heads
+            * m.engram_rows
+            * m.engram_dim
+            + m.vocab * m.d_model
+        )
         if least > _MODEL_MAX:
             raise ConfigError(
                 f"this model would have at least {least:.3g} parameters (n_layers={m.n_layers} of "
@@ -246,8 +283,10 @@ class Training(_Part):
     def check(self) -> None:
         self.check_fields()
         if self.seed < 0:
-            raise ConfigError(f"seed={self.seed} must not be negative (torch and numpy seeds "
-                              f"are unsigned); pick a seed in [0, 2**62)")  # fmt: skip
+            raise ConfigError(
+                f"seed={self.seed} must not be negative (torch and numpy seeds "
+                f"are unsigned); pick a seed in [0, 2**62)"
+            )
         check_device(self.device, "device")
 
 
@@ -333,8 +372,9 @@ class Corpus(_Part):
     def check(self) -> None:
         self.check_fields()
         if not 0 <= self.val_frac < 1:
-            raise ConfigError(f"val_frac={self.val_frac} must be in [0, 1); e.g. --set "
-                              f"val_frac=0.01")  # fmt: skip
+            raise ConfigError(
+                f"val_frac={self.val_frac} must be in [0, 1); e.g. --set val_frac=0.01"
+            )
         for d in self.data:
             _check_path(d, "data")
         if self.data_weights and len(self.data_weights) != len(self.data):
@@ -539,8 +579,9 @@ class RunConfig:
             )
         for part in ("model", "train"):
             if not isinstance(d.get(part, {}), dict):
-                raise ConfigError(f"the run config's {part!r} must be a JSON object, got "
-                                  f"{type(d[part]).__name__}")  # fmt: skip
+                raise ConfigError(
+                    f"the run config's {part!r} must be a JSON object, got {type(d[part]).__name__}"
+                )
         model, train = dict(d.get("model", {})), _flat_train(dict(d.get("train", {})))
         _one_dtype(model, train)
         return cls(str(d["source"]), _build(ModelConfig, model), _build(TrainConfig, train))
@@ -562,9 +603,11 @@ def _flat_train(train: dict[str, Any]) -> dict[str, Any]:
         if k in PARTS and isinstance(v, dict):
             known = {f.name for f in fields(PARTS[k])}
             if set(v) - known:
-                raise ConfigError(f"the run config's train.{k} has no field(s) "
-                                  f"{sorted(set(v) - known)}; this file was written by another "
-                                  f"version of dormouse")  # fmt: skip
+                raise ConfigError(
+                    f"the run config's train.{k} has no field(s) "
+                    f"{sorted(set(v) - known)}; this file was written by another "
+                    f"version of dormouse"
+                )
             out.update(v)
         else:
             out[k] = v
@@ -807,8 +850,10 @@ def _owned_key(key: str, owner: dict[str, str]) -> str:
     if prefix.startswith("train."):
         prefix = prefix[len("train.") :]
     if prefix and prefix not in ("model", "train") and prefix not in PARTS:
-        raise ConfigError(f"--set {key}: prefix must be 'model.', 'train.' or a part of the "
-                          f"training config ({', '.join(p + '.' for p in PARTS)})")  # fmt: skip
+        raise ConfigError(
+            f"--set {key}: prefix must be 'model.', 'train.' or a part of the "
+            f"training config ({', '.join(p + '.' for p in PARTS)})"
+        )
     if bare not in owner:
         raise ConfigError(f"--set: unknown key {key!r}" + _suggest(bare, sorted(owner)))
     part = _PART_OF.get(bare)
@@ -874,8 +919,14 @@ def check_device(name: str, flag: str = "--device") -> str:
 
 def check_file_name(name: str, key: str = "ckpt_name") -> str:
     """A plain file name: no folder part, so a run writes only inside its --out."""
-    if (not name or name in (".", "..") or "/" in name or "\\" in name or "\0" in name
-            or len(name.encode("utf-8", "surrogateescape")) > 200):  # fmt: skip
+    if (
+        not name
+        or name in (".", "..")
+        or "/" in name
+        or "\\" in name
+        or "\0" in name
+        or len(name.encode("utf-8", "surrogateescape")) > 200
+    ):
         raise ConfigError(
             f"{key}={name!r} is not a plain file name (no '/', not '.' or '..', not empty, at "
             f"most 200 bytes): the checkpoint must stay inside --out. Pick the folder with "

@@ -28,8 +28,9 @@ from .common import BenchError, Harness, timed
 PARTS = ("forward", "backward", "clip", "optimizer", "lfb")
 
 
-def time_parts(h: Harness, window: torch.Tensor, reps: int, warmup: int,
-               device: torch.device) -> dict[str, list[float]]:  # fmt: skip
+def time_parts(
+    h: Harness, window: torch.Tensor, reps: int, warmup: int, device: torch.device
+) -> dict[str, list[float]]:
     """ms of each repetition of each part (PARTS, plus "forward + backward"), after `warmup`
     untimed ones. The backward is not timed alone: "backward" is the median of forward +
     backward less the median of the forward (one list of that one number), since a backward
@@ -37,8 +38,10 @@ def time_parts(h: Harness, window: torch.Tensor, reps: int, warmup: int,
     compiled step saves."""
     t, ctx, model, opt, scaler = h.train, h.ctx, h.model, h.opt, h.scaler
     if ctx.shape.accum != 1:
-        raise BenchError(f"--parts times one micro-batch a step; this run accumulates "
-                         f"{ctx.shape.accum}: drop global_batch")  # fmt: skip
+        raise BenchError(
+            f"--parts times one micro-batch a step; this run accumulates "
+            f"{ctx.shape.accum}: drop global_batch"
+        )
     x, y = window[:, :-1].to(device), window[:, 1:].to(device)
     last: dict = {}
 

@@ -49,8 +49,9 @@ def resolve_autocast(run: RunConfig, device: torch.device) -> torch.dtype | None
 
 
 def dtype_name(dtype: torch.dtype | None) -> str:
-    return {None: "fp32", torch.float32: "fp32", torch.bfloat16: "bf16",
-            torch.float16: "fp16"}[dtype]  # fmt: skip
+    return {None: "fp32", torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[
+        dtype
+    ]
 
 
 def build_model(run: RunConfig, meta: bool = False) -> torch.nn.Module:
@@ -99,10 +100,12 @@ def resolve_dropout(run: RunConfig, world: int = 1) -> RunConfig:
     have = max(1, train_bytes(t))
     passes = read / have
     p = AUTO_DROPOUT if passes >= AUTO_PASSES else 0.0
-    log.info(f"dropout=auto: {t.steps} steps x {windows} windows x {t.seq_len + 1} bytes = "
-             f"{read / 2**20:.1f} MiB read from a train split of {have / 2**20:.2f} MiB = "
-             f"{passes:.1f} passes -> dropout={p:g} ({AUTO_DROPOUT:g} from {AUTO_PASSES:g} passes "
-             f"on, measured in docs/learning.md; --set dropout=X pins it)")  # fmt: skip
+    log.info(
+        f"dropout=auto: {t.steps} steps x {windows} windows x {t.seq_len + 1} bytes = "
+        f"{read / 2**20:.1f} MiB read from a train split of {have / 2**20:.2f} MiB = "
+        f"{passes:.1f} passes -> dropout={p:g} ({AUTO_DROPOUT:g} from {AUTO_PASSES:g} passes "
+        f"on, measured in docs/learning.md; --set dropout=X pins it)"
+    )
     return replace(run, model=replace(run.model, dropout=p))
 
 
@@ -141,22 +144,30 @@ def resolve_compile(run: RunConfig, device: torch.device, world: int = 1) -> Run
                 else f" (inductor's Triton needs sm_{COMPILE_MIN_SM[0]}{COMPILE_MIN_SM[1]})"
             )
         )
-        log.info(f"compile=auto: {why} -> compile={str(on).lower()} (--set compile=true|false "
-                 f"pins it)")  # fmt: skip
+        log.info(
+            f"compile=auto: {why} -> compile={str(on).lower()} (--set compile=true|false pins it)"
+        )
         t = replace(t, compile=on)
     if t.compile_mode == "auto":
         accum = bool(t.global_batch) and t.global_batch > t.batch * world
         work = step_tflop(run) if t.compile and device.type == "cuda" else 0.0
-        blockers = [why for why, hit in (
-            (f"{work:.3g} TFLOP a step (6N x {t.batch} x {t.seq_len}) > {GRAPHS_MAX_TFLOP:g}: "
-             f"kernel-bound, CUDA graphs' pools would cost memory", work > GRAPHS_MAX_TFLOP),
-            (f"a fleet of {world}", t.dist or world > 1),
-            (f"on {device.type}", device.type != "cuda"),
-            (f"accumulation (global_batch={t.global_batch} > batch={t.batch})", accum),
-            ("engram_ram streams rows from host memory", run.model.engram_ram),
-            ("moe_offload streams experts from host memory", run.model.moe_offload),
-            (f"compile_backend={t.compile_backend}", t.compile_backend != "inductor"),
-        ) if hit]  # fmt: skip
+        blockers = [
+            why
+            for why, hit in (
+                (
+                    f"{work:.3g} TFLOP a step (6N x {t.batch} x {t.seq_len}) > {GRAPHS_MAX_TFLOP:g}: "
+                    f"kernel-bound, CUDA graphs' pools would cost memory",
+                    work > GRAPHS_MAX_TFLOP,
+                ),
+                (f"a fleet of {world}", t.dist or world > 1),
+                (f"on {device.type}", device.type != "cuda"),
+                (f"accumulation (global_batch={t.global_batch} > batch={t.batch})", accum),
+                ("engram_ram streams rows from host memory", run.model.engram_ram),
+                ("moe_offload streams experts from host memory", run.model.moe_offload),
+                (f"compile_backend={t.compile_backend}", t.compile_backend != "inductor"),
+            )
+            if hit
+        ]
         mode = "default" if blockers or not t.compile else "reduce-overhead"
         if t.compile:
             log.info(
@@ -182,8 +193,9 @@ def step_tflop(run: RunConfig) -> float:
     )
 
 
-def prepare(run: RunConfig, device_type: str | None = None, local_rank: int | None = None,
-            world: int = 1) -> tuple[RunConfig, torch.device, torch.dtype | None]:  # fmt: skip
+def prepare(
+    run: RunConfig, device_type: str | None = None, local_rank: int | None = None, world: int = 1
+) -> tuple[RunConfig, torch.device, torch.dtype | None]:
     """(run with --fit, dropout=auto and compile=auto applied, device, compute dtype): what
     every run checks first."""
     run = resolve_dropout(validate(run), world)  # the one validation of a run
@@ -204,8 +216,9 @@ def prepare(run: RunConfig, device_type: str | None = None, local_rank: int | No
     return run, device, autocast
 
 
-def compiled(w: Wrapped, run: RunConfig, device: torch.device,
-             autocast: torch.dtype | None) -> Wrapped:  # fmt: skip
+def compiled(
+    w: Wrapped, run: RunConfig, device: torch.device, autocast: torch.dtype | None
+) -> Wrapped:
     """What the step runs on: `w` itself, or with compile=true torch.compile(w.net) in
     compile_mode (static shapes: a run's windows never change shape), with its CUDA-graph
     step marks under reduce-overhead. The optimizer, the checkpoints and evaluation hold the
@@ -217,14 +230,21 @@ def compiled(w: Wrapped, run: RunConfig, device: torch.device,
     if not t.compile:
         return w
     if t.compile_mode == "reduce-overhead" and device.type != "cuda":
-        log.info(f"compile_mode=reduce-overhead on {device.type}: CUDA graphs need a GPU; "
-                 f"inductor compiles without them here")  # fmt: skip
-    kw = ({"mode": t.compile_mode} if t.compile_backend == "inductor" else
-          {"backend": t.compile_backend})  # fmt: skip
+        log.info(
+            f"compile_mode=reduce-overhead on {device.type}: CUDA graphs need a GPU; "
+            f"inductor compiles without them here"
+        )
+    kw = (
+        {"mode": t.compile_mode}
+        if t.compile_backend == "inductor"
+        else {"backend": t.compile_backend}
+    )
     how = ", ".join(f"{k}={v}" for k, v in kw.items())
-    log.info(f"compile=true: torch.compile(model, {how}, dynamic=False) on "
-             f"{device.type}; the first step traces and compiles (tens of seconds; inductor "
-             f"caches its work for the next run), evaluation runs uncompiled")  # fmt: skip
+    log.info(
+        f"compile=true: torch.compile(model, {how}, dynamic=False) on "
+        f"{device.type}; the first step traces and compiles (tens of seconds; inductor "
+        f"caches its work for the next run), evaluation runs uncompiled"
+    )
     for m in w.net.modules():
         if hasattr(m, "resolve_arm"):
             m.resolve_arm(autocast or torch.float32)
@@ -270,21 +290,37 @@ def train_run(
         for line in unpacked_lines(ctx.shapes, t.batch):
             log.warning(line)
         model = (model if model is not None else build_model(run)).to(device).train()
-        return train(model, compiled(Wrapped(model), run, device, autocast),
-                     _optimizer(model, run, device), ctx, run, autocast, hooks)  # fmt: skip
+        return train(
+            model,
+            compiled(Wrapped(model), run, device, autocast),
+            _optimizer(model, run, device),
+            ctx,
+            run,
+            autocast,
+            hooks,
+        )
     from .fleet.watchdog import ending
 
     try:
-        return _train_fleet(run, hooks, model, prepared, device_type, rate=rate,
-                            timeout_s=timeout_s, close=close)  # fmt: skip
+        return _train_fleet(
+            run, hooks, model, prepared, device_type, rate=rate, timeout_s=timeout_s, close=close
+        )
     except BaseException:
         ending()  # a refusal while joining: every rank says its line before the agent's SIGTERM
         raise
 
 
-def _train_fleet(run: RunConfig, hooks: Hooks, model: torch.nn.Module | None,
-                 prepared: tuple | None, device_type: str | None, *, rate: float | None,
-                 timeout_s: float | None, close: bool) -> dict:  # fmt: skip
+def _train_fleet(
+    run: RunConfig,
+    hooks: Hooks,
+    model: torch.nn.Module | None,
+    prepared: tuple | None,
+    device_type: str | None,
+    *,
+    rate: float | None,
+    timeout_s: float | None,
+    close: bool,
+) -> dict:
     """train_run on a fleet rank (its arguments: train_run's)."""
     import torch.distributed as dist
 
@@ -316,8 +352,16 @@ def _train_fleet(run: RunConfig, hooks: Hooks, model: torch.nn.Module | None,
         model = (model if model is not None else build_model(run)).to(device).train()
         wrapped = compiled(parallelize(model, ctx), run, device, autocast)
         try:
-            report = train(model, wrapped, _optimizer(model, run, device), ctx, run,
-                           autocast, hooks, FleetStream)  # fmt: skip
+            report = train(
+                model,
+                wrapped,
+                _optimizer(model, run, device),
+                ctx,
+                run,
+                autocast,
+                hooks,
+                FleetStream,
+            )
         except Exception as e:
             ending()  # before the explaining: it may wait a second for the launcher's exit
             if not fleet_failure(e):
@@ -325,8 +369,12 @@ def _train_fleet(run: RunConfig, hooks: Hooks, model: torch.nn.Module | None,
             # a peer died or the ranks fell out of step: one line naming what each peer was
             # doing, instead of the backend's traceback
             raise fleet.DistError(ctx.heartbeat.explain(e)) from None
-        report.update(shapes=[s.line() for s in ctx.shapes], backend=ctx.backend,
-                      reduce=ctx.reduce, device=str(ctx.device))  # fmt: skip
+        report.update(
+            shapes=[s.line() for s in ctx.shapes],
+            backend=ctx.backend,
+            reduce=ctx.reduce,
+            device=str(ctx.device),
+        )
         if close:
             ctx.barrier()  # without it, gloo teardown aborts intermittently
         ok = True

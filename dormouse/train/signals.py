@@ -54,9 +54,11 @@ class GracefulStop:
             now = signal.getsignal(sig)
             if now is not self._handler:
                 if not self._told:
-                    log.info(f"note: the {signal.Signals(sig).name} handler was replaced "
-                             f"({now!r}) by something the run loaded; re-installed so a stop "
-                             f"still writes a checkpoint")  # fmt: skip
+                    log.info(
+                        f"note: the {signal.Signals(sig).name} handler was replaced "
+                        f"({now!r}) by something the run loaded; re-installed so a stop "
+                        f"still writes a checkpoint"
+                    )
                     self._told = True
                 signal.signal(sig, self._handler)
 

@@ -281,15 +281,19 @@ def device_verdict(cfg, ctx: DPContext, opt, scaler: LossScaler | None) -> bool:
         return False
     why = ""
     if ctx.world > 1 and want == "auto":
-        why = ("a fleet reads its agreed verdict on the host unless verdict=device is asked "
-               "(not measured on a GPU fleet yet)")  # fmt: skip
+        why = (
+            "a fleet reads its agreed verdict on the host unless verdict=device is asked "
+            "(not measured on a GPU fleet yet)"
+        )
     elif scaler is not None:
         why = "the fp16 loss scale moves with every verdict, on the host"
     elif not hasattr(opt, "commit_on_device"):
         why = f"{type(opt).__name__} takes no verdict on the device"
     elif want == "auto" and not getattr(opt, "device_side", False):
-        why = ("the optimizer steps on the host (its device-side step, a CUDA graph, comes "
-               "with compile=true compile_mode=reduce-overhead on CUDA)")  # fmt: skip
+        why = (
+            "the optimizer steps on the host (its device-side step, a CUDA graph, comes "
+            "with compile=true compile_mode=reduce-overhead on CUDA)"
+        )
     elif want == "auto":
         need = opt.written_bytes()
         total = torch.cuda.get_device_properties(device).total_memory
@@ -306,9 +310,11 @@ def device_verdict(cfg, ctx: DPContext, opt, scaler: LossScaler | None) -> bool:
     if why:
         log.info(f"verdict=auto: on the host ({why})")
         return False
-    log.info(f"verdict={want}: on the device; the optimizer copies what it writes aside "
-             f"({opt.written_bytes() / 2**20:.0f} MiB) and puts it back on a skip, and the loop "
-             f"reads each verdict a step late")  # fmt: skip
+    log.info(
+        f"verdict={want}: on the device; the optimizer copies what it writes aside "
+        f"({opt.written_bytes() / 2**20:.0f} MiB) and puts it back on a skip, and the loop "
+        f"reads each verdict a step late"
+    )
     return True
 
 
@@ -342,8 +348,11 @@ class Deferred(Settled):
 
     def __init__(self, step: int, loss, aux: dict, ok, want_load: bool):
         super().__init__(step, loss, aux, ok)
-        vals = [ok.to(torch.float32).reshape(1), loss.detach().float().reshape(1),
-                aux["gnorm"].float().reshape(1)]  # fmt: skip
+        vals = [
+            ok.to(torch.float32).reshape(1),
+            loss.detach().float().reshape(1),
+            aux["gnorm"].float().reshape(1),
+        ]
         load = aux.get("load") if want_load else None
         if load is not None:
             vals.append(load.detach().float().reshape(-1))

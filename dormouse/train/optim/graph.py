@@ -43,8 +43,9 @@ class StepGraph:
         # the host side of the lr copy: pinned, so the copy queues without waiting for the
         # device; `copied` marks when the last copy has read it, before it is written again
         # (long done by then: the loop's verdict has synchronised since)
-        self.host_lrs = torch.zeros(len(opt.param_groups), dtype=torch.float64,
-                                    pin_memory=warmup is not None)  # fmt: skip
+        self.host_lrs = torch.zeros(
+            len(opt.param_groups), dtype=torch.float64, pin_memory=warmup is not None
+        )
         self.copied = torch.cuda.Event() if warmup is not None else None
         self.warmup = warmup
         self.steps = 0
@@ -113,9 +114,11 @@ class StepGraph:
             return
         if self.graph is not None and not self.said:
             self.said = True
-            log.info(f"optimizer graph: step {self.steps} has gradients on "
-                     f"{sum(key)}/{len(key)} parameters, the graph was captured with "
-                     f"{sum(self.key)}; such steps run eagerly")  # fmt: skip
+            log.info(
+                f"optimizer graph: step {self.steps} has gradients on "
+                f"{sum(key)}/{len(key)} parameters, the graph was captured with "
+                f"{sum(self.key)}; such steps run eagerly"
+            )
         # eager, on the capture stream: its cuBLAS workspace and allocations are warm
         main = torch.cuda.current_stream(self.device)
         self.stream.wait_stream(main)
@@ -150,17 +153,23 @@ class StepGraph:
 
     def _choose(self) -> None:
         """Keep the graph or drop it (the optimizer's eager step from the next step on)."""
-        eager, replay = (statistics.median(self.times[k]) if self.times[k] else None
-                         for k in ("eager", "replay"))  # fmt: skip
+        eager, replay = (
+            statistics.median(self.times[k]) if self.times[k] else None for k in ("eager", "replay")
+        )
         self.times = None
         if eager is None:  # every warm-up step was the first: nothing to compare with
             return
         keep = replay <= GRAPH_KEEP * eager
-        log.info(f"optimizer graph: a replay takes {replay:.2f} ms, the eager step {eager:.2f} "
-                 f"ms (medians, device synchronised): " + (
-                     "the graph stays" if keep else
-                     f"the eager step is faster, so it runs from the next step on (the graph "
-                     f"is kept only within {GRAPH_KEEP:g}x of it)"))  # fmt: skip
+        log.info(
+            f"optimizer graph: a replay takes {replay:.2f} ms, the eager step {eager:.2f} "
+            f"ms (medians, device synchronised): "
+            + (
+                "the graph stays"
+                if keep
+                else f"the eager step is faster, so it runs from the next step on (the graph "
+                f"is kept only within {GRAPH_KEEP:g}x of it)"
+            )
+        )
         if not keep:
             self.graph = None
             self.static = []
@@ -194,5 +203,7 @@ class StepGraph:
             for g in adam:
                 g["capturable"] = False
         self.graph, self.key = graph, key
-        log.info(f"optimizer graph: the step captured after {self.steps - 1} eager step(s) "
-                 f"({sum(key)} parameters with gradients); replayed from now on")  # fmt: skip
+        log.info(
+            f"optimizer graph: the step captured after {self.steps - 1} eager step(s) "
+            f"({sum(key)} parameters with gradients); replayed from now on"
+        )

@@ -80,9 +80,15 @@ def _resolve_ns_dtype(ns_dtype: str, device_type: str) -> str:
 def _refuse_sharded_int8(named: list, muon_state_dtype: str, engram_state_dtype: str) -> None:
     """int8 state is kept per process in blocks of the local elements; an FSDP2 shard's would
     have to be resharded through fp32 whenever the world size changes (nothing does that)."""
-    on = [r.name for r, p in named if hasattr(p, "placements")
-          and ((r.owner == "muon" and muon_state_dtype == "int8")
-               or (r.owner == "engram" and engram_state_dtype == "int8"))]  # fmt: skip
+    on = [
+        r.name
+        for r, p in named
+        if hasattr(p, "placements")
+        and (
+            (r.owner == "muon" and muon_state_dtype == "int8")
+            or (r.owner == "engram" and engram_state_dtype == "int8")
+        )
+    ]
     if on:
         raise ConfigError(
             f"muon_state_dtype={muon_state_dtype}, engram_state_dtype={engram_state_dtype}: "
@@ -143,21 +149,23 @@ class MixOptimizer(torch.optim.Optimizer):
             buckets.setdefault((r.matrix, p.dtype, str(p.device)), []).append((r, p))
         groups: list[dict] = []
         for (mat, _dt, _dev), members in buckets.items():
-            groups.append({
-                "params": [p for _, p in members],
-                "names": [r.name for r, _ in members],
-                "kind": "muon",
-                "lr": lr,
-                "base_lr": lr,
-                "weight_decay": wd,
-                "momentum": cfg.muon_momentum,
-                "nesterov": cfg.muon_variant == "nesterov",
-                "ns_steps": cfg.ns_steps,
-                "ns_kind": cfg.ns_kind,
-                "ns_dtype": ns_dtype,
-                "muon_sf": cfg.muon_sf,
-                "matrix": mat,
-            })  # fmt: skip
+            groups.append(
+                {
+                    "params": [p for _, p in members],
+                    "names": [r.name for r, _ in members],
+                    "kind": "muon",
+                    "lr": lr,
+                    "base_lr": lr,
+                    "weight_decay": wd,
+                    "momentum": cfg.muon_momentum,
+                    "nesterov": cfg.muon_variant == "nesterov",
+                    "ns_steps": cfg.ns_steps,
+                    "ns_kind": cfg.ns_kind,
+                    "ns_dtype": ns_dtype,
+                    "muon_sf": cfg.muon_sf,
+                    "matrix": mat,
+                }
+            )
 
         # ---- AdamW groups ----
         adam_specs = (
@@ -168,28 +176,42 @@ class MixOptimizer(torch.optim.Optimizer):
         for kind, pick, glr, gwd in adam_specs:
             sel = [(r, p) for r, p in named if pick(r)]
             if sel:
-                adam_groups.append({
-                    "params": [p for _, p in sel], "names": [r.name for r, _ in sel],
-                    "kind": kind, "lr": glr, "base_lr": glr, "weight_decay": gwd,
-                })  # fmt: skip
-        self.adamw = (self._make_adamw(adam_groups, lr, tuple(adam_betas), adam_eps)
-                      if adam_groups else None)  # fmt: skip
+                adam_groups.append(
+                    {
+                        "params": [p for _, p in sel],
+                        "names": [r.name for r, _ in sel],
+                        "kind": kind,
+                        "lr": glr,
+                        "base_lr": glr,
+                        "weight_decay": gwd,
+                    }
+                )
+        self.adamw = (
+            self._make_adamw(adam_groups, lr, tuple(adam_betas), adam_eps) if adam_groups else None
+        )
 
         # ---- the Engram group: VRAM tables (parameters) and host stores (not) ----
         vram = [(r, p) for r, p in named if r.owner == "engram"]
         self._host: list[tuple[str, HostTables]] = [
-            (strip_name(n) + ".table", m) for n, m in model.named_modules()
+            (strip_name(n) + ".table", m)
+            for n, m in model.named_modules()
             if isinstance(m, HostTables)
-        ]  # fmt: skip
+        ]
         engram = []
         if vram or self._host:
             glr = lr * cfg.engram_lr_mult
-            engram = [{
-                "params": [p for _, p in vram],
-                "names": [r.name for r, _ in vram] + [n for n, _ in self._host],
-                "kind": "engram", "lr": glr, "base_lr": glr, "weight_decay": 0.0,
-                "betas": tuple(adam_betas), "eps": adam_eps,
-            }]  # fmt: skip
+            engram = [
+                {
+                    "params": [p for _, p in vram],
+                    "names": [r.name for r, _ in vram] + [n for n, _ in self._host],
+                    "kind": "engram",
+                    "lr": glr,
+                    "base_lr": glr,
+                    "weight_decay": 0.0,
+                    "betas": tuple(adam_betas),
+                    "eps": adam_eps,
+                }
+            ]
 
         self._muon_groups = groups
         all_groups = groups + (self.adamw.param_groups if self.adamw is not None else []) + engram
@@ -276,8 +298,9 @@ class MixOptimizer(torch.optim.Optimizer):
         if self._engram_group is not None:
             for p in self._engram_group["params"]:
                 self.state[p].update(row_state(p, self._engram_state_dtype))
-        self.host_state = {name: row_state(store.table, self._engram_state_dtype)
-                           for name, store in self._host}  # fmt: skip
+        self.host_state = {
+            name: row_state(store.table, self._engram_state_dtype) for name, store in self._host
+        }
 
     def add_param_group(self, param_group: dict) -> None:
         if getattr(self, "_sealed", False):
@@ -349,8 +372,10 @@ class MixOptimizer(torch.optim.Optimizer):
         capture; the copy aside costs `written_bytes()` of device memory."""
         g = self._graph
         if g is None:
-            return ("the optimizer steps on the host (its device-side step comes with "
-                    "compile_mode=reduce-overhead on CUDA, or verdict=device)")  # fmt: skip
+            return (
+                "the optimizer steps on the host (its device-side step comes with "
+                "compile_mode=reduce-overhead on CUDA, or verdict=device)"
+            )
         if g.graph is not None:
             return "the optimizer graph was captured already, without the copy aside"
         g.transact = True
@@ -365,8 +390,13 @@ class MixOptimizer(torch.optim.Optimizer):
             out.update({id(t): t for t in (buf, absmax) if t is not None})
         views = ("momentum_buffer", "momentum_q", "momentum_absmax")
         for p in params:
-            out.update({id(v): v for k, v in self.state[p].items()
-                        if torch.is_tensor(v) and k not in views})  # fmt: skip
+            out.update(
+                {
+                    id(v): v
+                    for k, v in self.state[p].items()
+                    if torch.is_tensor(v) and k not in views
+                }
+            )
         return list(out.values())
 
     def written_bytes(self) -> int:
@@ -408,8 +438,9 @@ class MixOptimizer(torch.optim.Optimizer):
                 continue
             if lr_t is not None:  # graph mode: rows by mask, no host synchronisation
                 st = self.state[p]
-                row_adam_dense_(p, st["exp_avg"], st["exp_avg_sq"], st["step"], p.grad, lr_t,
-                                *hyper[1:])  # fmt: skip
+                row_adam_dense_(
+                    p, st["exp_avg"], st["exp_avg_sq"], st["step"], p.grad, lr_t, *hyper[1:]
+                )
                 continue
             grad = local_shard(p.grad).reshape(-1, p.shape[-1])
             rows = touched_rows(grad)
@@ -424,13 +455,22 @@ class MixOptimizer(torch.optim.Optimizer):
             if rows.numel():
                 st = self.host_state[name]
                 m, v, scales = moments(st)
-                row_adam_(store.table, m, v, st["step"], rows, grad.to("cpu", torch.float32),
-                          *hyper, scales=scales)  # fmt: skip
+                row_adam_(
+                    store.table,
+                    m,
+                    v,
+                    st["step"],
+                    rows,
+                    grad.to("cpu", torch.float32),
+                    *hyper,
+                    scales=scales,
+                )
 
     # ---- the step as one CUDA graph ----
 
-    def capture_step(self, warmup: int = GRAPH_WARMUP, capture: bool = True,
-                     keep: str = "auto") -> str:  # fmt: skip
+    def capture_step(
+        self, warmup: int = GRAPH_WARMUP, capture: bool = True, keep: str = "auto"
+    ) -> str:
         """From now on step() replays one CUDA graph of the whole optimizer step (every Muon
         group's momentum and polar, the fused AdamW, the Engram rows) instead of launching
         its ~500 kernels one by one from Python: `warmup` eager steps, then a capture, then
@@ -582,8 +622,10 @@ class MixOptimizer(torch.optim.Optimizer):
         sd = state_dict
         if not isinstance(sd, dict) or "param_groups" not in sd:
             keys = sorted(sd)[:6] if isinstance(sd, dict) else type(sd).__name__
-            raise ConfigError(f"not a torch optimizer state (it has {keys}): the checkpoint "
-                              f"was written by another optimizer or dormouse version")  # fmt: skip
+            raise ConfigError(
+                f"not a torch optimizer state (it has {keys}): the checkpoint "
+                f"was written by another optimizer or dormouse version"
+            )
         saved = sd["param_groups"]
         mine = [g["names"] for g in self.param_groups]
         theirs = [list(g.get("names", ())) for g in saved]
@@ -616,8 +658,14 @@ def _placed_like(p: Tensor, flat: Tensor) -> Tensor:
         return flat.view(p.shape)
     from torch.distributed.tensor import DTensor
 
-    return DTensor.from_local(flat.view(p.to_local().shape), p.device_mesh, p.placements,
-                              run_check=False, shape=p.shape, stride=p.stride())  # fmt: skip
+    return DTensor.from_local(
+        flat.view(p.to_local().shape),
+        p.device_mesh,
+        p.placements,
+        run_check=False,
+        shape=p.shape,
+        stride=p.stride(),
+    )
 
 
 def _copy_state(mine: dict, saved: dict | None, name: str) -> None:
@@ -633,8 +681,10 @@ def _copy_state(mine: dict, saved: dict | None, name: str) -> None:
         if not torch.is_tensor(t):  # bitsandbytes counts its steps in a Python int
             mine[k] = src
         elif tuple(src.shape) != tuple(t.shape):
-            raise ConfigError(f"optimizer state {k!r} of {name}: saved shape "
-                              f"{tuple(src.shape)}, this model needs {tuple(t.shape)}")  # fmt: skip
+            raise ConfigError(
+                f"optimizer state {k!r} of {name}: saved shape "
+                f"{tuple(src.shape)}, this model needs {tuple(t.shape)}"
+            )
         else:
             t.copy_(src)
 
