@@ -15,10 +15,17 @@ from dataclasses import replace
 
 import torch
 
-from ..config import RunConfig, validate
-from .context import DPContext, unpacked_lines
+from ..config import DROPOUT_AUTO, RunConfig, validate
+from ..model import active_params, make_model
+from ..model.arms import require_arms
+from .context import DPContext, RefusedError, unpacked_lines
+from .data import open_data, train_bytes
 from .loop import Hooks, TrainingError, train
+from .optim.mix import MixOptimizer
+from .plan.device import probe_device, resolve_dtype
+from .plan.fit import apply_fit
 from .step import Callbacks, Wrapped
+from .store import checkpoint as ckpt
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +49,6 @@ def resolve_device(name: str, local_rank: int | None = None) -> torch.device:
 
 def resolve_autocast(run: RunConfig, device: torch.device) -> torch.dtype | None:
     """The forward's compute dtype (None = plain fp32), by the device policy."""
-    from .plan.device import probe_device, resolve_dtype
 
     dtype, _ = resolve_dtype(run.train.dtype, probe_device(device))
     return None if dtype in (None, torch.float32) else dtype
@@ -57,7 +63,6 @@ def dtype_name(dtype: torch.dtype | None) -> str:
 def build_model(run: RunConfig, meta: bool = False) -> torch.nn.Module:
     """The model of `run`, seeded by run.train.seed (every rank builds the same one). An arm
     this build does not have (moe_impl=triton) is the model's own refusal, a UserError."""
-    from ..model import make_model
 
     if meta:
         with torch.device("meta"):
@@ -68,7 +73,6 @@ def build_model(run: RunConfig, meta: bool = False) -> torch.nn.Module:
 
 def check_arms(run: RunConfig, device: torch.device, autocast: torch.dtype | None) -> None:
     """Refuse a pinned kernel arm that cannot run on this device before any step runs."""
-    from ..model.arms import require_arms
 
     if run.model.arch == "dormouse":  # the GPT baseline has no kernel arms
         require_arms(run.model, device, autocast or torch.float32)
@@ -87,10 +91,6 @@ AUTO_PASSES, AUTO_DROPOUT = 3.0, 0.4
 def resolve_dropout(run: RunConfig, world: int = 1) -> RunConfig:
     """`dropout=auto` -> a probability, from the passes the run will make over its data
     (logged: what it read, what it chose); any other value is the user's."""
-    from dataclasses import replace
-
-    from ..config import DROPOUT_AUTO
-    from .data import train_bytes
 
     if run.model.dropout != DROPOUT_AUTO:
         return run
@@ -129,7 +129,6 @@ def resolve_compile(run: RunConfig, device: torch.device, world: int = 1) -> Run
     optimizer) where the shapes are static: one process on CUDA, no accumulation, nothing
     streamed from host memory (engram_ram, moe_offload), inductor; else default (a fleet's
     all-reduce hooks sit between the compiled pieces: gate g31 holds default mode there)."""
-    from dataclasses import replace
 
     t = run.train
     if t.compile == "auto":
@@ -186,7 +185,6 @@ def resolve_compile(run: RunConfig, device: torch.device, world: int = 1) -> Run
 
 def step_tflop(run: RunConfig) -> float:
     """TFLOP of one micro-batch's forward + backward by the 6N rule (built on the meta device)."""
-    from ..model import active_params
 
     return (
         6 * active_params(build_model(run, meta=True)) * run.train.batch * run.train.seq_len / 1e12
@@ -200,8 +198,6 @@ def prepare(
     every run checks first."""
     run = resolve_dropout(validate(run), world)  # the one validation of a run
     if run.train.fit_gb:
-        from .plan.fit import apply_fit
-
         if run.model.arch != "dormouse":
             raise TrainingError(
                 f"--fit models dormouse's own architecture; arch={run.model.arch} is the "
@@ -254,7 +250,6 @@ def compiled(
 
 def _optimizer(model: torch.nn.Module, run: RunConfig, device: torch.device):
     """The optimizer, built once on the model itself (a wrapper shares its parameters)."""
-    from .optim.mix import MixOptimizer
 
     return MixOptimizer.from_config(model, run.train, device.type)
 
@@ -299,7 +294,7 @@ def train_run(
             autocast,
             hooks,
         )
-    from .fleet.watchdog import ending
+    from .fleet.watchdog import ending  # a fleet only (as in _train_fleet)
 
     try:
         return _train_fleet(
@@ -322,9 +317,10 @@ def _train_fleet(
     close: bool,
 ) -> dict:
     """train_run on a fleet rank (its arguments: train_run's)."""
+    # a fleet's modules load on a fleet only: one process never imports them
+    # (tests/test_layout.py holds it)
     import torch.distributed as dist
 
-    from .context import RefusedError
     from .fleet import launch as fleet
     from .fleet.balance import FleetStream
     from .fleet.parallelize import parallelize
@@ -397,7 +393,7 @@ def prepare_for_launch(run: RunConfig) -> tuple[RunConfig, torch.device, torch.d
     """`prepare` as this process will train: one process, or a torchrun rank of its fleet."""
     if not run.train.dist:
         return prepare(run)
-    from .fleet import launch as fleet
+    from .fleet import launch as fleet  # a fleet only (as in _train_fleet)
 
     return prepare(run, None, _local_rank(), fleet.world_from(os.environ) or 1)
 
@@ -406,8 +402,6 @@ def dry_run(run: RunConfig, device: torch.device, autocast, plan: str, folder) -
     """Everything a run checks before its first step (the model on the meta device, the
     optimizer's routing, the data, a resumed checkpoint's shape), without training or writing
     a file; returns the line that says so."""
-    from .data import open_data
-    from .store import checkpoint as ckpt
 
     model = build_model(run, meta=True)
     n = sum(p.numel() for p in model.parameters())
