@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..config import ConfigError
+from ..config import ConfigError, TrainConfig
 from ..model.layers import row_keys
 from .context import DPContext
 from .optim.scaler import LossScaler
@@ -114,7 +114,7 @@ class Step:
     wrapped: Wrapped
     opt: object
     ctx: DPContext
-    cfg: object  # TrainConfig
+    cfg: TrainConfig
     autocast: torch.dtype | None = None
     scaler: LossScaler | None = None
     callbacks: Callbacks = field(default_factory=lambda: Callbacks())
