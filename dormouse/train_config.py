@@ -55,7 +55,7 @@ def check_file_name(name: str, key: str = "ckpt_name") -> str:
     return name
 
 
-def check_path(text: str, what: str) -> None:
+def _check_path(text: str, what: str) -> None:
     if not text or "\0" in text:
         raise ConfigError(
             f"{what}={text!r} is not a usable path (empty, or holds a NUL byte; "
@@ -239,7 +239,7 @@ class Corpus(Part):
                 f"val_frac={self.val_frac} must be in [0, 1); e.g. --set val_frac=0.01"
             )
         for d in self.data:
-            check_path(d, "data")
+            _check_path(d, "data")
         if self.data_weights and len(self.data_weights) != len(self.data):
             raise ConfigError(
                 f"{len(self.data_weights)} data_weights for {len(self.data)} corpora; give one "
@@ -278,7 +278,7 @@ class Checkpoint(Part):
     def check(self) -> None:
         self.check_fields()
         check_file_name(self.ckpt_name)
-        check_path(self.out_dir, "out_dir")
+        _check_path(self.out_dir, "out_dir")
 
 
 @dataclass(frozen=True)
