@@ -9,11 +9,20 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
+import math
 import os
 import sys
 from dataclasses import replace
 
-from .config import ConfigError, apply_sets, check_device, preset, preset_names, validate
+from .config import (
+    ConfigError,
+    apply_sets,
+    check_device,
+    check_path,
+    preset,
+    preset_names,
+    validate,
+)
 from .errors import UserError
 
 log = logging.getLogger("dormouse")
@@ -190,6 +199,13 @@ def cmd_eval(args) -> int:
     if args.device is not None:
         check_device(args.device)
     res = score_checkpoint(args.checkpoint, args.data, args.batches, args.device)
+    if not math.isfinite(res["loss"]):
+        raise UserError(
+            f"{args.checkpoint}: its loss on the val split is {res['loss']} (largest weight "
+            f"{res['largest'][0]:.3g}, in {res['largest'][1]}): finite weights whose output "
+            f"overflows, so the file was altered or its run diverged; evaluate another "
+            f"checkpoint (best.pt, an earlier one)"
+        )
     log.info(f"eval checkpoint={args.checkpoint} step={res['step']} loss={res['loss']:.4f} "
              f"bpb={res['bpb']:.4f} tokens={res['tokens']}")  # fmt: skip
     return 0
@@ -202,6 +218,7 @@ def score_checkpoint(path, data: list[str] | None = None, batches: int | None = 
     batches; {loss, bpb, tokens, step}. Gate g33 holds the whole-split score to the
     reference's."""
     from .model import make_model
+    from .model.sample import largest_weight
     from .train.data import open_data
     from .train.run import resolve_autocast, resolve_device
     from .train.step import evaluate
@@ -215,8 +232,26 @@ def score_checkpoint(path, data: list[str] | None = None, batches: int | None = 
     model = make_model(run.model)
     load_model(model, ck, path)
     model.to(dev)
-    source = open_data(run.train)
     t = run.train
+    window = t.batch * (t.seq_len + 1)
+    for p in data or ():
+        size = os.path.getsize(p) if os.path.isfile(p) else None
+        if size is not None and size < 2 * window:  # a window of val and one of train
+            raise UserError(
+                f"--data {p} has {size} bytes; eval scores the checkpoint's windows of "
+                f"{t.batch}x({t.seq_len}+1) = {window} bytes on the file's tail, and the split "
+                f"needs two of them: give a file of at least {2 * window} bytes"
+            )
+    source = open_data(run.train)
+    # the batches that cover the split once: asking for more scored overlapping windows (each
+    # byte ~230 times for --batches 10^9 on a 3,030-byte split), so the whole split is scored
+    cover = -(-source.val_bytes_total() // (t.batch * t.seq_len)) if source.has_val else 0
+    if batches and batches >= cover:
+        log.info(
+            f"eval: --batches {batches} is at least the {cover} batches of {t.batch}x"
+            f"{t.seq_len} that cover the val split once; scoring the whole split"
+        )
+        batches = None
     if batches:
         todo = source.val_batches(batches, t.batch, t.seq_len)  # at most the distinct ones
         what = f"{len(todo)} batches of {t.batch}x{t.seq_len} spread over the val split"
@@ -225,7 +260,8 @@ def score_checkpoint(path, data: list[str] | None = None, batches: int | None = 
         what = f"the whole val split ({source.val_bytes_total()} bytes scored once)"
         todo = source.val_all(t.batch, t.seq_len)
     log.info(f"eval: {what}; --batches N evaluates N spread batches instead")
-    return {**evaluate(model, todo, dev, resolve_autocast(run, dev)), "step": ck["step"]}
+    res = evaluate(model, todo, dev, resolve_autocast(run, dev))
+    return {**res, "step": ck["step"], "largest": largest_weight(model)}
 
 
 def cmd_sample(args) -> int:
@@ -236,7 +272,7 @@ def cmd_sample(args) -> int:
     from .train.run import resolve_device
     from .train.store.checkpoint import load_model, read_checkpoint
 
-    check_sample_args(args.bytes, args.temperature, args.top_k)
+    check_sample_args(args.bytes, args.temperature, args.top_k, args.seed)
     if args.device is not None:
         check_device(args.device)
     # argv that is not UTF-8 reaches Python as surrogate escapes: they map back to the very
@@ -320,7 +356,7 @@ def cmd_link(args) -> int:
 def cmd_compare(args) -> int:
     from .compare import main_compare
 
-    return main_compare(args.runs, args.out, args.target, args.step_ms)
+    return main_compare(args.runs, args.out, args.target, args.step_ms, args.overwrite)
 
 
 def cmd_bench(args) -> int:
@@ -337,7 +373,13 @@ def build_parser() -> argparse.ArgumentParser:
         "train", help="train a preset (on the embedded default corpus unless --data)"
     )
     t.add_argument("preset", choices=preset_names())
-    t.add_argument("--data", nargs="+", help="byte corpora (any file type); several form a mixture")
+    # extend: `--data a --data b` is the mixture of both (the second replaced the first)
+    t.add_argument(
+        "--data",
+        nargs="+",
+        action="extend",
+        help="byte corpora (any file type); several (in one --data or several) form a mixture",
+    )
     t.add_argument("--steps", type=int, help="optimizer steps")
     t.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config field")
     t.add_argument("--out", help="run folder (checkpoint, metrics.jsonl, loss.png)")
@@ -369,7 +411,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     e = sub.add_parser("eval", help="evaluate a checkpoint on the validation split")
     e.add_argument("checkpoint")
-    e.add_argument("--data", nargs="+")
+    e.add_argument("--data", nargs="+", action="extend")
     e.add_argument(
         "--batches",
         type=int,
@@ -401,6 +443,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="time each run as steps x this solo step "
         "time (runs that shared a card, timed alone elsewhere)",
     )
+    c.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
     c.set_defaults(fn=cmd_compare)
 
     x = sub.add_parser("export", help="one checkpoint file from a run (sharded or not)")
@@ -463,6 +506,7 @@ def main(argv: list[str] | None = None) -> int:
         if argv and argv[0] in passthrough:
             return passthrough[argv[0]](argparse.Namespace(rest=argv[1:]))
         args = build_parser().parse_args(argv)
+        _check_paths(args)
         return args.fn(args)
     except KeyboardInterrupt:
         print("dormouse: interrupted", file=sys.stderr)
@@ -477,6 +521,25 @@ def main(argv: list[str] | None = None) -> int:
         what = "config error: " if isinstance(e, ConfigError) else ""
         print(f"dormouse: {what}{e}", file=sys.stderr)
         return 2
+
+
+#: The flags that name a file or folder, checked before any is used (config.check_path).
+_PATH_FLAGS = {
+    "out": "--out",
+    "data": "--data",
+    "to": "--to",
+    "checkpoint": "the checkpoint",
+    "run": "the run",
+    "runs": "the run",
+}
+
+
+def _check_paths(args) -> None:
+    for key, flag in _PATH_FLAGS.items():
+        value = getattr(args, key, None)
+        for path in value if isinstance(value, list) else [value]:
+            if isinstance(path, str):
+                check_path(f"{flag} {path[:40]}{'...' if len(path) > 40 else ''}", path)
 
 
 def out_of_memory(e: BaseException) -> str:

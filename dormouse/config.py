@@ -12,6 +12,8 @@ import dataclasses
 import difflib
 import json
 import logging
+import os
+import re
 import typing
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Literal
@@ -256,7 +258,7 @@ class RunConfig:
     @classmethod
     def from_json(cls, text: str) -> RunConfig:
         try:
-            d = json.loads(text)
+            d = loads(text)
         except (TypeError, ValueError) as e:
             raise ConfigError(f"the run config is not valid JSON ({e})") from None
         return cls.from_dict(d)
@@ -279,6 +281,54 @@ def _flat_train(train: dict[str, Any]) -> dict[str, Any]:
         else:
             out[k] = v
     return out
+
+
+#: How deep a JSON file dormouse reads may nest: ours nest 3 deep (a config's model, a tuple
+#: field); Python's parser recursed into a RecursionError at ~1,000 (100,000 was a traceback).
+JSON_DEPTH = 32
+_JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
+_JSON_NEST = re.compile(r"[\[\]{}]")
+
+
+class DeepJSON(ValueError):
+    """JSON nested deeper than JSON_DEPTH: refused before the parser recurses."""
+
+
+def loads(text: str | bytes):
+    """json.loads with a depth bound (DeepJSON beyond JSON_DEPTH): every JSON file dormouse
+    reads (config.json, a checkpoint's config, metrics rows) comes from a folder a user or an
+    attacker may have written."""
+    if isinstance(text, bytes):
+        text = text.decode("utf-8")
+    depth = deepest = 0
+    for m in _JSON_NEST.finditer(_JSON_STRING.sub("", text)):
+        depth += 1 if m[0] in "[{" else -1
+        if depth > deepest:
+            deepest = depth
+            if deepest > JSON_DEPTH:
+                raise DeepJSON(f"JSON nested deeper than {JSON_DEPTH} levels")
+    return json.loads(text)
+
+
+def check_path(flag: str, path) -> None:
+    """Refuse a path the system cannot name (ENAMETOOLONG was a traceback): a part longer than
+    the filesystem's NAME_MAX (255 bytes on Linux), or the whole longer than PATH_MAX."""
+    raw = os.fsencode(path)
+    longest = max(raw.split(b"/"), key=len, default=b"")
+    try:
+        name_max = os.pathconf(".", "PC_NAME_MAX")
+    except (OSError, ValueError):
+        name_max = 255
+    if len(longest) > name_max:
+        raise ConfigError(
+            f"{flag}: a name in it is {len(longest)} bytes ({os.fsdecode(longest[:24])}...), "
+            f"longer than this filesystem allows ({name_max}); use a shorter name"
+        )
+    if len(raw) >= 4096:
+        raise ConfigError(
+            f"{flag}: the path is {len(raw)} bytes, longer than the system allows "
+            f"(4095); use a shorter one"
+        )
 
 
 def _one_dtype(model: dict[str, Any], train: dict[str, Any]) -> None:

@@ -29,7 +29,7 @@ SPLIT = ParamSplit(
 
 def _run(**model) -> RunConfig:
     m = ModelConfig(d_model=8, n_heads=2, head_dim=4, d_ffn=16, n_layers=2, max_iter=2,
-                    moe_topk=2, kda_impl="fla", max_seq_len=64)  # fmt: skip
+                    moe_topk=2, kda_impl="fla", moe_impl="grouped", max_seq_len=64)  # fmt: skip
     return RunConfig("hand", replace(m, **model), TrainConfig(batch=2, seq_len=16))
 
 
@@ -65,6 +65,15 @@ def test_components_on_a_hand_countable_split(hand_split):
     saved, work = int(155 * tokens_d * 4), int(155 * tokens_d * w)
     assert e.midpoint == resident + int((e.casts + saved) * 0.5) + work + 4 * 900
     assert e.total == max(e.backward, e.midpoint, e.step)
+
+
+def test_the_dense_moe_saves_every_experts_hidden_units(hand_split):
+    """moe_impl=dense (and auto on a CUDA card for a narrow MoE) keeps n_experts' hidden units
+    a token instead of moe_topk's, and no gathered copies of x: 60 + 24 + (7*8 + 4*8*16)/8 + 25."""
+    assert estimate(_run(moe_impl="dense")).k_act == pytest.approx(60 + 24 + 71 + 25)
+    auto = _run(moe_impl="auto")
+    assert fit.moe_dense(replace(auto, train=replace(auto.train, device="cuda")))
+    assert not fit.moe_dense(replace(auto, train=replace(auto.train, device="cpu")))
 
 
 def test_each_mechanism_removes_what_it_claims(hand_split):

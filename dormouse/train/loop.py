@@ -230,7 +230,7 @@ class _Run:
     # -- before the first step ---------------------------------------------------------------
 
     def resume(self) -> None:
-        s, cfg, path = self.s, self.cfg, self.path
+        s, cfg, path = self.s, self.cfg, self.folder.resume_path(self.run)
         if not path.exists():
             raise TrainingError(f"--resume: no checkpoint at {path}; start without --resume")
         ck = ckpt.read_checkpoint(path)

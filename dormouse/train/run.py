@@ -414,7 +414,7 @@ def dry_run(run: RunConfig, device: torch.device, autocast, plan: str, folder) -
     if t.eval_every and data.has_val:
         data.val_batches(1, t.batch, t.seq_len)
     if plan == "resume":
-        path = folder.checkpoint(run)
+        path = folder.resume_path(run)
         ck = ckpt.read_checkpoint(path, mmap=True)
         diff = ckpt.shape_mismatch(ck["run"].model, run.model)
         if diff:

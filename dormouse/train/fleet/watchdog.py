@@ -217,6 +217,21 @@ class Heartbeat:
             if rec.get("state") in ("done", "failed"):
                 self.left[r] = rec
 
+    def _refresh(self) -> None:
+        """Read the peers' records once more before naming them, waiting at most a second (the
+        store may be gone): the pulse reads them every `interval` (2 s, many steps of a fast
+        loop), so the record it last read of a killed rank said step 5 of its real 13."""
+
+        def read():
+            try:
+                self._read_peers(self._main if self._main is not None else self.connect())
+            except Exception:
+                pass
+
+        t = threading.Thread(target=read, daemon=True)
+        t.start()
+        t.join(1.0)
+
     # -- the watch --------------------------------------------------------------------------
 
     def _watch(self) -> None:
@@ -305,7 +320,10 @@ class Heartbeat:
                 )
             polls += 1
             if polls % 20 == 0:
-                for r in self._dead_peers():
+                dead = self._dead_peers()
+                if dead:
+                    self._refresh()  # the step it said last, not the one the pulse read
+                for r in dead:
                     rec = self.seen[r]
                     raise DistError(
                         f"rank {r} is gone (its process, pid {rec['pid']} on this host, exited "
@@ -351,6 +369,7 @@ class Heartbeat:
 
     def explain(self, e: BaseException) -> str:
         """One line for a collective (or store call) that failed: what each peer was doing."""
+        self._refresh()
         now = time.monotonic()
         peers, culprits = [], []
         for r in sorted(self.changed):

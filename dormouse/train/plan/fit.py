@@ -21,7 +21,7 @@ import torch
 
 from ...config import RunConfig, preset, preset_names, validate
 from ...errors import UserError
-from ...model.arms import Arm, card_of, choose_arm
+from ...model.arms import DENSE_MAX_WIDTH, Arm, card_of, choose_arm
 from ..context import accumulate
 from ..optim.quant import BLOCK
 
@@ -226,6 +226,16 @@ def kda_arm(run: RunConfig) -> Arm:
     return choose_arm("kda", "auto", dev, dtype, {"head_dim": m.head_dim})
 
 
+def moe_dense(run: RunConfig) -> bool:
+    """Whether the run's MoE computes every expert on every token (`moe_impl=dense`, or auto on
+    a CUDA card for a narrow MoE: arms.DENSE_MAX_WIDTH): its activations then scale with
+    n_experts, not moe_topk."""
+    m, dev = run.model, run.train.device
+    if m.moe_impl in ("dense", "grouped", "batched"):
+        return m.moe_impl == "dense"
+    return dev != "cpu" and m.n_experts * m.d_ffn <= DENSE_MAX_WIDTH
+
+
 def half_compute(run: RunConfig) -> bool:
     """Whether the forward computes in half precision (casts exist, saves are half width)."""
     return run.train.dtype != "fp32"
@@ -240,6 +250,8 @@ def act_bytes_per_token_d(run: RunConfig, arm: str, half: bool) -> tuple[float, 
     kernel = ACT_KDA_FLA[i] if arm == "fla" else ACT_KDA_TORCH[i] * m.kda_chunk / 16
     a_d, a_f = ACT_ROUTED[i]
     routed = m.moe_topk * (a_d * m.d_model + a_f * m.d_ffn) / m.d_model
+    if moe_dense(run):  # no gathered copies of x; every expert's hidden units (not measured)
+        routed = (a_d * m.d_model + m.n_experts * a_f * m.d_ffn) / m.d_model
     mixer = (ACT_MIXER_PROJ[i] + kernel) * m.d_attn / m.d_model
     k = mixer + routed + ACT_REST[i]
     return k * ACT_SCALE, routed * ACT_SCALE

@@ -67,6 +67,9 @@ from ...errors import UserError
 from ...model.engram import HostTables
 from ..context import local_shard
 from ..optim.routing import strip_name
+from . import tensorfile
+from .errors import CheckpointError
+from .tensors import tensor_problems
 
 log = logging.getLogger(__name__)
 
@@ -75,10 +78,6 @@ log = logging.getLogger(__name__)
 #: file naming a directory of DCP shards). The model state is the same in all.
 FORMAT = 2
 SHARDED_FORMAT = 3
-
-
-class CheckpointError(UserError, RuntimeError):
-    """A checkpoint or run folder the run cannot use or write; names cause and escape."""
 
 
 #: One process needs no process group for these; under one, the full state is rank 0's.
@@ -134,6 +133,13 @@ def load_model_state(net: torch.nn.Module, state: dict, path: str | Path = "",
             f"checkpoint {path} does not match this model: {len(other)} tensor(s) of another "
             f"shape, {'; '.join(other[:4])}; the file was altered or was not written for this "
             f"model's config"
+        )
+    bad = tensor_problems(state, mine)
+    if bad:
+        raise CheckpointError(
+            f"checkpoint {path} holds {len(bad)} model tensor(s) no model can use: "
+            f"{'; '.join(bad[:3])}; the file was altered or its run diverged: use another "
+            f"checkpoint (best.pt, an earlier export), or train a new run"
         )
     state = dict(state)
     # torch puts a wrapper's prefix (DDP's `module.`) on the keys of parameters and buffers
@@ -322,7 +328,7 @@ class _Recording:
     def write(self, data) -> int:
         try:
             return self.f.write(data)
-        except OSError as e:
+        except (OSError, KeyboardInterrupt) as e:  # a second Ctrl-C lands here as well
             self.error = self.error or e
             raise
 
@@ -346,7 +352,10 @@ def write_atomic(path: Path, write: Callable[[IO[bytes]], None]) -> None:
             rec = _Recording(f)
             try:
                 write(rec)
-            except RuntimeError:
+            except RuntimeError as e:
+                # a Ctrl-C anywhere inside torch.save (its pickler, our write) ends in the zip
+                # writer's 'unexpected pos' as it closes the archive: the interrupt is the cause
+                rec.error = rec.error or _interrupt(e)
                 if rec.error is None:
                     raise
             if rec.error is not None:
@@ -361,6 +370,14 @@ def write_atomic(path: Path, write: Callable[[IO[bytes]], None]) -> None:
         raise
 
 
+def _interrupt(e: BaseException) -> KeyboardInterrupt | None:
+    """The KeyboardInterrupt among the exceptions `e` was raised while handling, if any."""
+    seen = e.__context__
+    while seen is not None and not isinstance(seen, KeyboardInterrupt):
+        seen = seen.__context__
+    return seen
+
+
 def _write_file(path: Path, payload: dict, step: int) -> None:
     """torch.save `payload` to `path` atomically (write_atomic); a failure is one line."""
     _mkdir(path.parent)
@@ -368,6 +385,16 @@ def _write_file(path: Path, payload: dict, step: int) -> None:
         write_atomic(path, lambda f: torch.save(payload, f))
     except OSError as e:
         raise _write_failed(path, step, e) from None
+    except KeyboardInterrupt:  # the second Ctrl-C, during the save the first one asked for
+        kept = (
+            "the previous checkpoint there is untouched: --resume auto continues from it"
+            if path.exists()
+            else "no earlier checkpoint exists"
+        )
+        raise CheckpointError(
+            f"interrupted (a second Ctrl-C) while writing {path} at step {step}: the partial "
+            f"write was removed and {kept}; one Ctrl-C lets the checkpoint finish"
+        ) from None
 
 
 def _fsync_dir(folder: Path) -> None:
@@ -399,8 +426,21 @@ def nonfinite_entries(state: dict) -> list[str]:
 
 # ---- the sharded format ------------------------------------------------------------------
 
-#: A sharded checkpoint's directory: `<stem>.<step>.<token>.shards` beside `<stem>.pt`.
-SHARDS_NAME = re.compile(r"(?P<stem>.+)\.[0-9]+\.(?P<token>[A-Za-z0-9_]+)\.shards\Z")
+#: A sharded checkpoint's directory: `<stem>.<step>.<token>.shards` beside `<stem>.pt` (the
+#: step written with at least 6 digits, the token mkdtemp's).
+SHARDS_NAME = re.compile(r"(?P<stem>.+)\.[0-9]{6,}\.(?P<token>[A-Za-z0-9_]+)\.shards\Z")
+#: What DCP writes in a shards directory: its metadata and each rank's tensor files.
+_DCP_FILE = re.compile(r"\.metadata|__[0-9]+_[0-9]+\.distcp\Z")
+
+
+def dcp_dir(p: Path) -> bool:
+    """Whether `p` is a directory holding DCP's files only (.metadata among them): what makes
+    a `*.shards` directory dormouse's own, beside its name."""
+    try:
+        names = [q.name for q in p.iterdir()] if p.is_dir() and not p.is_symlink() else []
+    except OSError:
+        return False
+    return ".metadata" in names and all(_DCP_FILE.match(n) for n in names)
 
 
 def _dist() -> bool:
@@ -778,8 +818,15 @@ def export_checkpoint(src: str | Path, dest: str | Path) -> Path:
         raise CheckpointError(f"--to {dest}: {above} is a file, not a folder; name a file in a "
                               f"folder, e.g. {above.parent / 'model.pt'}")  # fmt: skip
     ck = read_checkpoint(src)
-    model, optim = (ck["model"], ck["optimizer"]) if "model" in ck else _full_state(ck, src)
+    model, optim = (ck["model"], ck.get("optimizer")) if "model" in ck else _full_state(ck, src)
     try:
+        if dest.suffix == tensorfile.SUFFIX:
+            return _export_model_file(dest, ck, model)
+        if ck["format"] == tensorfile.FORMAT:
+            raise CheckpointError(
+                f"{src} is a safetensors model (weights only): it exports "
+                f"to another .safetensors file, not to {dest.name}"
+            )
         return save_checkpoint(dest, run=ck["run"], model_state=model, optimizer_state=optim,
                                step=ck["step"], data_state=ck.get("data"),
                                data_fingerprint=ck.get("data_fingerprint"),
@@ -795,6 +842,20 @@ def export_checkpoint(src: str | Path, dest: str | Path) -> Path:
             f"export could not write --to {dest}: {write_error(cause)}; nothing is left there "
             f"and {src} is untouched: {escape}"
         ) from None
+
+
+def _export_model_file(dest: Path, ck: dict, model: dict) -> Path:
+    """The weights and the run config as a safetensors file (tensorfile.py), atomically."""
+    bad = nonfinite_entries(model)
+    if bad:
+        raise _diverged(
+            dest, ck["step"], f"{len(bad)} tensor(s) of the model hold NaN/inf (first: {bad[0]})"
+        )
+    try:
+        write_atomic(dest, lambda f: tensorfile.write(f, ck["run"].to_json(), ck["step"], model))
+    except OSError as e:
+        raise _write_failed(dest, ck["step"], e) from None
+    return dest
 
 
 def _load_failure(e: Exception) -> str:
@@ -822,6 +883,10 @@ def read_checkpoint(path: str | Path, mmap: bool = False) -> dict[str, Any]:
     path = Path(path)
     if not path.exists():
         raise CheckpointError(f"no checkpoint at {path}; train first or pass the right path")
+    if not path.is_dir() and not path.is_file():  # a FIFO would block torch.load for ever
+        raise CheckpointError(
+            f"{path} is not a regular file (a FIFO, a device or a socket); pass a checkpoint file"
+        )
     if path.is_dir():
         held = sorted(p.name for p in path.glob("*.pt"))[:4]
         raise CheckpointError(
@@ -829,8 +894,16 @@ def read_checkpoint(path: str | Path, mmap: bool = False) -> dict[str, Any]:
             + (f"; pass one of its checkpoints: {', '.join(str(path / n) for n in held)}"
                if held else "")
         )  # fmt: skip
+    if tensorfile.looks_like(path):
+        return tensorfile.read_model(path)
     try:
-        ck = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+        if _utf8(path):
+            ck = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+        else:
+            # torch hands a str path to C++ as UTF-8, and a name of other bytes (which Python
+            # carries as surrogate escapes) failed there; an open file is read by its bytes
+            with open(path, "rb") as f:
+                ck = torch.load(f, map_location="cpu", weights_only=True)
     except Exception as e:
         raise CheckpointError(
             f"{path} could not be read as a dormouse checkpoint ({_load_failure(e)}); it may "
@@ -885,6 +958,15 @@ def read_checkpoint(path: str | Path, mmap: bool = False) -> dict[str, Any]:
     return ck
 
 
+def _utf8(path: Path) -> bool:
+    """Whether the path's name is UTF-8 (not surrogate-escaped bytes of another encoding)."""
+    try:
+        str(path).encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def _int(x, lo: int = 0) -> bool:
     return isinstance(x, int) and not isinstance(x, bool) and x >= lo
 
@@ -893,10 +975,15 @@ def _num(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
+_RNG_BYTES = torch.get_rng_state().numel()
+
+
 def _rng_ok(r) -> bool:
     t = r.get("torch") if isinstance(r, dict) else None
     cuda = r.get("cuda", []) if isinstance(r, dict) else None
+    # the CPU generator's state is a fixed size (5056 bytes): 3 bytes failed in set_rng_state
     return (torch.is_tensor(t) and t.dtype == torch.uint8 and t.dim() == 1
+            and t.layout == torch.strided and t.numel() == _RNG_BYTES
             and isinstance(cuda, (list, tuple))
             and all(torch.is_tensor(c) and c.dtype == torch.uint8 for c in cuda))  # fmt: skip
 
@@ -1067,11 +1154,12 @@ def load_train_state(net: torch.nn.Module, opt, ck: dict[str, Any], path: str | 
 
 
 #: A writer's temp file or shard staging directory (write_atomic, _staging_dir):
-#: `.NAME.PID.RANDOM.tmp`, or `.NAME.RANDOM.tmp` from an older writer of checkpoints. The run
-#: folder's cleaner (run_dir.clean_stale_temps) removes a dead writer's.
+#: `.NAME.PID.RANDOM.tmp` of one of the names dormouse writes in a run folder. The pid is what
+#: makes it dormouse's (a user's `.figure.png.v2.tmp` or `.notes.json.backup.tmp` is not); the
+#: run folder's cleaner (folder.clean_stale_temps) removes a dead writer's.
 TEMP_NAME = re.compile(
-    r"\.(?P<name>.+\.(?:pt|json|jsonl|png))\.(?:(?P<pid>[0-9]+)\.)?"
-    r"[A-Za-z0-9_]+\.tmp\Z"
+    r"\.(?P<name>config\.json|metrics\.jsonl|loss\.png|compare\.png|[^/]+\.pt)"
+    r"\.(?P<pid>[0-9]+)\.[A-Za-z0-9_]+\.tmp\Z"
 )
 
 

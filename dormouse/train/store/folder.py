@@ -28,13 +28,21 @@ import logging
 import os
 import shutil
 import socket
+import stat
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 
-from ...config import ConfigError, RunConfig, asked_differences, check_file_name
+from ...config import (
+    ConfigError,
+    DeepJSON,
+    RunConfig,
+    asked_differences,
+    check_file_name,
+    loads,
+)
 from ...errors import UserError
 from . import checkpoint as ckpt
 from .metrics import TB_DIR
@@ -81,9 +89,39 @@ def pid_alive(pid: int) -> bool:
         return True
 
 
-def _leftover(name: str) -> bool:
-    """A name only a dormouse writer makes: a temp file or a shards directory."""
-    return bool(ckpt.TEMP_NAME.match(name) or ckpt.SHARDS_NAME.match(name))
+def _leftover(p: Path) -> bool:
+    """What only a dormouse writer makes: a temp file named with a writer's pid, or a shards
+    directory of DCP's files (a user's `photos.2024.summer.shards` is neither)."""
+    return bool(
+        ckpt.TEMP_NAME.match(p.name) or (ckpt.SHARDS_NAME.match(p.name) and ckpt.dcp_dir(p))
+    )
+
+
+class NotOurs(OSError):
+    """A file at one of our names that a write must not go through: not a regular file (a
+    FIFO would block), or one with other hard links (its data is shared with a file
+    elsewhere, which an append or a truncate would change)."""
+
+
+def open_own(path: Path, flags: int, mode: int = 0o666, *, writing: bool = True) -> int:
+    """A descriptor of one of the run's own files: never through a symbolic link (O_NOFOLLOW),
+    never blocking (O_NONBLOCK: a FIFO opened for reading waits for a writer for ever), and
+    checked after opening, so what is written is the file itself: a regular file, with no other
+    hard link when `writing`. NotOurs otherwise."""
+    fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, mode)
+    st = os.fstat(fd)
+    why = ""
+    if not stat.S_ISREG(st.st_mode):
+        why = "is not a regular file (a FIFO, a device or a socket)"
+    elif writing and st.st_nlink > 1:
+        why = (
+            f"has {st.st_nlink} hard links: its data is shared with a file elsewhere (a "
+            f"`cp -al` copy?), which a write here would change"
+        )
+    if why:
+        os.close(fd)
+        raise NotOurs(errno.EPERM, f"{path} {why}")
+    return fd
 
 
 class RunDir:
@@ -94,6 +132,8 @@ class RunDir:
         self.typed = str(out)
         self.path = Path(os.path.realpath(out))
         self._fd: int | None = None
+        #: the checkpoint `plan` chose to resume from when it is not ckpt.pt (best.pt)
+        self.resume_from: Path | None = None
 
     def file(self, name: str) -> Path:
         return self.path / name
@@ -103,6 +143,10 @@ class RunDir:
 
     def best(self, run: RunConfig) -> Path:
         return self.path / best_path(run).name
+
+    def resume_path(self, run: RunConfig) -> Path:
+        """The checkpoint a resume reads: ckpt.pt, or best.pt where `plan` found it alone."""
+        return self.resume_from or self.checkpoint(run)
 
     # -- is it ours? ------------------------------------------------------------------------
 
@@ -142,8 +186,9 @@ class RunDir:
         """A folder that is not empty and holds no dormouse run is the user's: refused."""
         if overwrite or not self.path.is_dir() or self.is_run():
             return
-        names = sorted(p.name for p in self.path.iterdir())
-        if names and not all(map(_leftover, names)):
+        entries = sorted(self.path.iterdir())
+        names = [p.name for p in entries]
+        if names and not all(map(_leftover, entries)):
             shown = ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
             raise RunDirError(
                 f"--out {self.typed} holds {len(names)} entries ({shown}) and no dormouse run "
@@ -228,10 +273,15 @@ class RunDir:
                               f"); pick a writable --out") from None  # fmt: skip
 
     def _open_lock(self, flags: int) -> int | None:
-        """The lock file's descriptor (never through a link); None when it is missing and
-        not to be created."""
+        """The lock file's descriptor (never through a link, a FIFO or a hard link: its note
+        truncates it); None when it is missing and not to be created."""
         try:
-            return os.open(self.file(LOCK), flags | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
+            return open_own(self.file(LOCK), flags)
+        except NotOurs as e:
+            raise RunDirError(
+                f"{e.strerror}; dormouse makes its own lock file: remove "
+                f"{self.file(LOCK)}, or pick another --out"
+            ) from None
         except FileNotFoundError:
             if flags & os.O_CREAT:  # the folder itself went (removed under us)
                 raise RunDirError(f"the run folder {self.typed} vanished as it was being "
@@ -305,6 +355,12 @@ class RunDir:
                 )
             overwrite, mode = False, ("auto" if mode != "must" else "must")
         has_ckpt = path.is_file()
+        best = self.best(run)
+        if not has_ckpt and not overwrite and best.is_file():
+            # killed after its first best.pt and before its first ckpt.pt (the cpu preset: any
+            # kill between steps 200 and 500): best.pt is the run's only model, and a checkpoint
+            # like ckpt.pt (optimizer, data position, RNG); a fresh start would remove it
+            path, has_ckpt, self.resume_from = best, True, best
         rows = self.metrics_rows()
         if overwrite:
             if has_ckpt or rows:
@@ -346,6 +402,11 @@ class RunDir:
                 f"{path} is at step {step}, beyond this run's steps={t.steps}; raise --steps to "
                 f"continue it, or --overwrite to start afresh"
             )
+        if self.resume_from is not None and mode != "never":
+            log.info(
+                f"{out}: no {self.checkpoint(run).name} (the run stopped before its first "
+                f"one); {path.name} at step {step} is its only model: resuming from it"
+            )
         if step == t.steps:
             log.info(
                 f"{out}: the run is already complete at step {step} ({path}); nothing to "
@@ -386,7 +447,15 @@ class RunDir:
         rows, torn = read_rows(f)
         keep = [r for _, r in rows if r["step"] <= step]
         dropped = len(rows) - len(keep) + torn
-        if dropped:
+        # a file with other hard links (a `cp -al` copy of a run) shares its data with the
+        # original run's: the appends to come go to a copy of our own, put in place by rename
+        shared = f.stat().st_nlink > 1
+        if shared:
+            log.info(
+                f"{f} has {f.stat().st_nlink} hard links (a `cp -al` copy?): this run "
+                f"appends to a copy of its own; the other names keep their rows"
+            )
+        if dropped or shared:
             text = "".join(json.dumps(r) + "\n" for r in keep).encode()
             try:
                 ckpt.write_atomic(f, lambda fh: fh.write(text))
@@ -449,7 +518,7 @@ class RunDir:
                 pid = int(m["pid"]) if m["pid"] else None
                 if pid is not None and pid != os.getpid() and pid_alive(pid):
                     continue
-            elif not (s and p.is_dir() and _orphan(self.path / f"{s['stem']}.pt", p.name)):
+            elif not (s and ckpt.dcp_dir(p) and _orphan(self.path / f"{s['stem']}.pt", p.name)):
                 continue
             if p.is_dir() and not p.is_symlink():
                 shutil.rmtree(p, ignore_errors=True)
@@ -494,8 +563,8 @@ def read_rows(path: Path) -> tuple[list[tuple[int, dict]], int]:
     write cut short: not JSON, not counted). Each row is checked: a JSON object with a string
     `kind` and an integer `step` >= 0, and a numeric `loss` in a train or eval row.
     RunDirError names the first damaged line."""
-    try:  # O_NOFOLLOW: a link put in place of the file is not read through either
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:  # a link put in place of the file is not read through either, a FIFO never waited on
+        fd = open_own(path, os.O_RDONLY, writing=False)
         with os.fdopen(fd, "rb") as f:
             raw = f.read().split(b"\n")
     except OSError as e:
@@ -509,9 +578,11 @@ def read_rows(path: Path) -> tuple[list[tuple[int, dict]], int]:
             continue
         why = ""
         try:
-            row = json.loads(line.decode("utf-8"))
+            row = loads(line.decode("utf-8"))
         except UnicodeDecodeError:
             why = "is not UTF-8 text"
+        except DeepJSON as e:  # not a torn line: a cut one is no deeper than a whole one
+            why = f"is {e}"
         except ValueError:
             if n == len(raw):  # the last line, cut short by a crash mid-write
                 torn = 1
@@ -583,8 +654,7 @@ class Metrics:
 
 
 def _append(path: Path, data: bytes) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC,
-                 0o666)  # fmt: skip
+    fd = open_own(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
     try:
         size = os.fstat(fd).st_size
         try:
