@@ -1,8 +1,9 @@
-"""Run configuration: the three dataclasses, the presets, `--set`, validation, JSON.
+"""Run configuration: ModelConfig and RunConfig, the presets, `--set`, validation, JSON.
 
-Owns every knob of a run. One parser (`apply_sets`) turns `key=value` strings into
-typed field values; one validator (`validate`) refuses impossible combinations
-with the cause, the measured fact and the escape. Nothing here imports torch.
+Owns every knob of a run (TrainConfig and its eight parts are train_config.py's). One parser
+(`apply_sets`) turns `key=value` strings into typed field values; one validator (`validate`)
+refuses impossible combinations with the cause, the measured fact and the escape. Nothing here
+imports torch.
 """
 
 from __future__ import annotations
@@ -11,24 +12,36 @@ import dataclasses
 import difflib
 import json
 import logging
-import math
 import os
 import re
 import typing
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Literal
 
-from .errors import UserError
+from .errors import ConfigError
+
+# TrainConfig's parts and checks are config's names too (`from dormouse.config import Optim`)
+from .train_config import (  # noqa: F401
+    PARTS,
+    Checkpoint,
+    Compile,
+    Corpus,
+    Dtype,
+    Fleet,
+    Metrics,
+    Optim,
+    Part,
+    Schedule,
+    TrainConfig,
+    Training,
+    check_device,
+    check_file_name,
+)
 
 log = logging.getLogger(__name__)
 
 KdaImpl = Literal["auto", "torch", "fla"]
 MoeImpl = Literal["auto", "grouped", "batched", "dense", "triton"]
-Dtype = Literal["auto", "fp32", "bf16", "fp16"]  # auto: the device policy's (train/device.py)
-
-
-class ConfigError(UserError, ValueError):
-    """A configuration the system cannot honour; the message names cause and escape."""
 
 
 #: `dropout=auto`, as stored in a config: resolved to a probability before the model is built.
@@ -36,7 +49,7 @@ DROPOUT_AUTO = -1.0
 
 
 @dataclass(frozen=True)
-class ModelConfig:
+class ModelConfig(Part):
     """The network's shape. Field names are unique across ModelConfig and TrainConfig."""
 
     # "dormouse" (Engram + looped KDA/MoE body) or "gpt": the plain causal transformer
@@ -94,113 +107,119 @@ class ModelConfig:
         """The mixer of body block `layer` (0-based): "attn" for every attn_every-th block."""
         return "attn" if self.attn_every and (layer + 1) % self.attn_every == 0 else "kda"
 
-
-@dataclass(frozen=True)
-class TrainConfig:
-    steps: int = 300
-    batch: int = 8  # the most windows one forward takes (per rank: the micro-batch cap)
-    seq_len: int = 256
-    # windows per optimizer step, over the whole fleet; 0 = batch on every rank, no
-    # accumulation. Else each rank runs k micro-batches of <= batch windows (context.accumulate)
-    global_batch: int = 0
-    seed: int = 0
-    device: str = "auto"  # auto | cpu | cuda | cuda:N
-    dtype: Dtype = "auto"
-    # torch.compile the model's training forward (and so its backward); compile_mode is
-    # torch.compile's mode (reduce-overhead replays the compiled regions as CUDA graphs, and the
-    # optimizer step is captured as one too). "auto" (the default of both) is decided per run by
-    # train/run.py resolve_compile, which logs what it read: on CUDA compile, in
-    # reduce-overhead where the step's shapes are static and nothing accumulates or streams
-    # from the host, else default; on the CPU no compile. Evaluation runs uncompiled.
-    compile: Literal["auto", True, False] = "auto"
-    compile_mode: Literal["auto", "default", "reduce-overhead", "max-autotune-no-cudagraphs"] = (
-        "auto"
+    POSITIVE = (
+        "vocab",
+        "d_model",
+        "n_layers",
+        "max_iter",
+        "n_heads",
+        "head_dim",
+        "conv_size",
+        "kda_chunk",
+        "d_ffn",
+        "n_experts",
+        "moe_topk",
+        "engram_rows",
+        "engram_dim",
+        "engram_heads",
+        "max_seq_len",
     )
-    # torch.compile's backend: inductor generates fused kernels; aot_eager runs the same
-    # dynamo graphs and AOTAutograd's forward/backward split with eager kernels (no codegen:
-    # seconds, not minutes, on a CPU) to check what compiling does to a run's arithmetic
-    # routing, wrappers and hooks apart from inductor's own kernels
-    compile_backend: Literal["inductor", "aot_eager"] = "inductor"
-    # where the step's finiteness verdict (a non-finite loss or gradient skips the step) is
-    # decided: "host" reads it before the optimizer, one synchronisation a step; "device"
-    # keeps it on the device: the optimizer step and the LFB update apply it themselves (what
-    # they write is copied aside first and put back on a skip) and the loop reads it a step
-    # late, so the host queues the next step while the device runs this one (one process or
-    # a DDP fleet, whose ranks agree it by an all-reduce on the device; no fp16 loss scale).
-    # "auto": on one process, device where the optimizer step is a CUDA graph
-    # (compile_mode=reduce-overhead on CUDA) and its copy aside takes at most 1/16 of the
-    # card's memory, else host; logged with what it read.
-    verdict: Literal["auto", "host", "device"] = "auto"
-    # schedule
-    lr: float = 3e-3
-    min_lr_frac: float = 0.1
-    warmup: int = 20
-    schedule: Literal["cosine", "wsd", "constant"] = "cosine"
-    wsd_decay_frac: float = 0.2
-    wd: float = 0.1
-    grad_clip: float = 1.0
-    max_skips: int = 10  # consecutive non-finite steps before the run stops
-    # dtype=fp16 (on any rank of a fleet): the dynamic loss scale doubles after this many clean
-    # steps in a row (train/scaler.py; torch.amp.GradScaler's default growth interval)
-    loss_scale_every: int = 2000
-    # optimizer
-    opt: Literal["mix", "adamw"] = "mix"
-    ns_steps: int = 5
-    ns_kind: Literal["quintic", "polar_express"] = "quintic"
-    ns_dtype: Literal["auto", "fp32", "bf16"] = "auto"
-    # Muon's momentum: bf16 halves it; int8 (8-bit codes, an fp32 scale per 256 values) takes
-    # 1.016 B a value
-    muon_state_dtype: Literal["fp32", "bf16", "int8"] = "fp32"
-    # the Engram tables' Adam moments (the bulk of b1's optimizer state): bf16 halves them,
-    # int8 (8-bit codes, an fp32 scale per table row and moment) ~quarters them (train/quant.py)
-    engram_state_dtype: Literal["fp32", "bf16", "int8"] = "fp32"
-    muon_variant: Literal["nesterov", "plain"] = "nesterov"
-    muon_sf: Literal["rms", "jordan"] = "rms"
-    muon_momentum: float = 0.95
-    adam_betas: tuple[float, ...] = (0.9, 0.95)
-    # Adam's epsilon for the AdamW groups and the Engram tables (torch's default)
-    adam_eps: float = 1e-8
-    engram_lr_mult: float = 5.0
-    optim_8bit: bool = False
-    # data and I/O
-    data: tuple[str, ...] = ()
-    data_weights: tuple[float, ...] = ()
-    shuffle: bool = True  # visit each pass's blocks in a seeded order (rank-consistent)
-    val_frac: float = 0.01
-    val_bytes: int = 0
-    log_every: int = 10
-    # also write the metrics rows as TensorBoard scalars into RUN/tb/ (rank 0; needs the [tb]
-    # extra: pip install -e ".[tb]"); metrics.jsonl is written either way (train/metrics.py)
-    tensorboard: bool = False
-    eval_every: int = 100
-    eval_batches: int = 8
-    # stop after this many evaluations in a row without a new best val loss (0 = never)
-    early_stop: int = 0
-    ckpt_every: int = 500
-    out_dir: str = "runs/default"
-    ckpt_name: str = "ckpt"
-    # distributed
-    dist: bool = False
-    dist_capacity: str = ""
-    dist_reduce: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
-    dist_shard: Literal["none", "fsdp"] = "none"
-    bucket_mb: float = 0.0  # 0 = sized from the payload
-    # seconds: a rank whose heartbeat is older than this, or one collective that waits
-    # longer, ends every rank of the fleet (docs/reliability.md, the fleet)
-    dist_timeout: float = 600.0
-    fit_gb: float = 0.0  # 0 = no --fit
-    # re-balancing a fleet while it trains (train/balance.py): with dist_capacity=auto, every
-    # rebalance_every steps the ranks' measured compute times re-split the same global batch;
-    # a new split is taken only when it shortens the predicted step by more than
-    # rebalance_threshold (the hysteresis). 0 = the start-up split stays.
-    rebalance_every: int = 50
-    rebalance_threshold: float = 0.05
-    # forced re-splits "STEP:B0,B1,...;STEP:..." (windows per rank from that 0-based step on):
-    # reproducible runs and the gates; replaces the measured re-balancing
-    rebalance_at: str = ""
-    # EMULATION of a slow card on a CPU fleet: "RANK:FACTOR" makes that rank sleep FACTOR x
-    # its own measured compute every step (bench fleet, docs/fleet.md); "" = off
-    emulate_slow: str = ""
+    NON_NEGATIVE = (
+        "rank",
+        "gate_rank",
+        "segment_len",
+        "attn_every",
+        "shared_rank",
+        "moe_capacity",
+        "moe_lb_coef",
+        "init_std",
+    )
+
+    def out_of_range(self, name: str, v: int) -> str | None:
+        if v < _SHAPE_MAX:
+            return None
+        return (
+            f"{name}={v} is beyond any model dormouse builds (limit {_SHAPE_MAX - 1}); "
+            f"lower --set {name}"
+        )
+
+    def check(self) -> None:
+        self.check_fields()
+        m = self
+        if m.dropout != DROPOUT_AUTO and not 0 <= m.dropout < 1:
+            raise ConfigError(
+                f"dropout={m.dropout} must be in [0, 1) (0.1 drops one value in ten), "
+                f"or auto (chosen from the passes over the data)"
+            )
+        if m.vocab != 256:
+            raise ConfigError(f"vocab={m.vocab}: dormouse is byte-level, vocab must be 256")
+        if m.moe_topk > m.n_experts:
+            raise ConfigError(
+                f"moe_topk={m.moe_topk} exceeds n_experts={m.n_experts}: a token cannot pick more "
+                f"experts than exist; lower --set moe_topk or raise --set n_experts"
+            )
+        if m.n_heads * m.head_dim != m.d_model:
+            raise ConfigError(
+                f"n_heads*head_dim = {m.n_heads}*{m.head_dim} = {m.n_heads * m.head_dim} but "
+                f"d_model={m.d_model}; the mixer's heads must tile the model width: set head_dim="
+                f"{m.d_model // m.n_heads if m.d_model % m.n_heads == 0 else '?'} or change n_heads"
+            )
+        if not m.engram_orders or any(n < 2 for n in m.engram_orders):
+            raise ConfigError(f"engram_orders={m.engram_orders}: each order must be >= 2 bytes")
+        if len(set(m.engram_orders)) != len(m.engram_orders):
+            # an order's tables hash by (order, head) alone: a repeat reads the very same rows
+            raise ConfigError(
+                f"engram_orders={m.engram_orders} repeats an order: its tables would hash every "
+                f"n-gram to the same rows as the first's (memory for nothing); for more tables of "
+                f"one order raise --set engram_heads"
+            )
+        if m.attn_every and m.arch == "dormouse":
+            if m.attn_every > m.n_layers:
+                raise ConfigError(
+                    f"attn_every={m.attn_every} exceeds n_layers={m.n_layers}: no block would mix "
+                    f"by attention; pick 1..{m.n_layers} or attn_every=0 (KDA everywhere)"
+                )
+            if m.segment_len:
+                raise ConfigError(
+                    f"attn_every={m.attn_every} with segment_len={m.segment_len}: attention carries "
+                    f"no state across segments; set segment_len=0 or attn_every=0"
+                )
+            if m.head_dim % 2:
+                raise ConfigError(
+                    f"attn_every={m.attn_every} with head_dim={m.head_dim}: rotary positions turn "
+                    f"channel pairs, so head_dim must be even"
+                )
+        biggest = max(
+            m.n_experts * m.d_model * m.d_ffn,
+            m.engram_rows * m.engram_dim,
+            m.d_model * m.d_attn,
+            m.d_model * m.vocab,
+        )
+        if biggest > _TENSOR_MAX:
+            raise ConfigError(
+                f"one weight of this model would hold {biggest:.3g} elements (n_experts*d_model*"
+                f"d_ffn = {m.n_experts}*{m.d_model}*{m.d_ffn}, engram_rows*engram_dim = "
+                f"{m.engram_rows}*{m.engram_dim}): more than {_TENSOR_MAX:.3g}, beyond any card; "
+                f"lower the sizes"
+            )
+        # a lower bound of the parameters: the experts (the MLP) and the mixers' projections of
+        # every layer, the Engram tables, the embedding (count_params: tiny 133,120 of 170,000)
+        ffn = 3 * m.n_experts if m.arch == "dormouse" else 2  # SwiGLU experts, or the GPT's MLP
+        least = (
+            m.n_layers * (ffn * m.d_model * m.d_ffn + 4 * m.d_model * m.d_attn)
+            + (m.arch == "dormouse")
+            * len(m.engram_orders)
+            * m.engram_heads
+            * m.engram_rows
+            * m.engram_dim
+            + m.vocab * m.d_model
+        )
+        if least > _MODEL_MAX:
+            raise ConfigError(
+                f"this model would have at least {least:.3g} parameters (n_layers={m.n_layers} of "
+                f"d_model={m.d_model}, d_ffn={m.d_ffn}), more than "
+                f"{_MODEL_MAX:.3g}: beyond any machine dormouse trains on; lower the sizes"
+            )
 
 
 @dataclass(frozen=True)
@@ -229,9 +248,10 @@ class RunConfig:
             )
         for part in ("model", "train"):
             if not isinstance(d.get(part, {}), dict):
-                raise ConfigError(f"the run config's {part!r} must be a JSON object, got "
-                                  f"{type(d[part]).__name__}")  # fmt: skip
-        model, train = dict(d.get("model", {})), dict(d.get("train", {}))
+                raise ConfigError(
+                    f"the run config's {part!r} must be a JSON object, got {type(d[part]).__name__}"
+                )
+        model, train = dict(d.get("model", {})), _flat_train(dict(d.get("train", {})))
         _one_dtype(model, train)
         return cls(str(d["source"]), _build(ModelConfig, model), _build(TrainConfig, train))
 
@@ -242,6 +262,25 @@ class RunConfig:
         except (TypeError, ValueError) as e:
             raise ConfigError(f"the run config is not valid JSON ({e})") from None
         return cls.from_dict(d)
+
+
+def _flat_train(train: dict[str, Any]) -> dict[str, Any]:
+    """A config's train object, flat: a part written as an object (`"optim": {"lr": ..}`,
+    what `--set optim.lr=` names) gives its fields; config.json as dormouse writes it is flat."""
+    out = {}
+    for k, v in train.items():
+        if k in PARTS and isinstance(v, dict):
+            known = {f.name for f in fields(PARTS[k])}
+            if set(v) - known:
+                raise ConfigError(
+                    f"the run config's train.{k} has no field(s) "
+                    f"{sorted(set(v) - known)}; this file was written by another "
+                    f"version of dormouse"
+                )
+            out.update(v)
+        else:
+            out[k] = v
+    return out
 
 
 #: How deep a JSON file dormouse reads may nest: ours nest 3 deep (a config's model, a tuple
@@ -499,7 +538,8 @@ def _tname(tp) -> str:
 
 
 def apply_sets(run: RunConfig, sets: list[str] | tuple[str, ...]) -> RunConfig:
-    """Apply `key=value` overrides (key may be `model.k`, `train.k` or plain `k`)."""
+    """Apply `key=value` overrides. The key is a field's name (`lr`), or that name under its
+    owner: `model.k`, `train.k`, a training part's `PART.k` or `train.PART.k` (`optim.lr`)."""
     owner = _field_owner()
     hints = {
         "model": typing.get_type_hints(ModelConfig),
@@ -511,11 +551,7 @@ def apply_sets(run: RunConfig, sets: list[str] | tuple[str, ...]) -> RunConfig:
             raise ConfigError(f"--set expects key=value, got {item!r}")
         key, _, text = item.partition("=")
         key = key.strip()
-        part, _, bare = key.rpartition(".")
-        if part and part not in ("model", "train"):
-            raise ConfigError(f"--set {key}: prefix must be 'model.' or 'train.'")
-        if bare not in owner or (part and owner[bare] != part):
-            raise ConfigError(f"--set: unknown key {key!r}" + _suggest(bare, sorted(owner)))
+        bare = _owned_key(key, owner)
         where = owner[bare]
         new[where][bare] = parse_value(hints[where][bare], text, key)
     return RunConfig(
@@ -523,6 +559,27 @@ def apply_sets(run: RunConfig, sets: list[str] | tuple[str, ...]) -> RunConfig:
         model=replace(run.model, **new["model"]),
         train=replace(run.train, **new["train"]),
     )
+
+
+def _owned_key(key: str, owner: dict[str, str]) -> str:
+    """The field a `--set` key names, refusing a prefix that does not own it."""
+    prefix, _, bare = key.rpartition(".")
+    if prefix.startswith("train."):
+        prefix = prefix[len("train.") :]
+    if prefix and prefix not in ("model", "train") and prefix not in PARTS:
+        raise ConfigError(
+            f"--set {key}: prefix must be 'model.', 'train.' or a part of the "
+            f"training config ({', '.join(p + '.' for p in PARTS)})"
+        )
+    if bare not in owner:
+        raise ConfigError(f"--set: unknown key {key!r}" + _suggest(bare, sorted(owner)))
+    part = _PART_OF.get(bare)
+    if prefix in PARTS and part != prefix:
+        where = f"{part}.{bare}" if part else f"model.{bare}"
+        raise ConfigError(f"--set {key}: {bare} is not in {prefix}; it is {where}")
+    if prefix in ("model", "train") and owner[bare] != prefix:
+        raise ConfigError(f"--set: unknown key {key!r}" + _suggest(bare, sorted(owner)))
+    return bare
 
 
 def asked_differences(saved: RunConfig, asked: RunConfig) -> list[str]:
@@ -542,73 +599,18 @@ def asked_differences(saved: RunConfig, asked: RunConfig) -> list[str]:
 # ---- validation ----------------------------------------------------------------
 
 #: Every field with a fixed set of values: its Literal annotation, stated once.
-_CHOICES = {
+CHOICES = {
     name: typing.get_args(tp)
     for cls in (ModelConfig, TrainConfig)
     for name, tp in typing.get_type_hints(cls).items()
     if typing.get_origin(tp) is Literal
 }
+#: A training field's part: `lr` -> "optim".
+_PART_OF = {f.name: name for name, cls in PARTS.items() for f in fields(cls)}
 
-_POSITIVE = [
-    "vocab",
-    "d_model",
-    "n_layers",
-    "max_iter",
-    "n_heads",
-    "head_dim",
-    "conv_size",
-    "kda_chunk",
-    "d_ffn",
-    "n_experts",
-    "moe_topk",
-    "engram_rows",
-    "engram_dim",
-    "engram_heads",
-    "max_seq_len",
-    "batch",
-    "seq_len",
-    "ns_steps",
-    "eval_batches",
-    "max_skips",
-    "loss_scale_every",
-]
-_NON_NEGATIVE = [
-    "rank",
-    "gate_rank",
-    "segment_len",
-    "attn_every",
-    "shared_rank",
-    "moe_capacity",
-    "moe_lb_coef",
-    "steps",
-    "warmup",
-    "wd",
-    "grad_clip",
-    "log_every",
-    "eval_every",
-    "ckpt_every",
-    "val_bytes",
-    "bucket_mb",
-    "fit_gb",
-    "lr",
-    "min_lr_frac",
-    "global_batch",
-    "rebalance_every",
-    "rebalance_threshold",
-    "engram_lr_mult",
-    "init_std",
-    "early_stop",
-]
-
-
-#: Devices a run may name: what `torch.device` accepts and dormouse runs on.
-_DEVICE = re.compile(r"(auto|cpu|cuda(:[0-9]+)?)\Z")
 #: Every model integer stays below this (16.7M): far beyond any preset (b1's largest is
 #: engram_rows=393216), and small enough that no tensor's element count overflows int64.
 _SHAPE_MAX = 2**24
-#: The longest dist_timeout (7 days, in seconds): longer is no timeout at all, and past
-#: ~1e14 s Python's timedelta overflows.
-_DIST_TIMEOUT_MAX = 7 * 24 * 3600
 #: The largest weight a run may ask for, in elements (4 TiB in fp32): no card holds it.
 _TENSOR_MAX = 2**40
 #: The most parameters a model may have, in elements (68.7B, 256 GiB in fp32: 69x b1, beyond
@@ -617,89 +619,12 @@ _TENSOR_MAX = 2**40
 _MODEL_MAX = 2**36
 
 
-def check_device(name: str, flag: str = "--device") -> str:
-    """Refuse a device string torch would choke on (`foo`, `cuda:abc`) before torch sees it."""
-    if not isinstance(name, str) or not _DEVICE.match(name):
-        raise ConfigError(
-            f"{flag} {name!r} is not a device dormouse runs on; use auto, cpu, cuda or cuda:N "
-            f"(N = a card index, 0 for the first)"
-        )
-    return name
-
-
-def check_file_name(name: str, key: str = "ckpt_name") -> str:
-    """A plain file name: no folder part, so a run writes only inside its --out."""
-    if (not name or name in (".", "..") or "/" in name or "\\" in name or "\0" in name
-            or len(name.encode("utf-8", "surrogateescape")) > 200):  # fmt: skip
-        raise ConfigError(
-            f"{key}={name!r} is not a plain file name (no '/', not '.' or '..', not empty, at "
-            f"most 200 bytes): the checkpoint must stay inside --out. Pick the folder with "
-            f"--out DIR and a bare name like --set {key}=ckpt"
-        )
-    return name
-
-
-def _check_path(text: str, what: str) -> None:
-    if not text or "\0" in text:
-        raise ConfigError(
-            f"{what}={text!r} is not a usable path (empty, or holds a NUL byte; "
-            f"an unset shell variable gives an empty one); name the file or folder"
-        )
-
-
 def validate(run: RunConfig) -> RunConfig:
-    """Refuse impossible combinations; return the run unchanged when it is sound."""
+    """Refuse impossible combinations; return the run unchanged when it is sound: the model's
+    rules, each training part's, then those that read the model and the training both."""
     m, t = run.model, run.train
-    vals = {**dataclasses.asdict(m), **dataclasses.asdict(t)}
-    for k, v in vals.items():
-        # nan passes every `< 0` test and inf every `> 0` one: refuse them by name first
-        for x in v if isinstance(v, (tuple, list)) else (v,):
-            if isinstance(x, float) and not math.isfinite(x):
-                raise ConfigError(f"{k}={v} is not a finite number; give a finite value with "
-                                  f"--set {k}=X")  # fmt: skip
-    for f in fields(ModelConfig):
-        v = vals[f.name]
-        if isinstance(v, int) and not isinstance(v, bool) and v >= _SHAPE_MAX:
-            raise ConfigError(f"{f.name}={v} is beyond any model dormouse builds (limit "
-                              f"{_SHAPE_MAX - 1}); lower --set {f.name}")  # fmt: skip
-    for f in fields(TrainConfig):
-        v = vals[f.name]
-        if isinstance(v, int) and not isinstance(v, bool) and abs(v) >= 2**62:
-            raise ConfigError(f"{f.name}={v} is out of range (|value| < 2**62)")
-    for k, options in _CHOICES.items():
-        if vals[k] not in options:
-            raise ConfigError(f"{k}={vals[k]!r} is not one of {options}")
-    for k in _POSITIVE:
-        if vals[k] <= 0:
-            raise ConfigError(f"{k}={vals[k]} must be positive; set it with --set {k}=N (N >= 1)")
-    for k in _NON_NEGATIVE:
-        if vals[k] < 0:
-            raise ConfigError(f"{k}={vals[k]} must not be negative")
-    if m.dropout != DROPOUT_AUTO and not 0 <= m.dropout < 1:
-        raise ConfigError(f"dropout={m.dropout} must be in [0, 1) (0.1 drops one value in ten), "
-                          f"or auto (chosen from the passes over the data)")  # fmt: skip
-    if m.vocab != 256:
-        raise ConfigError(f"vocab={m.vocab}: dormouse is byte-level, vocab must be 256")
-    if m.moe_topk > m.n_experts:
-        raise ConfigError(
-            f"moe_topk={m.moe_topk} exceeds n_experts={m.n_experts}: a token cannot pick more "
-            f"experts than exist; lower --set moe_topk or raise --set n_experts"
-        )
-    if m.n_heads * m.head_dim != m.d_model:
-        raise ConfigError(
-            f"n_heads*head_dim = {m.n_heads}*{m.head_dim} = {m.n_heads * m.head_dim} but "
-            f"d_model={m.d_model}; the mixer's heads must tile the model width: set head_dim="
-            f"{m.d_model // m.n_heads if m.d_model % m.n_heads == 0 else '?'} or change n_heads"
-        )
-    if not m.engram_orders or any(n < 2 for n in m.engram_orders):
-        raise ConfigError(f"engram_orders={m.engram_orders}: each order must be >= 2 bytes")
-    if len(set(m.engram_orders)) != len(m.engram_orders):
-        # an order's tables hash by (order, head) alone: a repeat reads the very same rows
-        raise ConfigError(
-            f"engram_orders={m.engram_orders} repeats an order: its tables would hash every "
-            f"n-gram to the same rows as the first's (memory for nothing); for more tables of "
-            f"one order raise --set engram_heads"
-        )
+    m.check()
+    t.check()
     if t.seq_len > m.max_seq_len:
         raise ConfigError(
             f"seq_len={t.seq_len} exceeds the model's max_seq_len={m.max_seq_len}; "
@@ -709,116 +634,5 @@ def validate(run: RunConfig) -> RunConfig:
         raise ConfigError(
             f"segment_len={m.segment_len} does not divide seq_len={t.seq_len}; segments must "
             f"tile the window: pick a divisor of {t.seq_len} or segment_len=0 (whole window)"
-        )
-    if m.attn_every and m.arch == "dormouse":
-        if m.attn_every > m.n_layers:
-            raise ConfigError(
-                f"attn_every={m.attn_every} exceeds n_layers={m.n_layers}: no block would mix "
-                f"by attention; pick 1..{m.n_layers} or attn_every=0 (KDA everywhere)"
-            )
-        if m.segment_len:
-            raise ConfigError(
-                f"attn_every={m.attn_every} with segment_len={m.segment_len}: attention carries "
-                f"no state across segments; set segment_len=0 or attn_every=0"
-            )
-        if m.head_dim % 2:
-            raise ConfigError(
-                f"attn_every={m.attn_every} with head_dim={m.head_dim}: rotary positions turn "
-                f"channel pairs, so head_dim must be even"
-            )
-    if t.min_lr_frac > 1:
-        raise ConfigError(f"min_lr_frac={t.min_lr_frac} must be in [0, 1]")
-    if t.warmup > t.steps and t.steps > 0:
-        raise ConfigError(f"warmup={t.warmup} is longer than the run (steps={t.steps})")
-    if len(t.adam_betas) != 2 or not all(0 <= b < 1 for b in t.adam_betas):
-        raise ConfigError(f"adam_betas={t.adam_betas} must be two numbers in [0, 1)")
-    if not (math.isfinite(t.adam_eps) and t.adam_eps > 0):
-        raise ConfigError(
-            f"adam_eps={t.adam_eps} must be a finite number > 0 (Adam's epsilon; "
-            f"torch's default is 1e-8)"
-        )
-    biggest = max(m.n_experts * m.d_model * m.d_ffn, m.engram_rows * m.engram_dim,
-                  m.d_model * m.d_attn, m.d_model * m.vocab)  # fmt: skip
-    if biggest > _TENSOR_MAX:
-        raise ConfigError(
-            f"one weight of this model would hold {biggest:.3g} elements (n_experts*d_model*"
-            f"d_ffn = {m.n_experts}*{m.d_model}*{m.d_ffn}, engram_rows*engram_dim = "
-            f"{m.engram_rows}*{m.engram_dim}): more than {_TENSOR_MAX:.3g}, beyond any card; "
-            f"lower the sizes"
-        )
-    # a lower bound of the parameters: the experts (the MLP) and the mixers' projections of
-    # every layer, the Engram tables, the embedding (count_params: tiny 133,120 of 170,000)
-    ffn = 3 * m.n_experts if m.arch == "dormouse" else 2  # SwiGLU experts, or the GPT's MLP
-    least = (m.n_layers * (ffn * m.d_model * m.d_ffn + 4 * m.d_model * m.d_attn)
-             + (m.arch == "dormouse") * len(m.engram_orders) * m.engram_heads
-             * m.engram_rows * m.engram_dim + m.vocab * m.d_model)  # fmt: skip
-    if least > _MODEL_MAX:
-        raise ConfigError(
-            f"this model would have at least {least:.3g} parameters (n_layers={m.n_layers} of "
-            f"d_model={m.d_model}, d_ffn={m.d_ffn}), more than "
-            f"{_MODEL_MAX:.3g}: beyond any machine dormouse trains on; lower the sizes"
-        )
-    if not 0 <= t.muon_momentum < 1:
-        raise ConfigError(
-            f"muon_momentum={t.muon_momentum} must be in [0, 1) (0.95 is usual); "
-            f"at 1 or above the momentum never forgets and grows without bound"
-        )
-    if not 0 <= t.wsd_decay_frac <= 1:
-        raise ConfigError(f"wsd_decay_frac={t.wsd_decay_frac} must be in [0, 1]")
-    if not 0 <= t.val_frac < 1:
-        raise ConfigError(f"val_frac={t.val_frac} must be in [0, 1); e.g. --set val_frac=0.01")
-    if not 0 < t.dist_timeout <= _DIST_TIMEOUT_MAX:
-        raise ConfigError(
-            f"dist_timeout={t.dist_timeout} must be in (0, {_DIST_TIMEOUT_MAX:.0f}] seconds: it "
-            f"is how long a fleet waits for a silent rank or one collective before every rank "
-            f"stops; e.g. --set dist_timeout=600"
-        )
-    if t.seed < 0:
-        raise ConfigError(f"seed={t.seed} must not be negative (torch and numpy seeds are "
-                          f"unsigned); pick a seed in [0, 2**62)")  # fmt: skip
-    check_device(t.device, "device")
-    check_file_name(t.ckpt_name)
-    _check_path(t.out_dir, "out_dir")
-    for d in t.data:
-        _check_path(d, "data")
-    if t.compile_backend != "inductor" and t.compile_mode not in ("default", "auto"):
-        raise ConfigError(
-            f"compile_mode={t.compile_mode} is inductor's (CUDA graphs, autotuning); "
-            f"compile_backend={t.compile_backend} has no modes. Use --set compile_mode=default "
-            f"or compile_backend=inductor"
-        )
-    graphs = t.compile is True and t.compile_mode == "reduce-overhead"
-    if graphs and not t.dist and t.global_batch > t.batch:
-        # a CUDA graph's outputs live in its pool until the next replay: a micro-batch's
-        # gradients, accumulated into .grad, would be overwritten by the next micro-batch's
-        raise ConfigError(
-            f"compile_mode=reduce-overhead with accumulation (global_batch={t.global_batch} > "
-            f"batch={t.batch}): every micro-batch's replay reuses the CUDA graphs' gradient "
-            f"buffers. Use --set compile_mode=default, or --set batch={t.global_batch}"
-        )
-    if t.verdict == "device" and t.dist and t.dist_shard == "fsdp":
-        raise ConfigError(
-            "verdict=device needs the optimizer's device-side step, and FSDP2's shards step "
-            "through collectives (DTensors), so the verdict is read on the host there. Use "
-            "--set verdict=auto (host under FSDP2), or DDP (dist_shard=none)"
-        )
-    if t.dist_capacity.strip() and not t.dist:
-        raise ConfigError(
-            f"--capacity / dist_capacity={t.dist_capacity!r} splits a fleet's batch, and this "
-            f"run is one process (no --dist), so it would be ignored; drop --capacity, or "
-            f"launch a fleet: torchrun --nproc_per_node=N -m dormouse train ... --dist "
-            f"--capacity {t.dist_capacity}"
-        )
-    for knob in ("rebalance_at", "emulate_slow"):
-        if getattr(t, knob).strip() and not t.dist:
-            raise ConfigError(
-                f"{knob}={getattr(t, knob)!r} acts on a fleet's split, and this run is one "
-                f"process (no --dist), so it would be ignored; drop it, or launch a fleet with "
-                f"--dist"
-            )
-    if t.data_weights and len(t.data_weights) != len(t.data):
-        raise ConfigError(
-            f"{len(t.data_weights)} data_weights for {len(t.data)} corpora; give one weight "
-            f"per --data file or none"
         )
     return run

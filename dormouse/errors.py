@@ -11,3 +11,7 @@ from __future__ import annotations
 
 class UserError(Exception):
     """A refusal whose message names the cause, the measured fact and the escape."""
+
+
+class ConfigError(UserError, ValueError):
+    """A configuration the system cannot honour; the message names cause and escape."""

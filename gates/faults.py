@@ -17,7 +17,7 @@ def apply_from_env() -> None:
     kind, rank, step = spec.split(":")
     if kind != "kill" or os.environ.get("RANK") != rank:
         return
-    from dormouse.train import step as loop
+    from dormouse.train import loop  # the train_step the loop calls
 
     real, calls = loop.train_step, [0]
 

@@ -2,7 +2,7 @@
 
 Deterministic: no clock. Each rank's compute time per step is injected (its windows x its
 seconds per window x seeded noise) into the same `RateMeter` and `Balancer` every fleet rank
-runs (dormouse/train/balance.py), one decision per period, the split in force feeding back into
+runs (dormouse/train/fleet/balance.py), one decision per period, the split in force feeding back into
 the next period's times, as in a fleet.
 """
 

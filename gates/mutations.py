@@ -28,6 +28,8 @@ from __future__ import annotations
 import contextlib
 import importlib
 import os
+import sys
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -50,15 +52,31 @@ def _resolve(target: str):
     return owner, attr
 
 
+def _rebind(attr: str, old: Any, new: Any, owner: types.ModuleType) -> None:
+    """Bind `attr` to `new` in every dormouse module but `owner` where it is bound to `old`."""
+    for name, m in list(sys.modules.items()):
+        mine = m is not None and m is not owner and name.split(".")[0] == "dormouse"
+        if mine and m.__dict__.get(attr) is old:
+            setattr(m, attr, new)
+
+
 def _patch(target: str, make: Callable[[Any], Any]) -> Callable[[], None]:
     owner, attr = _resolve(target)
     if not hasattr(owner, attr):
         raise AttributeError(f"mutation target {target} does not exist (renamed?)")
     own = owner.__dict__.get(attr, _MISSING) if isinstance(owner, type) else getattr(owner, attr)
     original = getattr(owner, attr) if own is _MISSING else own
-    setattr(owner, attr, make(original))
+    bug = make(original)
+    setattr(owner, attr, bug)
+    # a module-level name is also bound in every dormouse module that took it by name
+    # (`from .step import lr_factor`): the bug replaces those bindings too, so production code
+    # imports as it reads best and the planted bug still reaches it
+    if isinstance(owner, types.ModuleType):
+        _rebind(attr, original, bug, owner)
 
     def undo() -> None:
+        if isinstance(owner, types.ModuleType):  # a module imported meanwhile took the bug too
+            _rebind(attr, bug, original, owner)
         if own is _MISSING:
             delattr(owner, attr)  # it was inherited: uncover the base class's again
         else:

@@ -1,6 +1,6 @@
 """Muon for ONE matrix: the slow, obviously-right twin of the batched Muon (dormouse.train.optim.muon).
 
-Written from the algorithm, not from dormouse/train/muon.py (nothing is imported from it):
+Written from the algorithm, not from dormouse/train/optim/muon.py (nothing is imported from it):
 no stacking, no batching, no in-place tricks, float64 by default. A 3D expert stack is fed
 to it one [rows, cols] matrix at a time by the caller.
 

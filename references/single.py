@@ -26,7 +26,7 @@ import torch
 
 from dormouse.config import RunConfig
 from dormouse.model import DormouseModel
-from dormouse.train import step as loop
+from dormouse.train import loop  # its train_step: the one a dropped batch replaces
 from dormouse.train.run import train_run
 from dormouse.train.step import Callbacks
 

@@ -16,7 +16,7 @@ import torch
 from dormouse.bench import main_bench
 from dormouse.bench.memory import HEADER as MEMORY_HEADER
 from dormouse.bench.step import HEADER, active_params_per_token, peak_tflops
-from dormouse.config import preset
+from dormouse.config import Optim, preset
 from dormouse.model import DormouseModel
 from dormouse.train.plan.fit import GiB, plan_fit
 
@@ -137,7 +137,7 @@ def test_optim_times_the_real_models_parameter_set(capsys):
     # the real model's Muon matrices (a 3-D expert stack counts once per expert), no copy
     from dormouse.train.optim.mix import MixOptimizer
 
-    opt = MixOptimizer(DormouseModel(preset("tiny").model), lr=1e-3)
+    opt = MixOptimizer(DormouseModel(preset("tiny").model), Optim(wd=0.0, ns_dtype="fp32", lr=1e-3))
     mats = sum(p.numel() // (g["matrix"][0] * g["matrix"][1])
                for g in opt.param_groups if g["kind"] == "muon" for p in g["params"])  # fmt: skip
     assert f"in {mats} matrices" in printed
@@ -463,7 +463,7 @@ def test_polar_flops_match_a_hand_count_and_the_counted_step():
     from dormouse.train.optim.mix import MixOptimizer
 
     model, loss = _tiny_after_a_forward()
-    opt = MixOptimizer(model, lr=1e-3)
+    opt = MixOptimizer(model, Optim(wd=0.0, ns_dtype="fp32", lr=1e-3))
     # tiny's Muon matrices (train/routing.py), oriented wide [r <= c], and how many of each
     hand = {(64, 64): 4,  # q, k, v, o projections
             (32, 64): 2,  # the Engram key and value [64, 32]

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dormouse.config import apply_sets, preset
+from dormouse.config import Optim, apply_sets, preset
 from dormouse.model import DormouseModel
 from dormouse.train.optim.mix import MixOptimizer
 from dormouse.train.store import checkpoint as ckpt
@@ -166,7 +166,9 @@ def test_a_format_1_optimizer_state_is_refused_and_its_model_still_loads(tmp_pat
     ckpt.load_model(fresh, ck, path)
     old = {"format": "dormouse.MixOptimizer/2", "opt": "mix", "muon": [], "adamw": None}
     with pytest.raises(ckpt.CheckpointError, match="format 1.*format 2 only.*--overwrite"):
-        ckpt.load_optimizer_state(fresh, MixOptimizer(fresh, lr=1e-3), old, path)
+        ckpt.load_optimizer_state(
+            fresh, MixOptimizer(fresh, Optim(wd=0.0, ns_dtype="fp32", lr=1e-3)), old, path
+        )
 
 
 def test_a_state_with_other_keys_is_refused(tiny_model):
@@ -185,13 +187,14 @@ def test_one_process_round_trip_needs_no_process_group(ram, state, tiny_model):
     import torch.distributed as dist
 
     assert not dist.is_initialized()
-    kw = dict(lr=0.01, opt="mix", muon_state_dtype=state, engram_state_dtype=state)
+    kw = dict(lr=0.01, wd=0.0, ns_dtype="fp32", opt="mix", muon_state_dtype=state,
+              engram_state_dtype=state)  # fmt: skip
     model = tiny_model(engram_ram=ram)
-    opt = MixOptimizer(model, **kw)
+    opt = MixOptimizer(model, Optim(**kw))
     _step(model, opt)
     saved = _snapshot(model, opt)
     fresh = tiny_model(1, engram_ram=ram)
-    opt2 = MixOptimizer(fresh, **kw)
+    opt2 = MixOptimizer(fresh, Optim(**kw))
     ckpt.load_model_state(fresh, saved["model"])
     ckpt.load_optimizer_state(fresh, opt2, saved["optimizer"])
     _assert_same(_snapshot(fresh, opt2), saved)
@@ -205,7 +208,7 @@ def test_ddp_wrapped_model_uses_the_same_functions_and_names(one_rank_group, tin
 
     model = tiny_model(engram_ram=True)
     net = DDP(model)
-    opt = MixOptimizer(net, lr=0.01, opt="mix")
+    opt = MixOptimizer(net, Optim(wd=0.0, ns_dtype="fp32", lr=0.01, opt="mix"))
     _step(net, opt)
     saved = _snapshot(net, opt)
     assert saved["model"].keys() == model.state_dict().keys()  # no `module.` prefix
@@ -215,13 +218,13 @@ def test_ddp_wrapped_model_uses_the_same_functions_and_names(one_rank_group, tin
     )
     fresh = tiny_model(1, engram_ram=True)
     net2 = DDP(fresh)
-    opt2 = MixOptimizer(net2, lr=0.01, opt="mix")
+    opt2 = MixOptimizer(net2, Optim(wd=0.0, ns_dtype="fp32", lr=0.01, opt="mix"))
     ckpt.load_model_state(net2, saved["model"])
     ckpt.load_optimizer_state(net2, opt2, saved["optimizer"])
     _assert_same(_snapshot(net2, opt2), saved)
     # and into one plain process
     plain = tiny_model(2, engram_ram=True)
-    opt3 = MixOptimizer(plain, lr=0.01, opt="mix")
+    opt3 = MixOptimizer(plain, Optim(wd=0.0, ns_dtype="fp32", lr=0.01, opt="mix"))
     ckpt.load_model_state(plain, saved["model"])
     ckpt.load_optimizer_state(plain, opt3, saved["optimizer"])
     _assert_same(_snapshot(plain, opt3), saved)
@@ -270,7 +273,9 @@ def _fsdp_rank(rank: int, tmp: str, tiny_model) -> None:
                 for block in model.blocks:
                     fully_shard(block, mesh=mesh)
                 fully_shard(model, mesh=mesh)
-                return model, MixOptimizer(model, lr=0.01, opt="adamw")
+                return model, MixOptimizer(
+                    model, Optim(wd=0.0, ns_dtype="fp32", lr=0.01, opt="adamw")
+                )
 
             model, opt = build(0)
             _step(model, opt, seed=rank)
@@ -307,7 +312,7 @@ def test_fsdp2_full_state_loads_into_one_process(tmp_path, tiny_model):
         # the fleet reloads its own file: what it gathers again is the file
         _assert_same(torch.load(tmp_path / f"again-{ram}.pt", weights_only=True), full)
         model = tiny_model(2, engram_ram=ram)
-        opt = MixOptimizer(model, lr=0.01, opt="adamw")
+        opt = MixOptimizer(model, Optim(wd=0.0, ns_dtype="fp32", lr=0.01, opt="adamw"))
         ckpt.load_model_state(model, full["model"])
         ckpt.load_optimizer_state(model, opt, full["optimizer"])
         _assert_same(_snapshot(model, opt), full)
@@ -320,7 +325,11 @@ def test_fsdp2_full_state_loads_into_one_process(tmp_path, tiny_model):
 
 def _sharded(tmp_path, model, opt=None, step=1):
     """A sharded checkpoint written by one process (no process group): the same writer."""
-    opt = opt if opt is not None else MixOptimizer(model, lr=0.01, opt="adamw")
+    opt = (
+        opt
+        if opt is not None
+        else MixOptimizer(model, Optim(wd=0.0, ns_dtype="fp32", lr=0.01, opt="adamw"))
+    )
     path = tmp_path / "ckpt.pt"
     ckpt.save_sharded(
         path,
@@ -336,7 +345,7 @@ def _sharded(tmp_path, model, opt=None, step=1):
 
 def test_sharded_round_trip_in_one_process(tmp_path, tiny_model):
     model = tiny_model()
-    opt = MixOptimizer(model, lr=0.01, opt="adamw")
+    opt = MixOptimizer(model, Optim(wd=0.0, ns_dtype="fp32", lr=0.01, opt="adamw"))
     _step(model, opt)
     path, *_ = _sharded(tmp_path, model, opt, step=1)
     _step(model, opt, seed=1)
@@ -348,7 +357,7 @@ def test_sharded_round_trip_in_one_process(tmp_path, tiny_model):
     # the step-1 directory went with the commit of step 2
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["ckpt.pt", ck["shards"]])
     fresh = tiny_model(1)
-    opt2 = MixOptimizer(fresh, lr=0.01, opt="adamw")
+    opt2 = MixOptimizer(fresh, Optim(wd=0.0, ns_dtype="fp32", lr=0.01, opt="adamw"))
     ckpt.load_train_state(fresh, opt2, ck, path, fresh.cfg)
     _assert_same(_snapshot(fresh, opt2), saved)
 
@@ -446,9 +455,9 @@ def test_a_non_tensor_entry_in_the_shards_is_refused(tmp_path, tiny_model):
     with pytest.raises(ckpt.CheckpointError, match="'model.head.weight' is no tensor"):
         ckpt.load_model(tiny_model(), ck, path)  # the whole state, built from the metadata
     fresh = tiny_model()
+    opt = MixOptimizer(fresh, Optim(wd=0.0, ns_dtype="fp32", lr=0.01, opt="adamw"))
     with pytest.raises(ckpt.CheckpointError, match="non-tensor entry 'model.head.weight'"):
-        ckpt.load_train_state(fresh, MixOptimizer(fresh, lr=0.01, opt="adamw"), ck, path,
-                              fresh.cfg)  # fmt: skip
+        ckpt.load_train_state(fresh, opt, ck, path, fresh.cfg)
 
 
 def test_a_sharded_checkpoint_without_its_directory_is_refused(tmp_path, tiny_model):
@@ -510,7 +519,7 @@ def _sharded_fleet_rank(rank: int, world: int, tmp: str, mode: str, tiny_model) 
             for block in model.blocks:
                 fully_shard(block, mesh=mesh)
             fully_shard(model, mesh=mesh)
-            opt = MixOptimizer(model, lr=0.01, opt=kind)
+            opt = MixOptimizer(model, Optim(wd=0.0, ns_dtype="fp32", lr=0.01, opt=kind))
             path = f"{tmp}/run-{kind}/ckpt.pt"
             if mode == "save":
                 for s in (1, 2):
@@ -547,7 +556,7 @@ def test_a_2_rank_sharded_checkpoint_reshards_to_3_ranks_and_to_one_process(tmp_
         assert ck["world"] == 2 and len(list(path.parent.glob("*.shards"))) == 1
         _assert_same(torch.load(tmp_path / f"{kind}-load3.pt", weights_only=True), full)
         model = tiny_model(7, engram_ram=ram)
-        opt = MixOptimizer(model, lr=0.01, opt=kind)
+        opt = MixOptimizer(model, Optim(wd=0.0, ns_dtype="fp32", lr=0.01, opt=kind))
         ckpt.load_train_state(model, opt, ck, path, model.cfg)
         _assert_same(_snapshot(model, opt), full)
         ckpt.export_checkpoint(path, tmp_path / f"{kind}.pt")

@@ -2,6 +2,8 @@
 
 import dataclasses
 import json
+import re
+from pathlib import Path
 
 import pytest
 
@@ -156,10 +158,10 @@ def test_json_fields_of_the_wrong_type_are_refused():
 
 
 def test_choices_come_from_the_literal_annotations():
-    from dormouse.config import _CHOICES
+    from dormouse.config import CHOICES
 
-    assert _CHOICES["kda_impl"] == ("auto", "torch", "fla")
-    assert _CHOICES["dtype"] == ("auto", "fp32", "bf16", "fp16")  # one dtype knob, no "none"
+    assert CHOICES["kda_impl"] == ("auto", "torch", "fla")
+    assert CHOICES["dtype"] == ("auto", "fp32", "bf16", "fp16")  # one dtype knob, no "none"
     assert "bf16" not in {f.name for f in dataclasses.fields(ModelConfig)}
     with pytest.raises(ConfigError, match="dtype='none' is not one of"):
         validate(apply_sets(preset("tiny"), ["dtype=none"]))
@@ -195,3 +197,91 @@ def test_old_configs_with_the_bf16_flag_load(bf16, dtype, want, caplog):
         run = validate(RunConfig.from_json(json.dumps(d)))
     assert run.train.dtype == want and run.model == preset("small").model
     assert any(f"-> dtype={want}" in r.getMessage() for r in caplog.records)  # said, not silent
+
+
+# ---- the parts of TrainConfig ----------------------------------------------------------
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_every_training_field_is_in_one_part():
+    from dormouse.config import PARTS
+
+    named = [f.name for cls in PARTS.values() for f in dataclasses.fields(cls)]
+    assert sorted(named) == sorted(f.name for f in dataclasses.fields(TrainConfig))
+    assert len(set(named)) == len(named)
+    run = apply_sets(preset("tiny"), ["lr=0.25", "eval_every=7"])
+    assert run.train.optim.lr == 0.25 and run.train.metrics.eval_every == 7
+
+
+@pytest.mark.parametrize(
+    "sets",
+    [["optim.lr=0.25"], ["train.optim.lr=0.25"], ["train.lr=0.25"], ["lr=0.25"]],
+)
+def test_set_takes_a_part_name_or_the_flat_key(sets):
+    assert apply_sets(preset("tiny"), sets).train.lr == 0.25
+
+
+@pytest.mark.parametrize(
+    "key, needle",
+    [("lr_schedule.lr", "it is optim.lr"), ("wings.lr", "prefix must be"),
+     ("optim.d_model", "it is model.d_model"), ("model.lr", "unknown key")],
+)  # fmt: skip
+def test_set_refuses_a_part_that_does_not_own_the_key(key, needle):
+    with pytest.raises(ConfigError, match=needle):
+        apply_sets(preset("tiny"), [f"{key}=1"])
+
+
+@pytest.mark.parametrize("name", ["tiny-flat.json", "small-sets-flat.json"])
+def test_a_config_json_written_before_the_parts_still_loads(name):
+    """tests/configs/: config.json files the flat TrainConfig wrote (tiny-flat: `dormouse train
+    tiny`'s own; small-sets-flat: `small` with 18 --set). They load, validate, and write the
+    same JSON back."""
+    text = (ROOT / "tests" / "configs" / name).read_text()
+    run = validate(RunConfig.from_json(text))
+    assert json.loads(run.to_json()) == json.loads(text)
+
+
+def test_a_config_json_may_group_the_training_fields_by_part():
+    d = preset("tiny").to_dict()
+    d["train"]["optim"] = {"lr": 0.25, "opt": "adamw"}
+    del d["train"]["lr"], d["train"]["opt"]
+    run = RunConfig.from_dict(d)
+    assert (run.train.lr, run.train.opt) == (0.25, "adamw")
+    d["train"]["optim"]["wings"] = 1
+    with pytest.raises(ConfigError, match="train.optim has no field"):
+        RunConfig.from_dict(d)
+
+
+def _documented_sets() -> list[tuple[str, str]]:
+    """Every `--set key=value` in the README and docs/*.md."""
+    found = set()
+    for doc in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        for key, value in re.findall(
+            r"--set ([a-z_][a-z_0-9.]*)=([^\s`\"')\];,]*)", doc.read_text()
+        ):
+            found.add((key, value))
+    return sorted(found)
+
+
+def test_the_documented_set_keys_are_found():
+    keys = {k for k, _ in _documented_sets()}
+    assert {"lr", "tensorboard", "global_batch", "verdict", "compile"} <= keys, keys
+
+
+@pytest.mark.parametrize("key, value", _documented_sets())
+def test_every_documented_set_still_works(key, value):
+    """The keys the docs show keep working, flat or by part: each is applied with the value
+    shown (or, where the docs show a placeholder such as N or X, the field's own default)."""
+    if key == "key":
+        return  # the usage line's `--set key=value`
+    run, bare = preset("tiny"), key.rpartition(".")[2]
+    fields = {**run.to_dict()["model"], **run.to_dict()["train"]}
+    try:
+        out = apply_sets(run, [f"{key}={value}"])
+    except ConfigError as e:
+        assert "unknown key" not in str(e) and "prefix" not in str(e), e
+        default = fields[bare]
+        text = ",".join(map(str, default)) if isinstance(default, (tuple, list)) else str(default)
+        out = apply_sets(run, [f"{key}={text}"])
+    assert bare in fields and out.to_dict()["source"] == run.source

@@ -14,7 +14,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from dormouse.config import preset
+from dormouse.config import Optim, preset
 from dormouse.model import DormouseModel, count_params
 from dormouse.model.engram import HostTables, VramTables
 from dormouse.train.optim.mix import MixOptimizer
@@ -109,7 +109,10 @@ def test_host_tables_train_exactly_like_vram_tables(micro, clip):
     # micro=2, 3: several gathers per step (gradient accumulation), rows repeated across them;
     # clip=0.05 is below the gradient norm (2.5 .. 7.5 here), so the clip scales every step.
     vram, host = _pair()
-    ov, oh = MixOptimizer(vram, **KW), MixOptimizer(host, **KW)
+    ov, oh = (
+        MixOptimizer(vram, Optim(**KW)),
+        MixOptimizer(host, Optim(**KW)),
+    )
     assert isinstance(host.engram.store, HostTables) and isinstance(vram.engram.store, VramTables)
     worst_grad = worst_table_grad = 0.0
     moved_rows = 0
@@ -139,7 +142,7 @@ def test_clip_is_torch_clip_over_the_parameters():
     # On a VRAM model MixOptimizer.clip_grad_norm_ is torch's clip over model.parameters()
     # up to the order in which the table's squares are summed.
     a = _model(False)
-    oa = MixOptimizer(a, **KW)
+    oa = MixOptimizer(a, Optim(**KW))
     _cycle(a, oa, 0)  # one step opens the conv: from now on the table has a gradient
     b = copy.deepcopy(a)
     for m in (a, b):
@@ -165,7 +168,7 @@ def _host_snapshot(model, opt) -> dict[str, torch.Tensor]:
 def test_only_touched_rows_and_their_moments_change():
     model = _model(True, rows=512)  # many rows, so most stay untouched each step
     store = model.engram.store
-    opt = MixOptimizer(model, **KW)
+    opt = MixOptimizer(model, Optim(**KW))
     before = _host_snapshot(model, opt)
     _cycle(model, opt, 0)
     # Step 0: rows were gathered, but the zero conv gives them zero gradient: none steps.
@@ -192,7 +195,7 @@ def test_only_touched_rows_and_their_moments_change():
 
 def test_vram_table_steps_only_touched_rows_too():
     model = _model(False, rows=512)
-    opt = MixOptimizer(model, **KW)
+    opt = MixOptimizer(model, Optim(**KW))
     for step in range(2):
         _cycle(model, opt, step)
     before = _table(model).detach().clone().view(-1, model.engram.store.dim)
@@ -225,7 +228,10 @@ def test_first_touch_gets_a_full_adam_step_whatever_the_global_step():
 def test_zero_grad_ends_the_cycle_in_both_stores():
     # The loop's skip path: backward, then zero_grad instead of step. Nothing may move.
     vram, host = _pair()
-    ov, oh = MixOptimizer(vram, **KW), MixOptimizer(host, **KW)
+    ov, oh = (
+        MixOptimizer(vram, Optim(**KW)),
+        MixOptimizer(host, Optim(**KW)),
+    )
     for step in range(2):
         _cycle(vram, ov, step)
         _cycle(host, oh, step)
@@ -276,7 +282,7 @@ def test_host_table_is_not_a_parameter_and_to_never_moves_it():
 def test_model_to_cuda_leaves_the_table_on_the_host():
     model = _model(True).to("cuda")
     assert model.engram.store.table.device.type == "cpu"
-    opt = MixOptimizer(model, **KW)
+    opt = MixOptimizer(model, Optim(**KW))
     for step in range(2):
         x, y = _batch(step)
         model(x.cuda(), y.cuda())[1].backward()
@@ -299,7 +305,7 @@ def test_checkpoint_resume_is_bit_exact_and_crosses_stores(tmp_path, resume_ram,
     # and the Adam state are the same), 3 more: equal to 6 uninterrupted host steps.
     kw = dict(KW, muon_state_dtype=state, engram_state_dtype=state)
     straight = _model(True)
-    opt = MixOptimizer(straight, **kw)
+    opt = MixOptimizer(straight, Optim(**kw))
     for step in range(3):
         _cycle(straight, opt, step)
     path = ckpt.save_checkpoint(tmp_path / "ck.pt", run=_run_cfg(True), model=straight,
@@ -310,7 +316,7 @@ def test_checkpoint_resume_is_bit_exact_and_crosses_stores(tmp_path, resume_ram,
     ck = ckpt.read_checkpoint(path)
     resumed = _model(resume_ram, seed=5)
     ckpt.load_model(resumed, ck, path)
-    opt2 = MixOptimizer(resumed, **kw)
+    opt2 = MixOptimizer(resumed, Optim(**kw))
     ckpt.load_optimizer_state(resumed, opt2, ck["optimizer"], path)
     for step in range(3, 6):
         _cycle(resumed, opt2, step)

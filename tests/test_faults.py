@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dormouse.config import preset
+from dormouse.config import Optim, preset
 from dormouse.train.store import checkpoint as ckpt
 
 # every case runs the CLI in child processes (~5-45 s each): the slow tier of .ci/run
@@ -168,7 +168,8 @@ def _sharded_run(folder: Path) -> Path:
     run = preset("tiny")
     torch.manual_seed(0)
     model = DormouseModel(run.model)
-    ckpt.save_sharded(folder / "ckpt.pt", model, MixOptimizer(model, lr=0.01, opt="adamw"),
+    opt = MixOptimizer(model, Optim(wd=0.0, ns_dtype="fp32", lr=0.01, opt="adamw"))
+    ckpt.save_sharded(folder / "ckpt.pt", model, opt,
                       run=run, step=3, data_state={"kind": "stream", "step": 3},
                       data_fingerprint=None)  # fmt: skip
     (folder / "config.json").write_text(run.to_json())

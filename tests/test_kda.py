@@ -460,9 +460,9 @@ def test_fused_conv_silu_matches_the_torch_conv():
 @pytest.mark.skipif(not _fla_ready(), reason="fla arm needs CUDA sm_80+ and fla-core")
 def test_qk_l2norm_op_matches_the_torch_norm():
     """The fla arm's q/k L2-norm (`dormouse::qk_l2norm`, our Triton kernels) against the
-    torch arm's `_l2norm` on q|k|v's views: outputs, the gradient into q|k|v's layout, v
+    torch arm's `l2norm` on q|k|v's views: outputs, the gradient into q|k|v's layout, v
     passed through bitwise, a zero row, odd widths (head_dim 24: a masked tile), compiled."""
-    from dormouse.model.kda import _l2norm
+    from dormouse.model.kda import l2norm
     from dormouse.model.qk_norm import qk_l2norm
     from references.short_conv import qk_l2norm as reference_norm
 
@@ -477,7 +477,7 @@ def test_qk_l2norm_op_matches_the_torch_norm():
     def torch_norm(x, H):
         B, T, _ = x.shape
         q, k, v = x.view(B, T, 3, H, -1).unbind(2)
-        return _l2norm(q), _l2norm(k), v
+        return l2norm(q), l2norm(k), v
 
     def run(fn, x, dys, H):
         x = x.detach().clone().requires_grad_(True)
@@ -503,7 +503,7 @@ def test_qk_l2norm_op_matches_the_torch_norm():
         # rounding is bf16's, bounded at 2^-7 relative to the largest entry, as the conv's
         xb, dyb = case(B, T, H, D, torch.bfloat16)
         (q, k, v), dx = run(qk_l2norm, xb, dyb, H)
-        # the truth in fp64 (`_l2norm` computes in fp32 whatever x is)
+        # the truth in fp64 (`l2norm` computes in fp32 whatever x is)
         (q64, k64, _), dx64 = run(reference_norm, xb.double(), [d.double() for d in dyb], H)
         (q0, k0, _), dx0 = run(torch_norm, xb, dyb, H)
         assert q.dtype == dx.dtype == torch.bfloat16

@@ -2,16 +2,19 @@
 
 The direction is cli -> train -> model -> config: the command line (cli.py, __main__.py and
 the bench commands) on top, the trainer under dormouse/train/, the network under
-dormouse/model/, and config.py, errors.py and cache.py (where the caches live) at the bottom. Every import counts, a function's
-lazy one too; no cycle (in dormouse/, gates/ and references/ together); the trainer reads only
+dormouse/model/, and config.py, train_config.py, errors.py and cache.py (where the caches live)
+at the bottom. Every import counts, a function's lazy one too; no cycle (in dormouse/, gates/ and references/ together); the trainer reads only
 the model's public names.
 """
 
 from __future__ import annotations
 
 import ast
+import io
+import re
 import subprocess
 import sys
+import tokenize
 from pathlib import Path
 
 import pytest
@@ -71,7 +74,8 @@ def _graph(roots: tuple[str, ...] = ("dormouse",)) -> dict[str, set[str]]:
 
 
 def _layer(module: str) -> int:
-    if module in ("dormouse.config", "dormouse.errors", "dormouse.cache", "dormouse"):
+    bottom = ("dormouse.config", "dormouse.train_config", "dormouse.errors", "dormouse.cache")
+    if module in (*bottom, "dormouse"):
         return 0
     if module.startswith("dormouse.model"):
         return 1
@@ -145,3 +149,94 @@ def test_a_single_process_run_never_imports_the_fleet_modules(tmp_path, source_c
     p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                        timeout=300)  # fmt: skip
     assert p.returncode == 0, p.stderr[-2000:]
+
+
+#: A `*.py` path in prose: `model/gpt.py`, `train/run.py resolve_dropout`, `scaler.py`.
+_PY_PATH = re.compile(r"(?<![\w./-])((?:[\w.-]+/)*[\w-]+\.py)\b")
+#: Named-path comments in files another engineer owns this round; each goes when its owner
+#: fixes it (store/ is the faults work this round).
+_PENDING = {("dormouse/train/store/checkpoint.py", "run_dir.py")}
+
+
+def _prose(path: Path):
+    """(line, text) of every comment and every module, class and function docstring."""
+    src = path.read_text()
+    for tok in tokenize.generate_tokens(io.StringIO(src).readline):
+        if tok.type == tokenize.COMMENT:
+            yield tok.start[0], tok.string
+    for node in ast.walk(ast.parse(src)):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            doc = ast.get_docstring(node, clean=False)
+            if doc is not None:
+                yield node.body[0].lineno, doc
+
+
+def test_comments_name_only_files_that_exist():
+    """A path named in a comment or docstring resolves from the repository root, from
+    dormouse/ (`train/run.py`), or from the file's own folder (`scaler.py` beside it)."""
+    missing = []
+    for top in PACKAGES:
+        for p in sorted((ROOT / top).rglob("*.py")):
+            rel = p.relative_to(ROOT).as_posix()
+            for line, text in _prose(p):
+                for name in _PY_PATH.findall(text):
+                    bases = (ROOT, PKG, p.parent)
+                    if (rel, name) not in _PENDING and not any((b / name).exists() for b in bases):
+                        missing.append(f"{rel}:{line}: {name}")
+    assert not missing, missing
+
+
+def test_no_private_name_crosses_a_module():
+    """A leading underscore means this module's own: no module of dormouse/ imports another's
+    private name (the mutation list reaches any name by gates/mutations.py, not by imports)."""
+    private = [f"{p.relative_to(ROOT)}: {target}.{n}" for p in PKG.rglob("*.py")
+               for target, names in _imports(p) for n in names
+               if n.startswith("_") and not n.startswith("__")]  # fmt: skip
+    assert not private, private
+
+
+def _parameters(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
+    a = fn.args
+    n = len(a.posonlyargs) + len(a.args) + len(a.kwonlyargs) + bool(a.vararg) + bool(a.kwarg)
+    first = (a.posonlyargs + a.args)[:1]
+    return n - bool(first and first[0].arg in ("self", "cls"))
+
+
+#: Functions still over 8 parameters, each until its owner moves it to a config part or
+#: `loop.Hooks`: train_run keeps the keywords cli.py calls it with (cli.py is the faults
+#: work this round), store/'s writers likewise, row_adam_ is the Engram rows' functional Adam.
+_WIDE = {
+    "dormouse/train/run.py:train_run",
+    "dormouse/train/store/checkpoint.py:save_checkpoint",
+    "dormouse/train/store/checkpoint.py:save_state",
+    "dormouse/train/optim/rowadam.py:row_adam_",
+}
+#: Modules still over 600 lines, until each is split by role.
+_LONG = {
+    "dormouse/config.py",
+    "dormouse/train/optim/mix.py",
+    "dormouse/train/plan/fit.py",
+    "dormouse/train/data.py",
+    "dormouse/train/store/checkpoint.py",
+    "dormouse/train/store/folder.py",
+    "dormouse/train/fleet/launch.py",
+}
+
+
+def test_no_function_takes_more_than_8_parameters():
+    """The trainer, the benchmarks and the command line pass a config part or one resolved
+    object, not a value threaded through 12-argument signatures (model/'s kernel ops, which
+    mirror fla's signatures, aside). _WIDE lists what is left."""
+    files = [*(PKG / "train").rglob("*.py"), *(PKG / "bench").rglob("*.py"), PKG / "cli.py",
+             PKG / "config.py"]  # fmt: skip
+    wide = {f"{p.relative_to(ROOT).as_posix()}:{fn.name}" for p in files
+            for fn in ast.walk(ast.parse(p.read_text()))
+            if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)) and _parameters(fn) > 8}  # fmt: skip
+    assert wide <= _WIDE, sorted(wide - _WIDE)
+
+
+def test_no_module_over_600_lines():
+    """_LONG lists what is left."""
+    long = {p.relative_to(ROOT).as_posix() for p in PKG.rglob("*.py")
+            if len(p.read_text().splitlines()) > 600}  # fmt: skip
+    assert long <= _LONG, sorted(long - _LONG)

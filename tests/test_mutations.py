@@ -62,3 +62,26 @@ def test_mutations_run_in_worker_processes():
     bad = subprocess.run([sys.executable, "-m", "gates", "--jobs", "0"], cwd=ROOT,
                          capture_output=True, text=True, timeout=120, check=False)  # fmt: skip
     assert bad.returncode == 2 and "--jobs 0" in bad.stderr
+
+
+def test_a_planted_bug_reaches_a_module_that_took_the_name_and_leaves_with_the_undo():
+    """loop.py takes lr_factor by name (`from .step import lr_factor`); the list's mechanism,
+    not the import's shape, carries the bug there, and its undo takes it back everywhere, also
+    from a module imported while the bug was in place."""
+    import sys
+    import types
+
+    from dormouse.train import loop, step
+    from gates.mutations import apply
+
+    good = step.lr_factor
+    late = types.ModuleType("dormouse._late_importer")
+    undo = apply("cosine_from_step_zero")
+    try:
+        assert loop.lr_factor is step.lr_factor is not good
+        sys.modules[late.__name__] = late
+        late.lr_factor = step.lr_factor  # what `from .step import lr_factor` binds now
+    finally:
+        undo()
+        sys.modules.pop(late.__name__, None)
+    assert step.lr_factor is good and loop.lr_factor is good and late.lr_factor is good

@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch import nn
 
-from dormouse.config import ConfigError, TrainConfig
+from dormouse.config import ConfigError, Optim, TrainConfig
 from dormouse.model.engram import HostTables
 from dormouse.train.optim.mix import MixOptimizer
 from dormouse.train.optim.quant import BLOCK, dequantize_signed
@@ -96,13 +96,23 @@ def _set_grads(model: nn.Module, grads: dict) -> None:
 
 # Steps at which one parameter (and, on step 3, a whole expert stack) has no gradient.
 _DROPS = {1: ("blocks.0.q_proj.weight",), 3: ("blocks.1.w1", "blocks.0.delta.B")}
-_KW = dict(lr=0.02, wd=0.1, ns_steps=5, momentum=0.95)  # lr large so a wrong update shows
+_KW = dict(lr=0.02, wd=0.1, ns_steps=5, muon_momentum=0.95)  # lr large so a wrong update shows
 
 
 def _run_batched_vs_single(model: nn.Module, ns_kind: str, variant: str, sf: str) -> None:
     ref = copy.deepcopy(model)
-    opt = MixOptimizer(model, ns_kind=ns_kind, ns_dtype="fp32", muon_variant=variant,
-                       muon_sf=sf, **_KW)  # fmt: skip
+    opt = MixOptimizer(
+        model,
+        Optim(
+            **{
+                **_KW,
+                "ns_kind": ns_kind,
+                "ns_dtype": "fp32",
+                "muon_variant": variant,
+                "muon_sf": sf,
+            }
+        ),
+    )
     muon = {r.name for r in opt.routes if r.owner == "muon"}
     assert muon, "the model has no Muon parameters: the test would prove nothing"
     p0 = {strip_name(n): p.detach().clone() for n, p in model.named_parameters()}
@@ -120,7 +130,7 @@ def _run_batched_vs_single(model: nn.Module, ns_kind: str, variant: str, sf: str
             # a 3D stack is stepped one expert matrix at a time
             pm, mm, gm = (t.reshape(-1, *p.shape[-2:]) for t in (p, m, g.double()))
             outs = [muon_single_step(pm[i], gm[i], mm[i], _KW["lr"], _KW["wd"],
-                                     _KW["momentum"], variant == "nesterov", _KW["ns_steps"],
+                                     _KW["muon_momentum"], variant == "nesterov", _KW["ns_steps"],
                                      ns_kind, sf) for i in range(pm.shape[0])]  # fmt: skip
             state[name] = (torch.stack([o[0] for o in outs]).reshape(p.shape),
                            torch.stack([o[1] for o in outs]).reshape(p.shape))  # fmt: skip
@@ -162,7 +172,7 @@ def test_batched_muon_matches_reference_on_tiny_model():
 def test_parameter_without_grad_does_not_move_and_keeps_its_momentum():
     torch.manual_seed(0)
     model = StandIn()
-    opt = MixOptimizer(model, ns_dtype="fp32", **_KW)
+    opt = MixOptimizer(model, Optim(**{**_KW, "ns_dtype": "fp32"}))
     _set_grads(model, _grads(model, 0))
     opt.step()
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -182,7 +192,7 @@ def test_adamw_side_is_torch_adamw_with_the_documented_groups():
     torch.manual_seed(0)
     model = StandIn()
     twin = copy.deepcopy(model)
-    opt = MixOptimizer(model, lr=0.01, wd=0.1, engram_lr_mult=5.0)
+    opt = MixOptimizer(model, Optim(ns_dtype="fp32", lr=0.01, wd=0.1, engram_lr_mult=5.0))
     routes = {r.name: r for r in opt.routes}
     p = dict(twin.named_parameters())
     groups = [
@@ -208,7 +218,7 @@ def test_adamw_side_is_torch_adamw_with_the_documented_groups():
 
 
 def test_lr_factor_scales_every_group_from_its_base_lr():
-    opt = MixOptimizer(StandIn(), lr=0.01, engram_lr_mult=5.0)
+    opt = MixOptimizer(StandIn(), Optim(wd=0.0, ns_dtype="fp32", lr=0.01, engram_lr_mult=5.0))
     opt.set_lr_factor(0.5)
     for g in opt.param_groups:
         want = 0.005 * (5.0 if g["kind"] == "engram" else 1.0)
@@ -228,8 +238,18 @@ def test_tracks_torch_muon_in_bf16(sf, adjust):
     mine.q_proj = nn.Linear(128, 64, bias=False)  # [64, 128]: wide; rms and jordan differ
     theirs = copy.deepcopy(mine)
     p0 = mine.q_proj.weight.detach().clone()
-    opt = MixOptimizer(mine, lr=0.02, wd=0.1, ns_dtype="bf16", ns_kind="quintic",
-                       muon_variant="nesterov", muon_sf=sf, momentum=0.95)  # fmt: skip
+    opt = MixOptimizer(
+        mine,
+        Optim(
+            lr=0.02,
+            wd=0.1,
+            ns_dtype="bf16",
+            ns_kind="quintic",
+            muon_variant="nesterov",
+            muon_sf=sf,
+            muon_momentum=0.95,
+        ),
+    )
     ref = torch.optim.Muon([theirs.q_proj.weight], lr=0.02, weight_decay=0.1, momentum=0.95,
                            nesterov=True, ns_steps=5, adjust_lr_fn=adjust)  # fmt: skip
     gen = torch.Generator().manual_seed(7)
@@ -284,9 +304,18 @@ def test_equals_torch_muon_in_fp32_where_conventions_agree(monkeypatch, shape, n
     theirs = copy.deepcopy(mine)
     p0 = mine.q_proj.weight.detach().clone()
     mu = 0.95
-    opt = MixOptimizer(mine, lr=0.02, wd=0.1, ns_dtype="fp32", ns_kind="quintic",
-                       muon_variant="nesterov" if nesterov else "plain", muon_sf=sf,
-                       momentum=mu)  # fmt: skip
+    opt = MixOptimizer(
+        mine,
+        Optim(
+            lr=0.02,
+            wd=0.1,
+            ns_dtype="fp32",
+            ns_kind="quintic",
+            muon_variant="nesterov" if nesterov else "plain",
+            muon_sf=sf,
+            muon_momentum=mu,
+        ),
+    )
     ref = torch.optim.Muon([theirs.q_proj.weight], lr=0.02, weight_decay=0.1, momentum=mu,
                            nesterov=nesterov, ns_steps=5, adjust_lr_fn=adjust)  # fmt: skip
     gen = torch.Generator().manual_seed(7)
@@ -319,7 +348,7 @@ def _assert_owned_once(model: nn.Module, opt_kind: str = "mix") -> list:
     assert [r.name for r in routes] == names, "a parameter is unrouted or routed twice"
     assert len(set(names)) == len(names)
     assert all(r.owner in ("muon", "adamw", "engram") for r in routes)
-    opt = MixOptimizer(model, lr=1e-3, opt=opt_kind)
+    opt = MixOptimizer(model, Optim(wd=0.0, ns_dtype="fp32", lr=1e-3, opt=opt_kind))
     seen = [id(p) for g in opt.param_groups for p in g["params"]]
     assert len(seen) == len(set(seen)), "a parameter sits in two optimizer groups"
     assert set(seen) == {id(p) for p in model.parameters()}, "a parameter has no group"
@@ -417,7 +446,7 @@ def _full_optimizer_state(model, opt) -> dict:
 
 def test_state_is_torch_standard_and_made_at_construction():
     model = StandIn()
-    opt = MixOptimizer(model, lr=0.01)
+    opt = MixOptimizer(model, Optim(wd=0.0, ns_dtype="fp32", lr=0.01))
     assert all(opt.state[p] for p in model.parameters())
     assert opt.adamw.state is opt.state  # torch's AdamW steps the entries made here
     group = next(g for g in opt._muon_groups if len(g["params"]) > 1)
@@ -433,7 +462,7 @@ def test_reading_the_state_twice_changes_nothing(kw, steps):
     # moment, counting a step): the state is never empty, so it only reads
     torch.manual_seed(0)
     model = StandIn()
-    opt = MixOptimizer(model, lr=0.01, wd=0.1, **kw)
+    opt = MixOptimizer(model, Optim(**{"ns_dtype": "fp32", **kw, "lr": 0.01, "wd": 0.1}))
     _run(model, opt, range(steps))
     state, params = _tensors(opt.state_dict()), _tensors(dict(model.named_parameters()))
     first = _tensors(_full_optimizer_state(model, opt))
@@ -448,7 +477,7 @@ def test_host_tables_state_is_read_unchanged_and_travels_by_name():
     cls, cfg = _dormouse_model("tiny")
     torch.manual_seed(0)
     model = cls(replace(cfg, engram_ram=True))
-    opt = MixOptimizer(model, lr=0.02, ns_dtype="fp32")
+    opt = MixOptimizer(model, Optim(wd=0.0, lr=0.02, ns_dtype="fp32"))
     with torch.no_grad():
         model.engram.conv.weight.normal_(0, 0.05)  # a zero conv leaves the table without grad
     x = torch.randint(0, 256, (2, 17), generator=torch.Generator().manual_seed(0))
@@ -472,7 +501,7 @@ def test_resume_is_bit_exact(kw, via):
     torch.manual_seed(0)
     kw = {"lr": 0.01, "wd": 0.1, **kw}
     straight = StandIn()
-    opt = MixOptimizer(straight, **kw)
+    opt = MixOptimizer(straight, Optim(**{"ns_dtype": "fp32", **kw}))
     _run(straight, opt, range(3))
     blob = io.BytesIO()
     if via == "state_dict":
@@ -486,7 +515,7 @@ def test_resume_is_bit_exact(kw, via):
     ck = torch.load(blob, weights_only=True)
     torch.manual_seed(1)  # another init: only the load can make the runs agree
     resumed = StandIn()
-    opt2 = MixOptimizer(resumed, **kw)
+    opt2 = MixOptimizer(resumed, Optim(**{"ns_dtype": "fp32", **kw}))
     if via == "state_dict":
         resumed.load_state_dict(ck["model"])
         opt2.load_state_dict(ck["opt"])
@@ -504,7 +533,7 @@ def test_resume_is_bit_exact(kw, via):
 def test_int8_momentum_is_per_parameter_blocks_of_one_stack():
     torch.manual_seed(0)
     model = StandIn()
-    opt = MixOptimizer(model, lr=0.01, muon_state_dtype="int8")
+    opt = MixOptimizer(model, Optim(wd=0.0, ns_dtype="fp32", lr=0.01, muon_state_dtype="int8"))
     for g, (codes, offsets, absmax) in zip(opt._muon_groups, opt._stacks, strict=True):
         for p, a, b in zip(g["params"], offsets, offsets[1:]):
             st = opt.state[p]
@@ -534,11 +563,13 @@ def test_int8_momentum_is_per_parameter_blocks_of_one_stack():
 
 
 def test_load_refuses_a_state_from_another_model():
-    opt = MixOptimizer(StandIn(), lr=0.01)
+    opt = MixOptimizer(StandIn(), Optim(wd=0.0, ns_dtype="fp32", lr=0.01))
     other = nn.Module()
     other.q_proj = nn.Linear(D, D, bias=False)
     with pytest.raises(ConfigError, match="routing"):
-        MixOptimizer(other, lr=0.01).load_state_dict(opt.state_dict())
+        MixOptimizer(other, Optim(wd=0.0, ns_dtype="fp32", lr=0.01)).load_state_dict(
+            opt.state_dict()
+        )
 
 
 # ---- (e) the AdamW control arm, 8-bit refusal, from_config -------------------------------
@@ -548,7 +579,7 @@ def test_opt_adamw_puts_every_parameter_on_adamw():
     model = StandIn()
     routes = _assert_owned_once(model, "adamw")
     assert all(r.owner in ("adamw", "engram") for r in routes)
-    opt = MixOptimizer(model, lr=0.01, opt="adamw")
+    opt = MixOptimizer(model, Optim(wd=0.0, ns_dtype="fp32", lr=0.01, opt="adamw"))
     assert not opt._muon_groups
     adam = {id(p) for g in opt.adamw.param_groups for p in g["params"]}
     # The Engram table keeps its row-sparse Adam in both arms; everything else is AdamW.
@@ -562,7 +593,7 @@ def test_opt_adamw_puts_every_parameter_on_adamw():
 def test_optim_8bit_without_bitsandbytes_is_loud(monkeypatch):
     monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # makes `import bitsandbytes` fail
     with pytest.raises(ConfigError) as e:
-        MixOptimizer(StandIn(), lr=0.01, optim_8bit=True)
+        MixOptimizer(StandIn(), Optim(wd=0.0, ns_dtype="fp32", lr=0.01, optim_8bit=True))
     msg = str(e.value)
     assert "pip install bitsandbytes" in msg and "optim_8bit=false" in msg
 
@@ -587,12 +618,12 @@ def test_adam_eps_reaches_every_adam_group():
     assert all(g["eps"] == 1e-5 for g in opt.param_groups if "eps" in g)
     assert all(g["eps"] == 1e-5 for g in opt.adamw.param_groups)
     with pytest.raises(ConfigError, match="adam_eps=0 must be"):
-        MixOptimizer(StandIn(), lr=0.01, adam_eps=0)
+        MixOptimizer(StandIn(), Optim(wd=0.0, ns_dtype="fp32", lr=0.01, adam_eps=0))
 
 
 def test_unknown_knob_is_refused():
     with pytest.raises(ConfigError, match="ns_kind"):
-        MixOptimizer(StandIn(), lr=0.01, ns_kind="cubic")
+        MixOptimizer(StandIn(), Optim(wd=0.0, ns_dtype="fp32", lr=0.01, ns_kind="cubic"))
 
 
 @pytest.mark.skipif(not torch.distributed.is_available(), reason="torch built without distributed")
@@ -604,9 +635,10 @@ def test_ddp_routes_like_plain():
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         ddp = torch.nn.parallel.DistributedDataParallel(StandIn())
-        assert [(r.name, r.owner) for r in MixOptimizer(ddp, lr=0.01).routes] == [
-            (r.name, r.owner) for r in route_params(StandIn())
-        ]
+        assert [
+            (r.name, r.owner)
+            for r in MixOptimizer(ddp, Optim(wd=0.0, ns_dtype="fp32", lr=0.01)).routes
+        ] == [(r.name, r.owner) for r in route_params(StandIn())]
     finally:
         dist.destroy_process_group()
 
@@ -675,7 +707,10 @@ def _fsdp_muon_rank(rank: int, tmp: str) -> None:
                 for block in model.blocks:
                     fully_shard(block, mesh=mesh)
                 fully_shard(model, mesh=mesh)
-                return model, MixOptimizer(model, **{"ns_dtype": "fp32", **_KW, **kw})
+                return model, MixOptimizer(
+                    model,
+                    Optim(**{"ns_dtype": "fp32", **_KW, **kw}),
+                )
 
             model, opt = build(0)
             norms = _drive(model, opt, mesh)
@@ -714,7 +749,7 @@ def test_fsdp2_steps_the_shards_as_one_process_steps_the_whole(tmp_path):
         fleet = torch.load(tmp_path / f"fsdp{i}.pt", weights_only=True)
         torch.manual_seed(0)
         model = _WithHost()
-        opt = MixOptimizer(model, **{"ns_dtype": "fp32", **_KW, **kw})
+        opt = MixOptimizer(model, Optim(**{"ns_dtype": "fp32", **_KW, **kw}))
         norms = _drive(model, opt)
         _assert_bitwise(_tensors(fleet["model"]), _tensors(_whole(model)))
         _assert_bitwise(_tensors(fleet["opt"]), _tensors(ckpt.optimizer_state(model, opt)))

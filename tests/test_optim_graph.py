@@ -11,7 +11,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from dormouse.config import preset
+from dormouse.config import Optim, preset
 from dormouse.model import DormouseModel
 from dormouse.train.optim import rowadam
 from dormouse.train.optim.mix import GRAPH_WARMUP, MixOptimizer
@@ -63,7 +63,7 @@ def _run(
     **kw,
 ) -> tuple[DormouseModel, MixOptimizer]:
     model = tiny_model(**TORCH_KDA).to(device)
-    opt = MixOptimizer(model, lr=0.02, wd=0.1, ns_dtype="fp32", **kw)
+    opt = MixOptimizer(model, Optim(**{**kw, "lr": 0.02, "wd": 0.1, "ns_dtype": "fp32"}))
     if device_side:
         assert opt.capture_step(capture=capture, keep=keep) == ""
     g = torch.Generator().manual_seed(0)
@@ -106,13 +106,15 @@ def test_device_side_step_tracks_the_host_side_step_on_the_cpu(tiny_model):
     (dict(engram_state_dtype="int8"), "engram_state_dtype=int8"),
 ])  # fmt: skip
 def test_what_cannot_be_captured_is_said_and_left_eager(knob, said, tiny_model):
-    opt = MixOptimizer(tiny_model(**TORCH_KDA), lr=0.01, **knob)
+    opt = MixOptimizer(tiny_model(**TORCH_KDA), Optim(lr=0.01, wd=0.0, ns_dtype="fp32", **knob))
     assert said in opt.capture_step(capture=False)
     assert opt._graph is None
-    on_cpu = MixOptimizer(tiny_model(**TORCH_KDA), lr=0.01)
+    on_cpu = MixOptimizer(tiny_model(**TORCH_KDA), Optim(wd=0.0, ns_dtype="fp32", lr=0.01))
     assert "not on one CUDA device" in on_cpu.capture_step()
     ram = DormouseModel(replace(preset("tiny").model, engram_ram=True))
-    assert "host-RAM" in MixOptimizer(ram, lr=0.01).capture_step(capture=False)
+    assert "host-RAM" in MixOptimizer(ram, Optim(wd=0.0, ns_dtype="fp32", lr=0.01)).capture_step(
+        capture=False
+    )
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -139,18 +141,20 @@ def test_the_graph_stays_only_when_its_replay_is_not_slower(
     device; the choice itself is held here on the CPU with those times given."""
     import logging
 
-    from dormouse.train.optim.mix import GRAPH_KEEP, GRAPH_TIMED
+    from dormouse.train.optim.graph import GRAPH_KEEP, GRAPH_TIMED
 
     assert GRAPH_KEEP >= 1.0 and GRAPH_TIMED >= 1
-    opt = MixOptimizer(tiny_model(**TORCH_KDA), lr=0.01)
+    opt = MixOptimizer(tiny_model(**TORCH_KDA), Optim(wd=0.0, ns_dtype="fp32", lr=0.01))
     assert opt.capture_step(capture=False) == ""
     g = opt._graph
     g.graph, g.times = object(), {"eager": [eager, eager], "replay": [replay] * GRAPH_TIMED}
-    with caplog.at_level(logging.INFO, logger="dormouse.train.optim.mix"):
+    with caplog.at_level(logging.INFO, logger="dormouse.train.optim.graph"):
         g._choose()
     assert (opt._graph is g) is kept and (g.graph is not None) is kept and g.times is None
     line = caplog.text
     assert f"a replay takes {replay:.2f} ms, the eager step {eager:.2f} ms" in line
     assert ("the graph stays" in line) is kept
     with pytest.raises(ValueError, match="keep="):
-        MixOptimizer(tiny_model(**TORCH_KDA), lr=0.01).capture_step(capture=False, keep="sometimes")
+        MixOptimizer(tiny_model(**TORCH_KDA), Optim(wd=0.0, ns_dtype="fp32", lr=0.01)).capture_step(
+            capture=False, keep="sometimes"
+        )

@@ -19,7 +19,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from dormouse.config import ConfigError, preset
+from dormouse.config import ConfigError, Optim, preset
 from dormouse.model import DormouseModel
 from dormouse.train.fleet.launch import RefusedError, refuse_incompatible
 from dormouse.train.optim.mix import MixOptimizer, _refuse_sharded_int8
@@ -162,7 +162,7 @@ INT8 = dict(muon_state_dtype="int8", engram_state_dtype="int8")
 @pytest.mark.parametrize("ram", [False, True], ids=["vram_table", "host_table"])
 def test_state_dict_round_trips_through_a_weights_only_file(ram, tiny_model):
     model = tiny_model(engram_ram=ram)
-    opt = MixOptimizer(model, lr=0.01, ns_dtype="fp32", **INT8)
+    opt = MixOptimizer(model, Optim(lr=0.01, wd=0.0, ns_dtype="fp32", **INT8))
     for s in range(2):
         _step(model, opt, s)
     sd = opt.state_dict()
@@ -182,7 +182,7 @@ def test_state_dict_round_trips_through_a_weights_only_file(ram, tiny_model):
     torch.save(sd, blob)
     blob.seek(0)
     fresh = tiny_model(1, engram_ram=ram)
-    opt2 = MixOptimizer(fresh, lr=0.01, ns_dtype="fp32", **INT8)
+    opt2 = MixOptimizer(fresh, Optim(lr=0.01, wd=0.0, ns_dtype="fp32", **INT8))
     opt2.load_state_dict(torch.load(blob, weights_only=True))
     a, b = opt.state_dict(), opt2.state_dict()
     pairs = [(a["state"][i], b["state"][i]) for i in a["state"]]
@@ -195,9 +195,13 @@ def test_state_dict_round_trips_through_a_weights_only_file(ram, tiny_model):
 
 def test_a_state_of_another_state_dtype_is_refused_naming_the_knobs(tiny_model):
     model = tiny_model()
-    saved = MixOptimizer(model, lr=0.01).state_dict()  # fp32: momentum_buffer, exp_avg, ...
+    saved = MixOptimizer(
+        model, Optim(wd=0.0, ns_dtype="fp32", lr=0.01)
+    ).state_dict()  # fp32: momentum_buffer, exp_avg, ...
     with pytest.raises(ConfigError, match="muon_state_dtype / engram_state_dtype"):
-        MixOptimizer(tiny_model(), lr=0.01, **INT8).load_state_dict(saved)
+        MixOptimizer(tiny_model(), Optim(lr=0.01, wd=0.0, ns_dtype="fp32", **INT8)).load_state_dict(
+            saved
+        )
 
 
 def test_fsdp2_with_int8_state_is_refused_and_ddp_is_not(tiny_run):

@@ -711,11 +711,11 @@ _DEFAULTS = {**preset("tiny").to_dict()["model"], **preset("tiny").to_dict()["tr
 
 def _plausible(key: str):
     """Values near what the key holds in the tiny preset (so that many runs are accepted)."""
-    from dormouse.config import _CHOICES
+    from dormouse.config import CHOICES
 
     v = _DEFAULTS[key]
-    if key in _CHOICES:
-        return st.sampled_from(_CHOICES[key])
+    if key in CHOICES:
+        return st.sampled_from(CHOICES[key])
     if isinstance(v, bool):
         return st.sampled_from(["true", "false"])
     if isinstance(v, int):

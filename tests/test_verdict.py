@@ -12,7 +12,7 @@ import pytest
 import torch
 from trainlog import train
 
-from dormouse.config import ConfigError, apply_sets, preset, validate
+from dormouse.config import ConfigError, Optim, apply_sets, preset, validate
 from dormouse.model import DormouseModel
 from dormouse.train.optim.mix import MixOptimizer
 from references.fingerprint import fingerprint
@@ -61,7 +61,9 @@ def test_a_step_refused_on_the_device_writes_nothing(muon_state_dtype, tiny_mode
     models, opts = [], []
     for _ in range(2):
         m = tiny_model(kda_impl="torch")
-        o = MixOptimizer(m, lr=0.02, wd=0.1, ns_dtype="fp32", muon_state_dtype=muon_state_dtype)
+        o = MixOptimizer(
+            m, Optim(lr=0.02, wd=0.1, ns_dtype="fp32", muon_state_dtype=muon_state_dtype)
+        )
         assert o.capture_step(capture=False) == ""
         models.append(m)
         opts.append(o)
@@ -182,11 +184,14 @@ def test_verdict_device_is_refused_where_it_cannot_hold(tmp_path, corpus, tiny_m
     from dormouse.train.step import device_verdict
 
     one = _run(tmp_path, corpus, "fp16", "verdict=device").train
-    opt = MixOptimizer(tiny_model(kda_impl="torch"), lr=0.01)
+    opt = MixOptimizer(tiny_model(kda_impl="torch"), Optim(wd=0.0, ns_dtype="fp32", lr=0.01))
     ctx = DPContext.single(torch.device("cpu"), one.batch, one.seq_len)
     with pytest.raises(ConfigError, match="verdict=device: the fp16 loss scale"):
         device_verdict(one, ctx, opt, LossScaler(one.loss_scale_every))
-    int8 = MixOptimizer(tiny_model(kda_impl="torch"), lr=0.01, muon_state_dtype="int8")
+    int8 = MixOptimizer(
+        tiny_model(kda_impl="torch"),
+        Optim(wd=0.0, ns_dtype="fp32", lr=0.01, muon_state_dtype="int8"),
+    )
     with pytest.raises(ConfigError, match="verdict=device: muon_state_dtype=int8"):
         device_verdict(one, ctx, int8, None)
     lines = []
@@ -207,7 +212,7 @@ def test_the_captured_step_takes_the_verdict_on_the_device(tiny_model):
     pair = []
     for transact in (True, False):
         m = tiny_model(kda_impl="torch").cuda()
-        o = MixOptimizer(m, lr=0.02, wd=0.1, ns_dtype="fp32")
+        o = MixOptimizer(m, Optim(lr=0.02, wd=0.1, ns_dtype="fp32"))
         assert o.capture_step(keep="always") == ""
         assert (o.commit_on_device() == "") if transact else True
         pair.append((m, o))

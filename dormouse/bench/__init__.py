@@ -24,20 +24,28 @@ def _parser() -> argparse.ArgumentParser:
     from . import fleet, kernels, memory, moe, optim, profile, race, shards, step, warm
 
     ap = argparse.ArgumentParser(
-        prog="dormouse bench", description=__doc__.splitlines()[0],
-        epilog="No sub-command runs step: `dormouse bench [PRESET ...] [flags]`.")  # fmt: skip
+        prog="dormouse bench",
+        description=__doc__.splitlines()[0],
+        epilog="No sub-command runs step: `dormouse bench [PRESET ...] [flags]`.",
+    )
     sub = ap.add_subparsers(
         dest="bench", metavar="{step,profile,optim,memory,shards,fleet,warm,kernels,race,moe}"
     )
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
-    common.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                        help="override a config field, as in train")  # fmt: skip
+    common.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config field, as in train",
+    )
     common.add_argument("--out", help="also write the markdown report to this file")
     for mod in (step, profile, optim, memory, shards, fleet, warm, kernels, race, moe):
         first = mod.__doc__.splitlines()[0]  # "name: what it measures"
-        p = sub.add_parser(first.split(":")[0], parents=[common], help=first.split(": ", 1)[1],
-                           description=first)  # fmt: skip
+        p = sub.add_parser(
+            first.split(":")[0], parents=[common], help=first.split(": ", 1)[1], description=first
+        )
         mod.add_args(p)
         p.set_defaults(run=mod.run)
     return ap

@@ -37,8 +37,11 @@ def resolve_device(name: str) -> torch.device:
 def configure(name: str, sets, batch: int | None = None, seq: int | None = None) -> RunConfig:
     """A preset with --set, --batch and --seq applied, validated before anything is timed."""
     # `is not None`: --batch 0 ran the preset's batch under a table that looked measured
-    sets = [*sets, *([f"batch={batch}"] if batch is not None else []),
-            *([f"seq_len={seq}"] if seq is not None else [])]  # fmt: skip
+    sets = [
+        *sets,
+        *([f"batch={batch}"] if batch is not None else []),
+        *([f"seq_len={seq}"] if seq is not None else []),
+    ]
     return validate(apply_sets(preset(name), sets))
 
 
@@ -110,8 +113,7 @@ def windows(run: RunConfig, n: int) -> list[torch.Tensor]:
     drawn before any clock starts."""
     g = torch.Generator().manual_seed(run.train.seed)
     rows = run.train.global_batch or run.train.batch
-    return [torch.randint(0, 256, (rows, run.train.seq_len + 1), generator=g)
-            for _ in range(n)]  # fmt: skip
+    return [torch.randint(0, 256, (rows, run.train.seq_len + 1), generator=g) for _ in range(n)]
 
 
 def shape_text(run: RunConfig) -> str:
@@ -123,8 +125,9 @@ def shape_text(run: RunConfig) -> str:
     return f"{s.windows} x {t.seq_len}" + (f" ({s.batch} x {s.accum} micro)" if s.accum > 1 else "")
 
 
-def timed(fn, steps: int, warmup: int, device: torch.device, setup=None,
-          chain: bool = False) -> list[float]:  # fmt: skip
+def timed(
+    fn, steps: int, warmup: int, device: torch.device, setup=None, chain: bool = False
+) -> list[float]:
     """ms per call of fn(i): `warmup` untimed calls, then `steps` timed ones, the device
     synchronised around each so a CUDA call is timed to its end. `setup(i)`, when given, runs
     before each call, outside the clock. chain=True (no setup): the timed calls run back to
@@ -159,20 +162,29 @@ def machine_lines(device: torch.device, command: str) -> list[str]:
 
     rec, cpu = probe_device(device), probe_device("cpu")
     usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    dev = (f"{rec.name} ({rec.label}, sm_{rec.sm[0]}{rec.sm[1]}, {rec.total_mem / GiB:.1f} GiB), "
-           f"CUDA {torch.version.cuda}" if rec.kind == "cuda" else f"CPU ({rec.name})")  # fmt: skip
-    return [f"Machine: {dev}; torch {torch.__version__}; float32 matmul precision "
-            f"{torch.get_float32_matmul_precision()}",
-            f"CPU: {cpu.name}, {os.cpu_count()} logical cores ({usable} usable), torch threads "
-            f"{torch.get_num_threads()}; {platform.system()} {platform.machine()}, Python "
-            f"{platform.python_version()}",
-            f"Date: {datetime.now(timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}",
-            f"Command: `{command}`"]  # fmt: skip
+    dev = (
+        f"{rec.name} ({rec.label}, sm_{rec.sm[0]}{rec.sm[1]}, {rec.total_mem / GiB:.1f} GiB), "
+        f"CUDA {torch.version.cuda}"
+        if rec.kind == "cuda"
+        else f"CPU ({rec.name})"
+    )
+    return [
+        f"Machine: {dev}; torch {torch.__version__}; float32 matmul precision "
+        f"{torch.get_float32_matmul_precision()}",
+        f"CPU: {cpu.name}, {os.cpu_count()} logical cores ({usable} usable), torch threads "
+        f"{torch.get_num_threads()}; {platform.system()} {platform.machine()}, Python "
+        f"{platform.python_version()}",
+        f"Date: {datetime.now(timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}",
+        f"Command: `{command}`",
+    ]
 
 
 def command_line(argv: list[str]) -> str:
-    env = [f"{k}={os.environ[k]}" for k in ("OMP_NUM_THREADS", "CUDA_VISIBLE_DEVICES")
-           if k in os.environ]  # fmt: skip
+    env = [
+        f"{k}={os.environ[k]}"
+        for k in ("OMP_NUM_THREADS", "CUDA_VISIBLE_DEVICES")
+        if k in os.environ
+    ]
     return " ".join([*env, "python -m dormouse bench", shlex.join(argv)])
 
 

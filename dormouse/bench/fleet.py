@@ -59,21 +59,40 @@ def add_args(ap) -> None:
     ap.add_argument(
         "--rounds", type=int, default=1, help="repeat the three splits this many times (default 1)"
     )
-    ap.add_argument("--micro", type=int, default=0,
-                    help="run every step (solo and fleet) as micro-batches of at most this many "
-                         "windows, so a window costs the same at any share (0: each rank's share "
-                         "in one forward; default 0)")  # fmt: skip
-    ap.add_argument("--side", type=float, default=2.0,
-                    help="seconds of each side-by-side solo block inside a fleet run, every "
-                         "--every steps (0: none; default 2.0)")  # fmt: skip
+    ap.add_argument(
+        "--micro",
+        type=int,
+        default=0,
+        help="run every step (solo and fleet) as micro-batches of at most this many "
+        "windows, so a window costs the same at any share (0: each rank's share "
+        "in one forward; default 0)",
+    )
+    ap.add_argument(
+        "--side",
+        type=float,
+        default=2.0,
+        help="seconds of each side-by-side solo block inside a fleet run, every "
+        "--every steps (0: none; default 2.0)",
+    )
 
 
 def _sets(args, windows: int, extra=()) -> list[str]:
     """`windows` a step: one forward, or with --micro B micro-batches of at most B."""
-    rows = ([f"batch={min(args.micro, windows)}", f"global_batch={windows}"] if args.micro
-            else [f"batch={windows}"])  # fmt: skip
-    return [f"seq_len={args.seq}", *rows, "eval_every=0", "ckpt_every=0", "log_every=1000",
-            "dtype=fp32", *args.set, *extra]  # fmt: skip
+    rows = (
+        [f"batch={min(args.micro, windows)}", f"global_batch={windows}"]
+        if args.micro
+        else [f"batch={windows}"]
+    )
+    return [
+        f"seq_len={args.seq}",
+        *rows,
+        "eval_every=0",
+        "ckpt_every=0",
+        "log_every=1000",
+        "dtype=fp32",
+        *args.set,
+        *extra,
+    ]
 
 
 def _trainer(preset: str, sets: list[str], slow: str, rank: int, draws: int):
@@ -106,8 +125,9 @@ def _trainer(preset: str, sets: list[str], slow: str, rank: int, draws: int):
 def _solo(args, rank: int, share: int | None = None) -> float:
     """tokens/s of this rank alone on the whole global batch, or on `share` windows a step
     (its emulation on)."""
-    one, tokens, timer = _trainer(args.preset, _sets(args, share or args.global_batch),
-                                  args.slow, rank, 8)  # fmt: skip
+    one, tokens, timer = _trainer(
+        args.preset, _sets(args, share or args.global_batch), args.slow, rank, 8
+    )
     walls = [one() for _ in range(8)]
     timer.remove()
     return tokens / statistics.median(walls[2:])
@@ -131,8 +151,15 @@ def _side_by_side(preset: str, sets: list[str], slow: str, rank: int):
     return block
 
 
-def _rank(rank: int, world: int, port: int, sets: list[str], preset: str, out: str,
-          side: tuple | None = None) -> None:  # fmt: skip
+def _rank(
+    rank: int,
+    world: int,
+    port: int,
+    sets: list[str],
+    preset: str,
+    out: str,
+    side: tuple | None = None,
+) -> None:
     """One fleet rank. side = (solo sets, emulate_slow, every, seconds): every `every` steps
     all ranks stop together (a barrier), each trains its own solo trainer alone for `seconds`
     side by side with the others, and they resume together; the fleet's step walls leave
@@ -146,8 +173,15 @@ def _rank(rank: int, world: int, port: int, sets: list[str], preset: str, out: s
     from ..train.run import train_run
     from ..train.step import Callbacks
 
-    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
-                       "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank)})  # fmt: skip
+    os.environ.update(
+        {
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "RANK": str(rank),
+            "WORLD_SIZE": str(world),
+            "LOCAL_RANK": str(rank),
+        }
+    )
     torch.set_num_threads(1)
     lines: list[str] = []
 
@@ -177,10 +211,17 @@ def _rank(rank: int, world: int, port: int, sets: list[str], preset: str, out: s
     if solo is not None:  # the first fleet step starts with the other ranks' too
         blocks.append({"after": 0, "rate": solo(side[3]), "resume": None})
     train_run(run, device_type="cpu", callbacks=Callbacks(after_step=after))
-    Path(out, f"rank{rank}.json").write_text(json.dumps({"stamps": stamps, "splits": splits,
-                                                         "lines": lines if rank == 0 else [],
-                                                         "blocks": blocks,
-                                                         "computes": computes}))  # fmt: skip
+    Path(out, f"rank{rank}.json").write_text(
+        json.dumps(
+            {
+                "stamps": stamps,
+                "splits": splits,
+                "lines": lines if rank == 0 else [],
+                "blocks": blocks,
+                "computes": computes,
+            }
+        )
+    )
 
 
 def _record_compute(stamps: list[float]) -> dict[int, float]:
@@ -226,24 +267,47 @@ def _fleet(args, capacity: str, every: int) -> dict:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     out = tempfile.mkdtemp(prefix="dormouse-bench-fleet-")
-    sets = _sets(args, args.global_batch, [f"global_batch={args.global_batch}", "dist=true",
-                        f"dist_capacity={capacity}", f"rebalance_every={every}",
-                        f"emulate_slow={args.slow}", f"steps={args.steps}"])  # fmt: skip
-    side = ((_sets(args, args.global_batch), args.slow, args.every, args.side)
-            if args.side > 0 and args.every > 0 else None)  # fmt: skip
-    mp.start_processes(_rank, (args.world, port, sets, args.preset, out, side),
-                       nprocs=args.world, join=True, start_method="spawn")  # fmt: skip
+    sets = _sets(
+        args,
+        args.global_batch,
+        [
+            f"global_batch={args.global_batch}",
+            "dist=true",
+            f"dist_capacity={capacity}",
+            f"rebalance_every={every}",
+            f"emulate_slow={args.slow}",
+            f"steps={args.steps}",
+        ],
+    )
+    side = (
+        (_sets(args, args.global_batch), args.slow, args.every, args.side)
+        if args.side > 0 and args.every > 0
+        else None
+    )
+    mp.start_processes(
+        _rank,
+        (args.world, port, sets, args.preset, out, side),
+        nprocs=args.world,
+        join=True,
+        start_method="spawn",
+    )
     got = [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(args.world)]
     for g in got:  # json wrote the step keys as strings
         g["computes"] = {int(k): v for k, v in g["computes"].items()}
     walls = _walls(got[0]["stamps"], got[0]["blocks"])
     half = len(walls) // 2
     tail = walls[half:]  # the second half: after the re-balancer settled
-    res = {"tok_s": args.global_batch * args.seq / statistics.median(tail),
-           "start": got[0]["splits"][0], "end": got[0]["splits"][-1],
-           # a taken re-split says "OLD -> NEW" before its rates; a kept split says "kept"
-           "resplits": [ln for ln in got[0]["lines"] if ln.startswith("rebalance")
-                        and "->" in ln.split(" (rates")[0]]}  # fmt: skip
+    res = {
+        "tok_s": args.global_batch * args.seq / statistics.median(tail),
+        "start": got[0]["splits"][0],
+        "end": got[0]["splits"][-1],
+        # a taken re-split says "OLD -> NEW" before its rates; a kept split says "kept"
+        "resplits": [
+            ln
+            for ln in got[0]["lines"]
+            if ln.startswith("rebalance") and "->" in ln.split(" (rates")[0]
+        ],
+    }
     if side:
         res.update(_side_fractions(args, walls, [g["blocks"] for g in got], half))
     res.update(_where(walls, got[0]["splits"], [g["computes"] for g in got], half))
@@ -281,9 +345,16 @@ def _where(walls: list, splits: list[str], computes: list[dict], half: int) -> d
 def _where_row(rnd: int, name: str, f: dict) -> list[str] | None:
     if not f.get("where_n"):
         return None
-    return [str(rnd), name, f["end"], f"{f['wall_ms']:.0f}", f"{f['floor_ms']:.0f}",
-            f"{f['own_ms']:.0f} ({f['own_ms'] / f['wall_ms']:.1%})", f"{f['ideal_ms']:.0f}",
-            f"{f['ideal_ms'] / f['wall_ms']:.3f} (n={f['where_n']})"]  # fmt: skip
+    return [
+        str(rnd),
+        name,
+        f["end"],
+        f"{f['wall_ms']:.0f}",
+        f"{f['floor_ms']:.0f}",
+        f"{f['own_ms']:.0f} ({f['own_ms'] / f['wall_ms']:.1%})",
+        f"{f['ideal_ms']:.0f}",
+        f"{f['ideal_ms'] / f['wall_ms']:.3f} (n={f['where_n']})",
+    ]
 
 
 def _side_cells(f: dict) -> list[str]:
@@ -323,12 +394,16 @@ def run(args, command: str) -> str:
     if args.rounds < 1:
         raise UserError(f"bench fleet: --rounds {args.rounds}; give at least 1")
     if not 0 <= args.micro <= args.global_batch:
-        raise UserError(f"bench fleet: --micro {args.micro} with --global-batch "
-                        f"{args.global_batch}; give 0 (one forward a share) or 1 .. "
-                        f"{args.global_batch}")  # fmt: skip
+        raise UserError(
+            f"bench fleet: --micro {args.micro} with --global-batch "
+            f"{args.global_batch}; give 0 (one forward a share) or 1 .. "
+            f"{args.global_batch}"
+        )
     if not (args.side >= 0 and math.isfinite(args.side)):
-        raise UserError(f"bench fleet: --side {args.side}; give the seconds of a side-by-side "
-                        "block, >= 0 (0: none)")  # fmt: skip
+        raise UserError(
+            f"bench fleet: --side {args.side}; give the seconds of a side-by-side "
+            "block, >= 0 (0: none)"
+        )
     torch.set_num_threads(1)
     # Every fleet run sits between two measurements of the solo rates and is divided by their
     # mean: a shared box's speed drifts between runs by as much as the effect measured (23%
@@ -345,28 +420,55 @@ def run(args, command: str) -> str:
             # a rank with no windows does no work: its solo rate there is 0
             rates = [_solo(args, r, w) if w > 0 else 0.0 for r, w in enumerate(shares)]
             at_share = sum(rates)
-            got["share_ms"] = "/".join(f"{1000 * w * args.seq / x:.0f}" if x else "-"
-                                       for w, x in zip(shares, rates))  # fmt: skip
+            got["share_ms"] = "/".join(
+                f"{1000 * w * args.seq / x:.0f}" if x else "-" for w, x in zip(shares, rates)
+            )
             solos.append([_solo(args, r) for r in range(args.world)])
             a, b = solos[-2], solos[-1]
             total = sum((x + y) / 2 for x, y in zip(a, b))
             drift = max(abs(x - y) / max(x, y) for x, y in zip(a, b))
             runs.append((rnd, name, got, total, drift, at_share))
-    rows = [[str(rnd), name, f["start"], f["end"], str(len(f["resplits"])), f"{f['tok_s']:,.0f}",
-             f"{total:,.0f}", f"{drift:.0%}", f"{f['tok_s'] / total:.3f}", f["share_ms"],
-             f"{1000 * args.global_batch * args.seq / f['tok_s']:.0f}", f"{share:,.0f}",
-             f"{f['tok_s'] / share:.3f}", *_side_cells(f)]
-            for rnd, name, f, total, drift, share in runs]  # fmt: skip
+    rows = [
+        [
+            str(rnd),
+            name,
+            f["start"],
+            f["end"],
+            str(len(f["resplits"])),
+            f"{f['tok_s']:,.0f}",
+            f"{total:,.0f}",
+            f"{drift:.0%}",
+            f"{f['tok_s'] / total:.3f}",
+            f["share_ms"],
+            f"{1000 * args.global_batch * args.seq / f['tok_s']:.0f}",
+            f"{share:,.0f}",
+            f"{f['tok_s'] / share:.3f}",
+            *_side_cells(f),
+        ]
+        for rnd, name, f, total, drift, share in runs
+    ]
     summary = []
     for name, _, _ in MODES:
         fr = [f["tok_s"] / total for _, n, f, total, _, _ in runs if n == name]
         fs = [f["tok_s"] / share for _, n, f, _, _, share in runs if n == name]
         fb = [f["side"] for _, n, f, _, _, _ in runs if n == name and f.get("side_n")]
-        summary.append([name, str(len(fr)), f"{statistics.median(fr):.3f}", f"{min(fr):.3f}",
-                        f"{max(fr):.3f}", f"{statistics.median(fs):.3f}", f"{min(fs):.3f}",
-                        f"{max(fs):.3f}",
-                        *([f"{statistics.median(fb):.3f}", f"{min(fb):.3f}", f"{max(fb):.3f}"]
-                          if fb else ["-", "-", "-"])])  # fmt: skip
+        summary.append(
+            [
+                name,
+                str(len(fr)),
+                f"{statistics.median(fr):.3f}",
+                f"{min(fr):.3f}",
+                f"{max(fr):.3f}",
+                f"{statistics.median(fs):.3f}",
+                f"{min(fs):.3f}",
+                f"{max(fs):.3f}",
+                *(
+                    [f"{statistics.median(fb):.3f}", f"{min(fb):.3f}", f"{max(fb):.3f}"]
+                    if fb
+                    else ["-", "-", "-"]
+                ),
+            ]
+        )
     body = (
         table(
             ["measurement"] + [f"rank {r} solo tokens/s" for r in range(args.world)],

@@ -102,10 +102,12 @@ def step_flops(model, opt, batch: int, seq_len: int, active: float) -> dict[str,
     """One training step's FLOPs by source: "6N" (6 x active x tokens), "KDA" and
     "attention" (forward x 3), "polar" (per step)."""
     tokens = batch * seq_len
-    return {"6N": 6 * active * tokens,
-            "KDA": 3 * kda_forward_flops(model, batch, seq_len),
-            "attention": 3 * attention_forward_flops(model, batch, seq_len),
-            "polar": float(polar_flops(opt))}  # fmt: skip
+    return {
+        "6N": 6 * active * tokens,
+        "KDA": 3 * kda_forward_flops(model, batch, seq_len),
+        "attention": 3 * attention_forward_flops(model, batch, seq_len),
+        "polar": float(polar_flops(opt)),
+    }
 
 
 #: matmul_peak's problem and repetitions: 8192^3 is ~1.4 ms of bf16 work on an H100-class card
@@ -125,8 +127,10 @@ def matmul_peak(device: torch.device, dtype: torch.dtype) -> tuple[float, float]
     out = torch.empty(n, n, device=device, dtype=dtype)
     for _ in range(PEAK_WARMUP):
         torch.mm(a, b, out=out)
-    pairs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-             for _ in range(PEAK_REPS)]  # fmt: skip
+    pairs = [
+        (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+        for _ in range(PEAK_REPS)
+    ]
     for start, end in pairs:
         start.record()
         torch.mm(a, b, out=out)

@@ -6,7 +6,7 @@ compute dtype, beside the arm it replaced, and gives each arm's error from the f
 same inputs:
 - the short conv + SiLU's backward (dx, dw): ours, and fla's `causal_conv1d_bwd`, whose forward
   stays in use;
-- the q/k L2-norm forward + backward: our op, and the torch arm's `kda._l2norm` chain on q|k|v's
+- the q/k L2-norm forward + backward: our op, and the torch arm's `kda.l2norm` chain on q|k|v's
   views (eager autograd, then q, k, v made contiguous as fla's kernel takes them).
 GB/s counts the bytes each must move at least (conv: x and dy read, dx written; norm: q|k|v
 read, q, k, v written, then q, k, dq, dk, dv read and d(q|k|v) written), over the median time.
@@ -28,8 +28,15 @@ from .common import BenchError, configure, machine_lines, report, resolve_device
 
 log = logging.getLogger(__name__)
 
-HEADER = ["kernel", "shape", "arm", "ms (median)", "ms (min)", "GB/s (least bytes)",
-          "error from fp64 (relative)"]  # fmt: skip
+HEADER = [
+    "kernel",
+    "shape",
+    "arm",
+    "ms (median)",
+    "ms (min)",
+    "GB/s (least bytes)",
+    "error from fp64 (relative)",
+]
 
 
 def add_args(ap) -> None:
@@ -65,8 +72,12 @@ def _conv_rows(x, w, dy, steps, warmup, device, shape) -> list[list[str]]:
     try:
         from fla.modules.causal_conv1d import causal_conv1d_bwd
 
-        arms.append(("fla causal_conv1d_bwd (replaced)", lambda: causal_conv1d_bwd(
-            x, dy, None, w, None, None, activation="silu")[:2]))  # fmt: skip
+        arms.append(
+            (
+                "fla causal_conv1d_bwd (replaced)",
+                lambda: causal_conv1d_bwd(x, dy, None, w, None, None, activation="silu")[:2],
+            )
+        )
     except ImportError:
         log.info("fla-core not installed: its conv row is left out")
     rows = []
@@ -75,22 +86,23 @@ def _conv_rows(x, w, dy, steps, warmup, device, shape) -> list[list[str]]:
         dx, dw = fn()
         err = f"dx {_rel(dx, truth[0]):.2e}, dw {_rel(dw, truth[1]):.2e}"
         ts = timed(lambda _i, fn=fn: fn(), steps, warmup, device)
-        rows.append(_row("conv + SiLU backward", shape, arm, ts, 3 * x.numel() * x.element_size(),
-                         err))  # fmt: skip
+        rows.append(
+            _row("conv + SiLU backward", shape, arm, ts, 3 * x.numel() * x.element_size(), err)
+        )
     return rows
 
 
 def _norm_rows(qkv, dys, heads, steps, warmup, device, shape) -> list[list[str]]:
     from references.short_conv import qk_l2norm as reference_norm
 
-    from ..model.kda import _l2norm
+    from ..model.kda import l2norm
     from ..model.qk_norm import qk_l2norm
 
     B, T, _ = qkv.shape
 
     def torch_norm(x):
         q, k, v = x.view(B, T, 3, heads, -1).unbind(2)
-        return [t.contiguous() for t in (_l2norm(q), _l2norm(k), v)]
+        return [t.contiguous() for t in (l2norm(q), l2norm(k), v)]
 
     def fwd_bwd(fn, x):
         with torch.enable_grad():
@@ -99,11 +111,13 @@ def _norm_rows(qkv, dys, heads, steps, warmup, device, shape) -> list[list[str]]
             torch.autograd.backward(outs, [d.to(o.dtype) for d, o in zip(dys, outs)])
         return outs, x.grad
 
-    # the truth: the written-out norm in fp64 (`_l2norm` computes in fp32 whatever x is)
+    # the truth: the written-out norm in fp64 (`l2norm` computes in fp32 whatever x is)
     (q64, k64, _), dx64 = fwd_bwd(lambda x: reference_norm(x, heads), qkv.double())
     rows = []
-    for arm, fn in (("ours (model/qk_norm.py)", lambda x: list(qk_l2norm(x, heads))),
-                    ("torch _l2norm chain, eager (the torch arm)", torch_norm)):  # fmt: skip
+    for arm, fn in (
+        ("ours (model/qk_norm.py)", lambda x: list(qk_l2norm(x, heads))),
+        ("torch l2norm chain, eager (the torch arm)", torch_norm),
+    ):
         log.info(f"timing the q/k norm: {arm} ...")
         (q, k, _), dx = fwd_bwd(fn, qkv)
         err = f"q {_rel(q, q64):.2e}, k {_rel(k, k64):.2e}, d(q|k|v) {_rel(dx, dx64):.2e}"
@@ -115,12 +129,15 @@ def _norm_rows(qkv, dys, heads, steps, warmup, device, shape) -> list[list[str]]
 
 def run(args, command: str) -> str:
     if args.steps < 1 or args.warmup < 0:
-        raise BenchError(f"--steps {args.steps} --warmup {args.warmup}: steps must be >= 1 and "
-                         "warmup >= 0")  # fmt: skip
+        raise BenchError(
+            f"--steps {args.steps} --warmup {args.warmup}: steps must be >= 1 and warmup >= 0"
+        )
     device = resolve_device(args.device)
     if device.type != "cuda":
-        raise BenchError(f"bench kernels times Triton kernels on CUDA; this device is {device}: "
-                         "run it on a card (--device cuda)")  # fmt: skip
+        raise BenchError(
+            f"bench kernels times Triton kernels on CUDA; this device is {device}: "
+            "run it on a card (--device cuda)"
+        )
     try:
         import triton  # noqa: F401
     except ImportError as e:
@@ -137,10 +154,20 @@ def run(args, command: str) -> str:
     rows = _conv_rows(x, w, dy, args.steps, args.warmup, device, shape)
     dys = [torch.randn(B, T, H, D, device=device, generator=gen, dtype=dtype) for _ in range(3)]
     rows += _norm_rows(x, dys, H, args.steps, args.warmup, device, shape)
-    notes = [(f"`{args.preset}`'s mixer shape, random inputs (taps uniform in +-0.5); each arm "
-              f"called {args.warmup} times untimed, then {args.steps} times, the device "
-              "synchronised around each call"),
-             ("error: the relative Frobenius distance from the same computation in fp64 on the "
-              "same (rounded) inputs")]  # fmt: skip
-    return report(f"dormouse bench kernels: `{args.preset}`'s mixer kernels",
-                  machine_lines(device, command), table(HEADER, rows), notes)  # fmt: skip
+    notes = [
+        (
+            f"`{args.preset}`'s mixer shape, random inputs (taps uniform in +-0.5); each arm "
+            f"called {args.warmup} times untimed, then {args.steps} times, the device "
+            "synchronised around each call"
+        ),
+        (
+            "error: the relative Frobenius distance from the same computation in fp64 on the "
+            "same (rounded) inputs"
+        ),
+    ]
+    return report(
+        f"dormouse bench kernels: `{args.preset}`'s mixer kernels",
+        machine_lines(device, command),
+        table(HEADER, rows),
+        notes,
+    )

@@ -32,8 +32,17 @@ from .common import (
 
 log = logging.getLogger(__name__)
 
-HEADER = ["preset", "budget GB", "engaged", "peak phase (model)", "estimate GiB",
-          "measured GiB", "error %", "implied K", "notes"]  # fmt: skip
+HEADER = [
+    "preset",
+    "budget GB",
+    "engaged",
+    "peak phase (model)",
+    "estimate GiB",
+    "measured GiB",
+    "error %",
+    "implied K",
+    "notes",
+]
 
 
 def add_args(ap) -> None:
@@ -42,10 +51,17 @@ def add_args(ap) -> None:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=512)
     ap.add_argument("--dry", action="store_true", help="estimates only, no device needed")
-    ap.add_argument("--measure-unfit", action="store_true",
-                    help="measure refused plans with every mechanism that helps")  # fmt: skip
-    ap.add_argument("--calibrate", action="store_true", help="add rows per preset with no "
-                    "mechanism (and the K its peak implies) and with act_ckpt alone")  # fmt: skip
+    ap.add_argument(
+        "--measure-unfit",
+        action="store_true",
+        help="measure refused plans with every mechanism that helps",
+    )
+    ap.add_argument(
+        "--calibrate",
+        action="store_true",
+        help="add rows per preset with no "
+        "mechanism (and the K its peak implies) and with act_ckpt alone",
+    )
 
 
 def implied_k(run, est, peak: int) -> float | None:
@@ -99,17 +115,27 @@ def row_for(name: str, budget, args, device, cache: dict) -> list[str]:
         notes.append(note)
     k = implied_k(run, est, peak) if peak else None
     err = f"{100 * (est.total - peak) / peak:+.1f}" if peak else "-"
-    return [name, label, ",".join(engaged) or "none", est.phase, f"{est.total / GiB:.2f}",
-            f"{peak / GiB:.2f}" if peak else "-", err, "-" if k is None else f"{k:.0f}",
-            "; ".join(notes)]  # fmt: skip
+    return [
+        name,
+        label,
+        ",".join(engaged) or "none",
+        est.phase,
+        f"{est.total / GiB:.2f}",
+        f"{peak / GiB:.2f}" if peak else "-",
+        err,
+        "-" if k is None else f"{k:.0f}",
+        "; ".join(notes),
+    ]
 
 
 def run(args, command: str) -> str:
     device = torch.device("cpu") if args.dry else resolve_device(args.device)
     if device.type != "cuda" and not args.dry:
-        raise BenchError(f"bench memory measures CUDA peaks (max_memory_allocated) and this "
-                         f"run's device is {device}; use --device cuda, or --dry for the "
-                         f"estimates alone")  # fmt: skip
+        raise BenchError(
+            f"bench memory measures CUDA peaks (max_memory_allocated) and this "
+            f"run's device is {device}; use --device cuda, or --dry for the "
+            f"estimates alone"
+        )
     presets = [p for p in args.presets.split(",") if p]
     budgets = [float(b) for b in args.budgets.split(",") if b]
     rows, cache = [], {}
@@ -122,11 +148,16 @@ def run(args, command: str) -> str:
         f"Shape: batch {args.batch} x seq {args.seq}; the estimate assumes {'; '.join(arms)}; "
         f"ACT_SCALE={fit.ACT_SCALE}, BACKWARD_WORKSET={fit.BACKWARD_WORKSET}, FIT_HEADROOM="
         f"{fit.FIT_HEADROOM}; the model: docs/fit.md.",
-        "--dry: estimates only, nothing measured." if args.dry else
-        "Measured = torch.cuda.max_memory_allocated over the second of two training steps. "
+        "--dry: estimates only, nothing measured."
+        if args.dry
+        else "Measured = torch.cuda.max_memory_allocated over the second of two training steps. "
         "Error % = (estimate - measured) / measured. Implied K = the bytes per token x d_model "
         "per block application the peak implies where the model puts it at the start of "
         "backward without checkpointing (set fit.ACT_SCALE from it).",
-    ]  # fmt: skip
-    return report("dormouse bench memory: the --fit memory model against measured peaks",
-                  machine_lines(device, command), table(HEADER, rows), notes)  # fmt: skip
+    ]
+    return report(
+        "dormouse bench memory: the --fit memory model against measured peaks",
+        machine_lines(device, command),
+        table(HEADER, rows),
+        notes,
+    )

@@ -15,6 +15,8 @@ import statistics
 
 import torch
 
+from dormouse.config import Optim
+
 from .common import configure, machine_lines, report, resolve_device, table, timed
 
 log = logging.getLogger(__name__)
@@ -22,8 +24,13 @@ log = logging.getLogger(__name__)
 
 def add_args(ap) -> None:
     ap.add_argument("--preset", default="medium", help="whose parameter set (default medium)")
-    ap.add_argument("--steps", "--repeats", dest="steps", type=int,
-                    help="timed steps per arm (default 1 on CPU, 20 on CUDA)")  # fmt: skip
+    ap.add_argument(
+        "--steps",
+        "--repeats",
+        dest="steps",
+        type=int,
+        help="timed steps per arm (default 1 on CPU, 20 on CUDA)",
+    )
     ap.add_argument("--warmup", type=int, help="untimed steps per arm (default 1 CPU, 3 CUDA)")
     ap.add_argument("--ns-dtype", default="auto", choices=("auto", "fp32", "bf16"))
     ap.add_argument("--ns-kind", default="quintic", choices=("quintic", "polar_express"))
@@ -34,9 +41,13 @@ def per_matrix_muon(opt):
     expert stack: one per expert), with its own momentum; read from MixOptimizer's groups."""
     from ..train.optim.muon import DTYPES, muon_scale, newton_schulz
 
-    items = [(g, p, k, torch.zeros(g["matrix"], device=p.device))
-             for g in opt.param_groups if g["kind"] == "muon" for p in g["params"]
-             for k in range(p.numel() // (g["matrix"][0] * g["matrix"][1]))]  # fmt: skip
+    items = [
+        (g, p, k, torch.zeros(g["matrix"], device=p.device))
+        for g in opt.param_groups
+        if g["kind"] == "muon"
+        for p in g["params"]
+        for k in range(p.numel() // (g["matrix"][0] * g["matrix"][1]))
+    ]
 
     @torch.no_grad()
     def step(_i=0) -> None:
@@ -68,7 +79,7 @@ def run(args, command: str) -> str:
     torch.manual_seed(0)
     model = DormouseModel(cfg).to(device)
     grads = {p: torch.randn_like(p) * 1e-3 for p in model.parameters()}  # same work each step
-    opt = MixOptimizer(model, lr=1e-6, wd=0.1, ns_dtype=ns_dtype, ns_kind=args.ns_kind)
+    opt = MixOptimizer(model, Optim(lr=1e-6, wd=0.1, ns_dtype=ns_dtype, ns_kind=args.ns_kind))
     muon = {id(p): p for g in opt.param_groups if g["kind"] == "muon" for p in g["params"]}
     per_matrix, n_mat = per_matrix_muon(opt)
     rows = []
@@ -83,13 +94,26 @@ def run(args, command: str) -> str:
         log.info(f"timing {label} ...")
         rows.append((label, timed(lambda _i, fn=fn: fn(), steps, warmup, device)))
     base = statistics.median(rows[1][1])
-    cells = [[label, f"{statistics.median(ts):.1f}", f"{min(ts):.1f}",
-              f"{base / statistics.median(ts):.2f}x"] for label, ts in rows]  # fmt: skip
+    cells = [
+        [
+            label,
+            f"{statistics.median(ts):.1f}",
+            f"{min(ts):.1f}",
+            f"{base / statistics.median(ts):.2f}x",
+        ]
+        for label, ts in rows
+    ]
     groups = sum(g["kind"] == "muon" for g in opt.param_groups)
     n_muon = sum(p.numel() for p in muon.values())
-    notes = [f"ns_kind={args.ns_kind}, ns_dtype={ns_dtype}, ns_steps=5; Muon: {n_muon / 1e6:.1f}M "
-             f"params in {n_mat} matrices, {groups} shape groups; median over {steps} steps "
-             f"after {warmup} warm-up"]  # fmt: skip
+    notes = [
+        f"ns_kind={args.ns_kind}, ns_dtype={ns_dtype}, ns_steps=5; Muon: {n_muon / 1e6:.1f}M "
+        f"params in {n_mat} matrices, {groups} shape groups; median over {steps} steps "
+        f"after {warmup} warm-up"
+    ]
     header = ["arm", "step ms (median)", "min ms", "speedup vs per-matrix Muon"]
-    return report(f"dormouse bench optim: `{args.preset}` parameter set (DormouseModel)",
-                  machine_lines(device, command), table(header, cells), notes)  # fmt: skip
+    return report(
+        f"dormouse bench optim: `{args.preset}` parameter set (DormouseModel)",
+        machine_lines(device, command),
+        table(header, cells),
+        notes,
+    )

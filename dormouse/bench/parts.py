@@ -21,15 +21,16 @@ import statistics
 
 import torch
 
-from ..train.step import _autocast, clip_and_verdict, graph_forward
+from ..train.step import autocast_on, clip_and_verdict, graph_forward
 from .common import BenchError, Harness, timed
 
 #: the parts in train_step's order; "forward + backward" is timed, "backward" is its difference
 PARTS = ("forward", "backward", "clip", "optimizer", "lfb")
 
 
-def time_parts(h: Harness, window: torch.Tensor, reps: int, warmup: int,
-               device: torch.device) -> dict[str, list[float]]:  # fmt: skip
+def time_parts(
+    h: Harness, window: torch.Tensor, reps: int, warmup: int, device: torch.device
+) -> dict[str, list[float]]:
     """ms of each repetition of each part (PARTS, plus "forward + backward"), after `warmup`
     untimed ones. The backward is not timed alone: "backward" is the median of forward +
     backward less the median of the forward (one list of that one number), since a backward
@@ -37,19 +38,21 @@ def time_parts(h: Harness, window: torch.Tensor, reps: int, warmup: int,
     compiled step saves."""
     t, ctx, model, opt, scaler = h.train, h.ctx, h.model, h.opt, h.scaler
     if ctx.shape.accum != 1:
-        raise BenchError(f"--parts times one micro-batch a step; this run accumulates "
-                         f"{ctx.shape.accum}: drop global_batch")  # fmt: skip
+        raise BenchError(
+            f"--parts times one micro-batch a step; this run accumulates "
+            f"{ctx.shape.accum}: drop global_batch"
+        )
     x, y = window[:, :-1].to(device), window[:, 1:].to(device)
     last: dict = {}
 
     def forward() -> torch.Tensor:
-        with _autocast(device, h.dtype):  # with the copies out of a graph's buffers
+        with autocast_on(device, h.dtype):  # with the copies out of a graph's buffers
             loss, _ = graph_forward(h.s.wrapped, x, y)
         last["loss"] = loss.detach()
         return loss
 
     def forward_backward(_i) -> None:
-        with _autocast(device, h.dtype):
+        with autocast_on(device, h.dtype):
             weighted = forward() * ctx.loss_scale
             (weighted if scaler is None else weighted * scaler.scale).backward()
 

@@ -68,9 +68,13 @@ def add_args(ap) -> None:
     ap.add_argument("--steps", type=int, default=10, help="profiled steps (default 10)")
     ap.add_argument("--warmup", type=int, help="untimed steps first (default 1 on CPU, 5 on CUDA)")
     ap.add_argument("--kda-impl", choices=("auto", "torch", "fla"), help="the KDA arm")
-    ap.add_argument("--compile", choices=COMPILE_MODES, default="auto",
-                    help="torch.compile the step in this mode (default auto: as train decides, "
-                    "compiled on CUDA, off on the CPU)")  # fmt: skip
+    ap.add_argument(
+        "--compile",
+        choices=COMPILE_MODES,
+        default="auto",
+        help="torch.compile the step in this mode (default auto: as train decides, "
+        "compiled on CUDA, off on the CPU)",
+    )
     ap.add_argument("--top", type=int, default=15, help="top ops listed per preset (default 15)")
 
 
@@ -88,8 +92,11 @@ def _device_events(events) -> list:
     """The GPU's kernels, copies and sets (not the annotations mirrored onto its timeline)."""
     from torch.autograd import DeviceType
 
-    return [e for e in events if getattr(e, "device_type", None) == DeviceType.CUDA
-            and not _annotation(e)]  # fmt: skip
+    return [
+        e
+        for e in events
+        if getattr(e, "device_type", None) == DeviceType.CUDA and not _annotation(e)
+    ]
 
 
 def _union_us(intervals: list[tuple[float, float]]) -> float:
@@ -110,10 +117,13 @@ def _phases(events, steps: int) -> list[tuple[str, float, float, float]]:
 
     from ..train.step import PHASES
 
-    ranges = sorted((e.time_range.start, e.time_range.end, e.name.split(".", 1)[1])
-                    for e in events if e.name.startswith("dormouse.")
-                    and e.name.split(".", 1)[1] in PHASES
-                    and getattr(e, "device_type", DeviceType.CPU) == DeviceType.CPU)  # fmt: skip
+    ranges = sorted(
+        (e.time_range.start, e.time_range.end, e.name.split(".", 1)[1])
+        for e in events
+        if e.name.startswith("dormouse.")
+        and e.name.split(".", 1)[1] in PHASES
+        and getattr(e, "device_type", DeviceType.CPU) == DeviceType.CPU
+    )
     starts = [r[0] for r in ranges]
     wall = dict.fromkeys(PHASES, 0.0)
     for a, b, p in ranges:
@@ -132,8 +142,9 @@ def _phases(events, steps: int) -> list[tuple[str, float, float, float]]:
     out = []
     for p in [*PHASES, "other"]:
         if wall.get(p, 0) or count[p]:
-            out.append((p, wall.get(p, 0.0) / 1000 / steps, gpu[p] / 1000 / steps,
-                        count[p] / steps))  # fmt: skip
+            out.append(
+                (p, wall.get(p, 0.0) / 1000 / steps, gpu[p] / 1000 / steps, count[p] / steps)
+            )
     return out
 
 
@@ -178,13 +189,22 @@ def profile_preset(run, device, steps: int, warmup: int, compile: str, top: int)
     med, plain_med = statistics.median(ms), statistics.median(plain)
     tok_s = h.ctx.shape.tokens / (med / 1000)
     busy_plain = min(1.0, busy_us / 1000 / steps / plain_med)
-    row = [name, shape_text(run), first, f"{med:.1f}",
-           f"{tok_s:,.0f}", f"{100 * busy_us / 1000 / wall_ms:.0f}%" if cuda else "n/a (CPU)",
-           f"{len(kern) / steps:,.0f}" if cuda else "n/a", f"{gpu_ms / steps:.1f}" if cuda
-           else "n/a", f"{plain_med:.1f}",
-           f"{100 * busy_plain:.0f}%" if cuda else "n/a (CPU)"]  # fmt: skip
-    phases = [[name, p, f"{w:.2f}", f"{g:.2f}" if cuda else "n/a", f"{c:,.0f}" if cuda else "n/a"]
-              for p, w, g, c in _phases(events, steps)]  # fmt: skip
+    row = [
+        name,
+        shape_text(run),
+        first,
+        f"{med:.1f}",
+        f"{tok_s:,.0f}",
+        f"{100 * busy_us / 1000 / wall_ms:.0f}%" if cuda else "n/a (CPU)",
+        f"{len(kern) / steps:,.0f}" if cuda else "n/a",
+        f"{gpu_ms / steps:.1f}" if cuda else "n/a",
+        f"{plain_med:.1f}",
+        f"{100 * busy_plain:.0f}%" if cuda else "n/a (CPU)",
+    ]
+    phases = [
+        [name, p, f"{w:.2f}", f"{g:.2f}" if cuda else "n/a", f"{c:,.0f}" if cuda else "n/a"]
+        for p, w, g, c in _phases(events, steps)
+    ]
     tops = []
     if cuda:
         avg = prof.key_averages()
@@ -195,8 +215,15 @@ def profile_preset(run, device, steps: int, warmup: int, compile: str, top: int)
             t = getattr(a, "self_device_time_total", 0.0)
             if t <= 0:
                 break
-            tops.append([name, f"`{a.key[:70]}`", f"{a.count / steps:,.1f}",
-                         f"{t / 1000 / steps:.2f}", f"{100 * t / total:.1f}%"])  # fmt: skip
+            tops.append(
+                [
+                    name,
+                    f"`{a.key[:70]}`",
+                    f"{a.count / steps:,.1f}",
+                    f"{t / 1000 / steps:.2f}",
+                    f"{100 * t / total:.1f}%",
+                ]
+            )
     return row, phases, tops
 
 
@@ -212,8 +239,10 @@ def run(args, command: str) -> str:
     device = resolve_device(args.device)
     warmup = args.warmup if args.warmup is not None else (5 if device.type == "cuda" else 1)
     if args.steps < 1 or warmup < 0:
-        raise BenchError(f"--steps {args.steps} --warmup {warmup}: profile at least one step "
-                         f"after zero or more warm-up steps")  # fmt: skip
+        raise BenchError(
+            f"--steps {args.steps} --warmup {warmup}: profile at least one step "
+            f"after zero or more warm-up steps"
+        )
     for r in runs:
         if r.model.arch == "dormouse":
             try:
@@ -222,9 +251,11 @@ def run(args, command: str) -> str:
                 raise BenchError(str(e)) from None
     rows, phases, tops = [], [], []
     for k, r in enumerate(runs, 1):
-        log.info(f"[{k}/{len(runs)}] {r.source}: {shape_text(r)} "
-                 f"on {device}, {warmup} warm-up + {args.steps} profiled step(s), compile "
-                 f"{args.compile}")  # fmt: skip
+        log.info(
+            f"[{k}/{len(runs)}] {r.source}: {shape_text(r)} "
+            f"on {device}, {warmup} warm-up + {args.steps} profiled step(s), compile "
+            f"{args.compile}"
+        )
         row, ph, tp = profile_preset(r, device, args.steps, warmup, args.compile, args.top)
         rows.append(row)
         phases += ph
@@ -232,19 +263,21 @@ def run(args, command: str) -> str:
     body = table(HEADER, rows) + "\n\nPer phase of the step:\n\n" + table(PHASE_HEADER, phases)
     if tops:
         body += "\n\nTop ops by GPU time (self):\n\n" + table(TOP_HEADER, tops)
-    notes = [f"Method: {warmup} untimed warm-up step(s), then {args.steps} step(s) under "
-             "torch.profiler (CPU + CUDA activities); the profiler's own overhead is in the wall "
-             "times, so `bench step` is the speed figure and this the breakdown.",
-             "GPU busy: the union of kernel intervals / the profiled steps' wall time; GPU ms: "
-             "the sum of kernel durations (overlapping streams count twice).",
-             "Unprofiled: the same steps timed again with no profiler (the profiler's tracing "
-             "adds host time to every launch, not kernel time); GPU busy (unprofiled wall) = "
-             "the profiled kernels' busy time per step / the unprofiled median step, capped at "
-             "100%: the figure for a launch-bound step, where the profiled wall overstates the "
-             "idle GPU.",
-             "Phases: record_function ranges of loop.train_step; a kernel counts for the phase "
-             "whose range holds the start of the op that launched it ('other': outside every "
-             "range, e.g. the data's copy to the device)."]  # fmt: skip
+    notes = [
+        f"Method: {warmup} untimed warm-up step(s), then {args.steps} step(s) under "
+        "torch.profiler (CPU + CUDA activities); the profiler's own overhead is in the wall "
+        "times, so `bench step` is the speed figure and this the breakdown.",
+        "GPU busy: the union of kernel intervals / the profiled steps' wall time; GPU ms: "
+        "the sum of kernel durations (overlapping streams count twice).",
+        "Unprofiled: the same steps timed again with no profiler (the profiler's tracing "
+        "adds host time to every launch, not kernel time); GPU busy (unprofiled wall) = "
+        "the profiled kernels' busy time per step / the unprofiled median step, capped at "
+        "100%: the figure for a launch-bound step, where the profiled wall overstates the "
+        "idle GPU.",
+        "Phases: record_function ranges of loop.train_step; a kernel counts for the phase "
+        "whose range holds the start of the op that launched it ('other': outside every "
+        "range, e.g. the data's copy to the device).",
+    ]
     notes.append(
         "Verdict on the device (the run's `verdict=...: on the device` line): the "
         "steps are timed back to back, profiled and unprofiled, as the loop runs them "

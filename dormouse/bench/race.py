@@ -36,8 +36,17 @@ from .common import (
 
 log = logging.getLogger(__name__)
 
-HEADER = ["model", "params (M)", "step ms", "steps", "best val nats/byte (step)", "best bpb",
-          "bytes read", "training s", "run folder"]  # fmt: skip
+HEADER = [
+    "model",
+    "params (M)",
+    "step ms",
+    "steps",
+    "best val nats/byte (step)",
+    "best bpb",
+    "bytes read",
+    "training s",
+    "run folder",
+]
 #: steps timed to set each model's step count (after two untimed ones: compile, graph capture)
 TIMED_STEPS = 5
 
@@ -86,8 +95,11 @@ def label(run, name: str) -> str:
     if run.model.arch != "dormouse":
         return run.source.removeprefix("preset:")
     base = preset(name).model
-    changed = [f"{f.name}={getattr(run.model, f.name)}" for f in fields(base)
-               if getattr(run.model, f.name) != getattr(base, f.name)]  # fmt: skip
+    changed = [
+        f"{f.name}={getattr(run.model, f.name)}"
+        for f in fields(base)
+        if getattr(run.model, f.name) != getattr(base, f.name)
+    ]
     return f"{name} ({', '.join(changed)})" if changed else name
 
 
@@ -119,8 +131,10 @@ def run(args, command: str) -> str:
     sets = list(args.set) + ([f"data={','.join(args.data)}"] if args.data else [])
     mine = configure(args.preset, sets)
     if mine.model.arch != "dormouse":
-        raise BenchError(f"race pairs a dormouse preset with its GPT twin; {args.preset} is "
-                         f"arch={mine.model.arch}: name a dormouse preset")  # fmt: skip
+        raise BenchError(
+            f"race pairs a dormouse preset with its GPT twin; {args.preset} is "
+            f"arch={mine.model.arch}: name a dormouse preset"
+        )
     device = resolve_device(args.device)
     rows = []
     for name, r in (("dormouse", mine), ("gpt", twin(mine))):
@@ -128,11 +142,23 @@ def run(args, command: str) -> str:
         steps = max(1, int(1000 * args.seconds / ms))
         every = max(1, steps // args.evals)
         out = Path(args.runs) / name
-        log.info(f"race {name}: {ms:.1f} ms a step -> {steps} steps in {args.seconds:g} s, "
-                 f"an evaluation every {every}; into {out}")  # fmt: skip
-        r = validate(apply_sets(r, [f"steps={steps}", f"eval_every={every}", "ckpt_every=0",
-                                    f"warmup={min(r.train.warmup, steps // 10)}",
-                                    f"out_dir={out}", f"device={device}"]))  # fmt: skip
+        log.info(
+            f"race {name}: {ms:.1f} ms a step -> {steps} steps in {args.seconds:g} s, "
+            f"an evaluation every {every}; into {out}"
+        )
+        r = validate(
+            apply_sets(
+                r,
+                [
+                    f"steps={steps}",
+                    f"eval_every={every}",
+                    "ckpt_every=0",
+                    f"warmup={min(r.train.warmup, steps // 10)}",
+                    f"out_dir={out}",
+                    f"device={device}",
+                ],
+            )
+        )
         folder = RunDir(out)
         with folder.hold(r, overwrite=args.overwrite):  # the run folder's rules, as train's
             folder.plan(r, "never", args.overwrite)
@@ -140,15 +166,27 @@ def run(args, command: str) -> str:
         b = best_of(out)
         t = r.train
         read = steps * (t.global_batch or t.batch) * (t.seq_len + 1)
-        rows.append([label(r, args.preset), f"{count_params(r.model) / 1e6:.2f}",
-                     f"{ms:.1f}", str(steps), f"{b['loss']:.4f} ({b['step']})", f"{b['bpb']:.4f}",
-                     f"{read / 2**20:.2f} MiB", f"{b['train_s']:.0f}", str(out)])  # fmt: skip
-    notes = [f"Each model trained for ~{args.seconds:g} s of steps: its step count = the budget / "
-             f"its median step ({TIMED_STEPS} timed after 2 untimed), its own warm-up and decay "
-             f"over those steps, {args.evals} evaluations. Training s: the last evaluation's "
-             f"train_s (evaluation, checkpoints and the first, compiling step excluded).",
-             "The GPT twin: model/gpt.py `gpt_twin`, equal total parameters, the same train "
-             "config (windows, dtype, optimizer routing, schedule)."]  # fmt: skip
+        rows.append(
+            [
+                label(r, args.preset),
+                f"{count_params(r.model) / 1e6:.2f}",
+                f"{ms:.1f}",
+                str(steps),
+                f"{b['loss']:.4f} ({b['step']})",
+                f"{b['bpb']:.4f}",
+                f"{read / 2**20:.2f} MiB",
+                f"{b['train_s']:.0f}",
+                str(out),
+            ]
+        )
+    notes = [
+        f"Each model trained for ~{args.seconds:g} s of steps: its step count = the budget / "
+        f"its median step ({TIMED_STEPS} timed after 2 untimed), its own warm-up and decay "
+        f"over those steps, {args.evals} evaluations. Training s: the last evaluation's "
+        f"train_s (evaluation, checkpoints and the first, compiling step excluded).",
+        "The GPT twin: model/gpt.py `gpt_twin`, equal total parameters, the same train "
+        "config (windows, dtype, optimizer routing, schedule).",
+    ]
     return report(
         "dormouse bench race: equal wall-clock",
         machine_lines(device, command),

@@ -59,8 +59,15 @@ def measure_rank(run, rank: int, world: int, shard: str) -> dict:
     from ..train.run import build_model
 
     t = run.train
-    ctx = DPContext(torch.device("cpu"), (RankShape(t.batch, t.seq_len),) * world, rank=rank,
-                    world=world, backend="gloo", reduce="fp32", shard=shard)  # fmt: skip
+    ctx = DPContext(
+        torch.device("cpu"),
+        (RankShape(t.batch, t.seq_len),) * world,
+        rank=rank,
+        world=world,
+        backend="gloo",
+        reduce="fp32",
+        shard=shard,
+    )
     model = build_model(run)
     net = parallelize(model, ctx).net
     opt = MixOptimizer.from_config(model, t, "cpu")
@@ -71,19 +78,29 @@ def measure_rank(run, rank: int, world: int, shard: str) -> dict:
     opt.step()
     params = list(model.parameters())
     out = {
-        "rank": rank, "world": world, "shard": shard,
+        "rank": rank,
+        "world": world,
+        "shard": shard,
         "params": sum(local_shard(p).numel() * p.element_size() for p in params),
         "param_storage": _storage_bytes(local_shard(p) for p in params),
-        "grads": sum(local_shard(p.grad).numel() * p.grad.element_size()
-                     for p in params if p.grad is not None),
+        "grads": sum(
+            local_shard(p.grad).numel() * p.grad.element_size()
+            for p in params
+            if p.grad is not None
+        ),
         # the momentum_buffer entries are views of the stacks: each storage counted once
         "optimizer": _storage_bytes(
             [t for buf, _, absmax in opt._stacks for t in (buf, absmax) if t is not None]
-            + [local_shard(v) for st in opt.state.values() for v in st.values()
-               if torch.is_tensor(v)]),
+            + [
+                local_shard(v)
+                for st in opt.state.values()
+                for v in st.values()
+                if torch.is_tensor(v)
+            ]
+        ),
         "host": _storage_bytes(v for st in opt.host_state.values() for v in st.values()),
         "buckets": 0,
-    }  # fmt: skip
+    }
     if shard == "none":
         sizes = net._get_ddp_logging_data().get("bucket_sizes", "")
         out["buckets"] = sum(int(s) for s in str(sizes).split(",") if s.strip())
@@ -96,8 +113,9 @@ def _rank(rank: int, world: int, shards: list[str], name: str, sets: list[str], 
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", store=dist.FileStore(f"{tmp}/store", world), rank=rank,
-                            world_size=world)  # fmt: skip
+    dist.init_process_group(
+        "gloo", store=dist.FileStore(f"{tmp}/store", world), rank=rank, world_size=world
+    )
     try:
         run = configure(name, sets)
         rows = [measure_rank(run, rank, world, s) for s in shards]
@@ -112,10 +130,15 @@ def measure_fleet(name: str, world: int, shards: list[str], sets: list[str] = ()
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory() as tmp:
-        mp.start_processes(_rank, args=(world, list(shards), name, list(sets), tmp),
-                           nprocs=world, start_method="spawn")  # fmt: skip
-        return [row for r in range(world)
-                for row in json.loads(Path(f"{tmp}/rank{r}.json").read_text())]  # fmt: skip
+        mp.start_processes(
+            _rank,
+            args=(world, list(shards), name, list(sets), tmp),
+            nprocs=world,
+            start_method="spawn",
+        )
+        return [
+            row for r in range(world) for row in json.loads(Path(f"{tmp}/rank{r}.json").read_text())
+        ]
 
 
 def estimated(run, world: int, shard: str) -> dict:
@@ -123,8 +146,12 @@ def estimated(run, world: int, shard: str) -> dict:
     from ..train.plan import fit
 
     e = fit.estimate(run, world=world, shard=shard)
-    return {"params": e.masters, "grads": e.grads, "optimizer": e.adamw + e.muon + e.engram,
-            "buckets": e.comm_step}  # fmt: skip
+    return {
+        "params": e.masters,
+        "grads": e.grads,
+        "optimizer": e.adamw + e.muon + e.engram,
+        "buckets": e.comm_step,
+    }
 
 
 def compare(name: str, rows: list[dict], sets: list[str] = ()) -> list[dict]:
@@ -171,16 +198,39 @@ def run(args, command: str) -> str:
             log.info(f"shards: {name} world {world} ({','.join(shards)})")
             for c in compare(name, measure_fleet(name, world, shards, args.set), args.set):
                 m, e = c["measured"], c["estimated"]
-                body.append([
-                    name, str(world), "FSDP2" if c["shard"] == "fsdp" else "DDP",
-                    f"{m['params'] / mib:.1f}", f"{e['params'] / mib:.1f}",
-                    f"{m['optimizer'] / mib:.1f}", f"{e['optimizer'] / mib:.1f}",
-                    f"{m['grads'] / mib:.1f}", f"{e['grads'] / mib:.1f}",
-                    f"{m['buckets'] / mib:.1f}" if c["shard"] == "none" else "-",
-                    f"{e['buckets'] / mib:.1f}" if c["shard"] == "none" else "-",
-                    f"{m['params'] + m['optimizer'] - e['params'] - e['optimizer']:+,d}",
-                ])  # fmt: skip
-    lines.append(table(["preset", "world", "reducer", "params MiB", "est", "optimizer MiB", "est",
-                    "grads MiB", "est", "DDP buckets MiB", "est",
-                    "params+opt: measured - est, B"], body))  # fmt: skip
+                body.append(
+                    [
+                        name,
+                        str(world),
+                        "FSDP2" if c["shard"] == "fsdp" else "DDP",
+                        f"{m['params'] / mib:.1f}",
+                        f"{e['params'] / mib:.1f}",
+                        f"{m['optimizer'] / mib:.1f}",
+                        f"{e['optimizer'] / mib:.1f}",
+                        f"{m['grads'] / mib:.1f}",
+                        f"{e['grads'] / mib:.1f}",
+                        f"{m['buckets'] / mib:.1f}" if c["shard"] == "none" else "-",
+                        f"{e['buckets'] / mib:.1f}" if c["shard"] == "none" else "-",
+                        f"{m['params'] + m['optimizer'] - e['params'] - e['optimizer']:+,d}",
+                    ]
+                )
+    lines.append(
+        table(
+            [
+                "preset",
+                "world",
+                "reducer",
+                "params MiB",
+                "est",
+                "optimizer MiB",
+                "est",
+                "grads MiB",
+                "est",
+                "DDP buckets MiB",
+                "est",
+                "params+opt: measured - est, B",
+            ],
+            body,
+        )
+    )
     return "\n".join(lines) + "\n"

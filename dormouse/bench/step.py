@@ -91,16 +91,20 @@ NOTES = (
     "Active params/token: the looped body once per iteration, routed experts at moe_topk/"
     "n_experts, lookups excluded; model TFLOP/s = 6 x that x tokens/s (the 6N rule: KDA's "
     "recurrence, attention's scores and Muon's polar uncounted).",
-    ("MFU (datasheet): model TFLOP/s over the card's dense datasheet peak (PEAK_TFLOPS; n/a "
-     "on the CPU and unlisted cards). MFU (measured peak): the same over the matmul rate "
-     "measured above (Peak line): issue #16's definition of MFU."),
-    ("TFLOP/step: what one step computes: 6N x tokens + the mixer (dormouse: KDA's chunked "
-     "recurrence, flops.kda_chunk_flops per head and chunk; GPT: causal attention's two "
-     "products), forward x 3 for forward + backward as the 6N rule does, + Muon's Newton-"
-     "Schulz polar (flops.polar_flops: per matrix [r <= c] 4r^2c + 2r^3 per iteration x "
-     "ns_steps, per step). HFU (measured peak): that sum / step time / the measured peak. "
-     "Uncounted: elementwise work (and, with an fla-core release whose saved set "
-     "model/kda_fla.py does not know, the KDA forward the compiled op's backward runs again)."),
+    (
+        "MFU (datasheet): model TFLOP/s over the card's dense datasheet peak (PEAK_TFLOPS; n/a "
+        "on the CPU and unlisted cards). MFU (measured peak): the same over the matmul rate "
+        "measured above (Peak line): issue #16's definition of MFU."
+    ),
+    (
+        "TFLOP/step: what one step computes: 6N x tokens + the mixer (dormouse: KDA's chunked "
+        "recurrence, flops.kda_chunk_flops per head and chunk; GPT: causal attention's two "
+        "products), forward x 3 for forward + backward as the 6N rule does, + Muon's Newton-"
+        "Schulz polar (flops.polar_flops: per matrix [r <= c] 4r^2c + 2r^3 per iteration x "
+        "ns_steps, per step). HFU (measured peak): that sum / step time / the measured peak. "
+        "Uncounted: elementwise work (and, with an fla-core release whose saved set "
+        "model/kda_fla.py does not know, the KDA forward the compiled op's backward runs again)."
+    ),
     "compile: what `train` with these settings runs (compile=auto: on CUDA torch.compile in "
     "reduce-overhead where the shapes are static, else default mode; off on the CPU; "
     "--set compile=false|true, compile_mode=M pin it). First step s: from the model's build "
@@ -109,7 +113,7 @@ NOTES = (
     "two steps are left out of step ms.",
     "Peak memory: torch.cuda.max_memory_allocated on CUDA; on the CPU the process's peak RSS "
     "(the whole process, never lower than an earlier preset's).",
-)  # fmt: skip
+)
 PARTS_HEADER = ["preset", "part", "ms (median)", "ms (min)", "share of the step"]
 PARTS_NOTE = (
     "Parts (--parts, parts.py): after the timed steps, on the same model, optimizer and window, "
@@ -122,17 +126,19 @@ PARTS_NOTE = (
     "update. Sum of parts = forward + backward + clip + optimizer + lfb; the step also holds the "
     "window's host-to-device copy and the lr schedule. A benchmark: the repeated optimizer "
     "steps move the parameters on the same gradients, each clip rescales them again."
-)  # fmt: skip
+)
 BASELINE_HEADER = ["dormouse / GPT tokens/s"]
 BASELINE_NOTES = (
     "Baseline (--baseline gpt): after each preset, the plain GPT (model/gpt.py: SDPA causal "
     "attention, GELU MLP, tied head) of equal total parameters (gpt_twin: heads of 64, MLP 4 x "
     "d_model, within 3% of the count, d_model / n_layers nearest GPT-2's 64), with the preset's "
     "train config: the same windows, dtype, optimizer routing, clip and loop.train_step.",
-    ("The GPT's active params count every matrix once, the tied embedding as the head; "
-     "attention's score FLOPs are uncounted in model TFLOP/s and MFU (the 6N rule) and counted "
-     "in the GPT row's TFLOP/step and HFU, as KDA's recurrence is in the dormouse row's."),
-)  # fmt: skip
+    (
+        "The GPT's active params count every matrix once, the tied embedding as the head; "
+        "attention's score FLOPs are uncounted in model TFLOP/s and MFU (the 6N rule) and counted "
+        "in the GPT row's TFLOP/step and HFU, as KDA's recurrence is in the dormouse row's."
+    ),
+)
 
 
 def add_args(ap) -> None:
@@ -143,19 +149,32 @@ def add_args(ap) -> None:
     ap.add_argument("--steps", type=int, help="timed steps (default 5 on CPU, 20 on CUDA)")
     ap.add_argument("--warmup", type=int, help="untimed steps first (default 1 on CPU, 5 on CUDA)")
     ap.add_argument("--kda-impl", choices=("auto", "torch", "fla"), help="the KDA arm")
-    ap.add_argument("--baseline", choices=("gpt",),
-                    help="also time the plain GPT of equal total parameters on the same bytes "
-                    "and print dormouse / GPT tokens/s")  # fmt: skip
-    ap.add_argument("--parts", action="store_true",
-                    help="after the timed steps, time each part of the step alone (forward, "
-                    "backward, clip, optimizer, LFB update) and print the step against their "
-                    "sum and the optimizer's share")  # fmt: skip
-    ap.add_argument("--peak-tflops", type=float, metavar="X",
-                    help="the matmul peak (TFLOP/s) MFU and HFU divide by, instead of the one "
-                    "measured on CUDA (on the CPU: none without this)")  # fmt: skip
-    ap.add_argument("--compile", choices=("auto", "on", "off"),
-                    help="compile of the GPT row (auto, the default: as the dormouse row, "
-                    "i.e. as train decides: on CUDA, off on the CPU)")  # fmt: skip
+    ap.add_argument(
+        "--baseline",
+        choices=("gpt",),
+        help="also time the plain GPT of equal total parameters on the same bytes "
+        "and print dormouse / GPT tokens/s",
+    )
+    ap.add_argument(
+        "--parts",
+        action="store_true",
+        help="after the timed steps, time each part of the step alone (forward, "
+        "backward, clip, optimizer, LFB update) and print the step against their "
+        "sum and the optimizer's share",
+    )
+    ap.add_argument(
+        "--peak-tflops",
+        type=float,
+        metavar="X",
+        help="the matmul peak (TFLOP/s) MFU and HFU divide by, instead of the one "
+        "measured on CUDA (on the CPU: none without this)",
+    )
+    ap.add_argument(
+        "--compile",
+        choices=("auto", "on", "off"),
+        help="compile of the GPT row (auto, the default: as the dormouse row, "
+        "i.e. as train decides: on CUDA, off on the CPU)",
+    )
 
 
 def peak_tflops(device_name: str, dtype: str) -> float | None:
@@ -174,15 +193,23 @@ def twin(run: RunConfig) -> RunConfig:
 
     m = gpt_twin(run.model, count_params(run.model))
     name = run.source.removeprefix("preset:")
-    same = [n for n in preset_names() if (n.startswith("gpt") and preset(n).model ==
-            replace(m, dropout=preset(n).model.dropout))]  # fmt: skip
+    same = [
+        n
+        for n in preset_names()
+        if (n.startswith("gpt") and preset(n).model == replace(m, dropout=preset(n).model.dropout))
+    ]
     label = f"gpt {m.d_model} x {m.n_layers} (twin of {name}{f'; {same[0]} shape' if same else ''})"
     return validate(RunConfig(source=label, model=m, train=run.train))
 
 
-def bench_preset(run: RunConfig, device: torch.device, steps: int, warmup: int,
-                 peak: float | None = None,
-                 parts: bool = False) -> tuple[list, int, float, list]:  # fmt: skip
+def bench_preset(
+    run: RunConfig,
+    device: torch.device,
+    steps: int,
+    warmup: int,
+    peak: float | None = None,
+    parts: bool = False,
+) -> tuple[list, int, float, list]:
     """(the table row of `run` on `device`, timed steps skipped as non-finite, seconds from the
     build to the end of the first step (the cold start: compile, CUDA-graph capture, kernel
     autotune), and with `parts` the parts table's rows). `peak`: the matmul TFLOP/s MFU and
@@ -212,12 +239,15 @@ def bench_preset(run: RunConfig, device: torch.device, steps: int, warmup: int,
         if not h.train.compile:
             raise
         first = (str(e).strip().splitlines() or [""])[0][:300]
-        raise BenchError(f"torch.compile of {run.source} failed on {device} "
-                         f"({type(e).__name__}: {first}); rerun with --set compile=false"
-                         ) from e  # fmt: skip
-    log.info(f"{run.source}: build + first step {start_s:.1f} s, second step {second_s:.2f} s "
-             f"(untimed in step ms; a second step far above step ms is a recompile: "
-             f"TORCH_LOGS=recompiles says why)")  # fmt: skip
+        raise BenchError(
+            f"torch.compile of {run.source} failed on {device} "
+            f"({type(e).__name__}: {first}); rerun with --set compile=false"
+        ) from e
+    log.info(
+        f"{run.source}: build + first step {start_s:.1f} s, second step {second_s:.2f} s "
+        f"(untimed in step ms; a second step far above step ms is a recompile: "
+        f"TORCH_LOGS=recompiles says why)"
+    )
     ms = timed(lambda i: taken.append(step(i, data[i])), steps, warmup, device, chain=h.defer)
     taken = [bool(ok) for ok in taken]  # verdict=device: bool tensors, read once all have run
     if cuda:
@@ -231,12 +261,19 @@ def bench_preset(run: RunConfig, device: torch.device, steps: int, warmup: int,
     t = run.train
     tok_s = h.ctx.shape.tokens / (med / 1000)
     tflops, top = 6 * active * tok_s / 1e12, peak_tflops(name, dt)
-    mfu = ("n/a (CPU)" if not cuda else f"n/a (no {dt} peak known for {name})" if top is None
-           else f"{100 * tflops / top:.1f}%")  # fmt: skip
+    mfu = (
+        "n/a (CPU)"
+        if not cuda
+        else f"n/a (no {dt} peak known for {name})"
+        if top is None
+        else f"{100 * tflops / top:.1f}%"
+    )
     work = step_flops(model, h.opt, h.ctx.shape.windows, t.seq_len, active)
     mixer = work["KDA"] + work["attention"]
-    per_step = (f"{work['6N'] / 1e12:.3g} + {mixer / 1e12:.3g} + {work['polar'] / 1e12:.3g} = "
-                f"{sum(work.values()) / 1e12:.3g}")  # fmt: skip
+    per_step = (
+        f"{work['6N'] / 1e12:.3g} + {mixer / 1e12:.3g} + {work['polar'] / 1e12:.3g} = "
+        f"{sum(work.values()) / 1e12:.3g}"
+    )
     if peak is None:
         mfu_m = hfu = "n/a (CPU: no peak; --peak-tflops X)" if not cuda else "n/a"
     else:
@@ -250,16 +287,32 @@ def bench_preset(run: RunConfig, device: torch.device, steps: int, warmup: int,
             model.blocks[0].moe.arm(device, dtype or torch.float32).name,
         ]
     label = run.source.removeprefix("preset:")
-    row = [label, f"{count_params(run.model) / 1e6:.2f}", f"{active / 1e6:.2f}",
-           shape_text(run), *arms, dt, compile_text(h.train), f"{start_s:.1f}",
-           f"{med:.1f}", f"{min(ms):.1f}",
-           f"{tok_s:,.0f}", f"{tflops:.3g}", mfu, mfu_m, per_step, hfu, peak_mem]  # fmt: skip
+    row = [
+        label,
+        f"{count_params(run.model) / 1e6:.2f}",
+        f"{active / 1e6:.2f}",
+        shape_text(run),
+        *arms,
+        dt,
+        compile_text(h.train),
+        f"{start_s:.1f}",
+        f"{med:.1f}",
+        f"{min(ms):.1f}",
+        f"{tok_s:,.0f}",
+        f"{tflops:.3g}",
+        mfu,
+        mfu_m,
+        per_step,
+        hfu,
+        peak_mem,
+    ]
     part_rows = _part_rows(label, h, data[-1], steps, warmup, device, med) if parts else []
     return row, taken[warmup:].count(False), start_s, part_rows
 
 
-def _part_rows(label: str, h, window, steps: int, warmup: int, device: torch.device,
-               step_ms: float) -> list[list]:  # fmt: skip
+def _part_rows(
+    label: str, h, window, steps: int, warmup: int, device: torch.device, step_ms: float
+) -> list[list]:
     """The parts table's rows for one preset (parts.time_parts: `steps` repetitions of each
     after at least one untimed one), then the sum, the step, and the summary cells."""
     from .parts import PARTS, time_parts
@@ -279,10 +332,17 @@ def _part_rows(label: str, h, window, steps: int, warmup: int, device: torch.dev
     for part in ("forward + backward", *PARTS):
         ms = got[part]
         timed_alone = part != "backward"
-        rows.append([label, part if timed_alone else "backward (= forward + backward - forward)",
-                     f"{statistics.median(ms):.2f}", f"{min(ms):.2f}" if timed_alone else "-",
-                     share(statistics.median(ms)) if part != "forward + backward" else
-                     f"({share(statistics.median(ms))})"])  # fmt: skip
+        rows.append(
+            [
+                label,
+                part if timed_alone else "backward (= forward + backward - forward)",
+                f"{statistics.median(ms):.2f}",
+                f"{min(ms):.2f}" if timed_alone else "-",
+                share(statistics.median(ms))
+                if part != "forward + backward"
+                else f"({share(statistics.median(ms))})",
+            ]
+        )
     total = sum(statistics.median(got[p]) for p in PARTS)
     rows.append([label, "sum of parts", f"{total:.2f}", "-", share(total)])
     rows.append([label, "step (the timed steps' median)", f"{step_ms:.2f}", "-", "100.0%"])
@@ -300,11 +360,15 @@ def run(args, command: str) -> str:
     steps = args.steps if args.steps is not None else (20 if cuda else 5)
     warmup = args.warmup if args.warmup is not None else (5 if cuda else 1)
     if steps < 1 or warmup < 0:
-        raise BenchError(f"--steps {steps} --warmup {warmup}: time at least one step "
-                         f"(steps >= 1) after zero or more warm-up steps")  # fmt: skip
+        raise BenchError(
+            f"--steps {steps} --warmup {warmup}: time at least one step "
+            f"(steps >= 1) after zero or more warm-up steps"
+        )
     if args.compile and not args.baseline:
-        raise BenchError(f"--compile {args.compile} applies to the GPT baseline row, which is "
-                         f"not asked for; add --baseline gpt or drop --compile")  # fmt: skip
+        raise BenchError(
+            f"--compile {args.compile} applies to the GPT baseline row, which is "
+            f"not asked for; add --baseline gpt or drop --compile"
+        )
     twin_compile = {"on": "compile=true", "off": "compile=false"}.get(args.compile or "auto")
     for r in runs:  # a pinned kda_impl=fla that cannot run here, refused before any timing
         if args.baseline and r.model.arch != "dormouse":
@@ -330,10 +394,13 @@ def run(args, command: str) -> str:
         if twin_compile and args.baseline:
             pair[1] = validate(apply_sets(pair[1], [twin_compile]))
         for x in pair:
-            log.info(f"[{k}/{len(runs)}] {x.source}: {shape_text(x)} on {device}, 2 first "
-                     f"(build, compile) + {warmup} warm-up + {steps} timed step(s)")  # fmt: skip
-            row, skips, _, parts = bench_preset(x, device, steps, warmup,
-                                                peaks.get(dts[k - 1]), args.parts)  # fmt: skip
+            log.info(
+                f"[{k}/{len(runs)}] {x.source}: {shape_text(x)} on {device}, 2 first "
+                f"(build, compile) + {warmup} warm-up + {steps} timed step(s)"
+            )
+            row, skips, _, parts = bench_preset(
+                x, device, steps, warmup, peaks.get(dts[k - 1]), args.parts
+            )
             part_rows += parts
             rows.append(row)
             skipped += [f"{row[0]}: {skips}/{steps}"] if skips else []
@@ -354,8 +421,9 @@ def run(args, command: str) -> str:
         notes.append("Timed steps skipped as non-finite (still timed): " + ", ".join(skipped))
     body = table(header, rows)
     if args.parts:
-        body += ("\n\nThe step's parts, each timed alone (--parts):\n\n"
-                 + table(PARTS_HEADER, part_rows))  # fmt: skip
+        body += "\n\nThe step's parts, each timed alone (--parts):\n\n" + table(
+            PARTS_HEADER, part_rows
+        )
         notes += [PARTS_NOTE.format(n=steps, w=max(1, warmup))]
     return report("dormouse bench step: training step", machine, body, notes)
 
@@ -366,8 +434,9 @@ def _dtype_name(run: RunConfig, device: torch.device) -> str:
     return dtype_name(resolve_autocast(run, device))
 
 
-def _peaks(dts: list[str], device: torch.device,
-           given: float | None) -> tuple[dict[str, float], str]:  # fmt: skip
+def _peaks(
+    dts: list[str], device: torch.device, given: float | None
+) -> tuple[dict[str, float], str]:
     """({compute dtype: the matmul TFLOP/s MFU and HFU divide by}, the report's Peak line):
     `given` (--peak-tflops) for the rows' one dtype, else measured on CUDA (flops.matmul_peak)
     once per dtype `dts` the rows compute in, else none (the CPU)."""
@@ -378,14 +447,20 @@ def _peaks(dts: list[str], device: torch.device,
                 f"(e.g. --peak-tflops 790); leave it out to measure it on CUDA"
             )
         if len(dts) > 1:
-            raise BenchError(f"--peak-tflops {given} is one peak, but these rows compute in "
-                             f"{' and '.join(dts)}; bench one dtype at a time or leave "
-                             f"--peak-tflops out to measure each on CUDA")  # fmt: skip
-        return {dts[0]: given}, (f"Peak (MFU and HFU, measured peak): {given:g} TFLOP/s "
-                                 f"{dts[0]}, given by --peak-tflops (not measured)")  # fmt: skip
+            raise BenchError(
+                f"--peak-tflops {given} is one peak, but these rows compute in "
+                f"{' and '.join(dts)}; bench one dtype at a time or leave "
+                f"--peak-tflops out to measure each on CUDA"
+            )
+        return {dts[0]: given}, (
+            f"Peak (MFU and HFU, measured peak): {given:g} TFLOP/s "
+            f"{dts[0]}, given by --peak-tflops (not measured)"
+        )
     if device.type != "cuda":
-        return {}, ("Peak (MFU and HFU, measured peak): none on the CPU (n/a; --peak-tflops X "
-                    "divides by a figure of your own)")  # fmt: skip
+        return {}, (
+            "Peak (MFU and HFU, measured peak): none on the CPU (n/a; --peak-tflops X "
+            "divides by a figure of your own)"
+        )
     from .flops import PEAK_N, PEAK_REPS, PEAK_WARMUP, matmul_peak
 
     torch_dt = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -396,9 +471,11 @@ def _peaks(dts: list[str], device: torch.device,
         said.append(f"{dt} {med:.1f} TFLOP/s (best {best:.1f})")
         log.info(f"matmul peak on {device}: {said[-1]}")
     n = PEAK_N
-    return peaks, (f"Peak (MFU and HFU, measured peak): torch.mm {n} x {n} x {n} on random "
-                   f"inputs, the median of {PEAK_REPS} calls timed by CUDA events after "
-                   f"{PEAK_WARMUP} warm-up: " + "; ".join(said))  # fmt: skip
+    return peaks, (
+        f"Peak (MFU and HFU, measured peak): torch.mm {n} x {n} x {n} on random "
+        f"inputs, the median of {PEAK_REPS} calls timed by CUDA events after "
+        f"{PEAK_WARMUP} warm-up: " + "; ".join(said)
+    )
 
 
 def _tok_s(row: list) -> float:

@@ -33,7 +33,7 @@ import functools
 
 import torch
 
-from .qk_norm import _on  # launch on the tensors' card, as the norm's kernels do
+from .qk_norm import on_card  # launch on the tensors' card, as the norm's kernels do
 
 _LANES = 4  # channels a thread holds: 8-byte bf16 loads; x, dy and g windows + W sums in regs
 _AHEAD = 2  # rows of x and dy loaded ahead of the step that uses them
@@ -145,7 +145,7 @@ def conv_silu_bwd(x: torch.Tensor, w: torch.Tensor,
     dwp = torch.zeros(B * ns, C, W, device=x.device, dtype=torch.float32)
     if x.numel():
         triton, bwd = _kernel()
-        with _on(x):
+        with on_card(x):
             bwd[(triton.cdiv(C, bc), ns, B)](x, w, dy, dx, dwp, T, C, ns, W=W, BC=bc, SPAN=span,
                                              P=_AHEAD, num_warps=warps)  # fmt: skip
     return dx, dwp.sum(0).to(w.dtype)

@@ -43,7 +43,7 @@ def _arm_name(impl: str, head_dim: int, device: torch.device, dtype: torch.dtype
     return announce(choose_arm("kda", impl, device, dtype, {"head_dim": head_dim})).name
 
 
-def _l2norm(x: torch.Tensor, eps: float = _L2_EPS) -> torch.Tensor:
+def l2norm(x: torch.Tensor, eps: float = _L2_EPS) -> torch.Tensor:
     xf = at_least_fp32(x)
     return (xf * torch.rsqrt(xf.pow(2).sum(-1, keepdim=True) + eps)).to(x.dtype)
 
@@ -206,7 +206,7 @@ class KDAMixer(nn.Module):
             q, k, v = qk_l2norm(qkv, H)
         else:
             q, k, v = qkv.view(B, T, 3, H, Dh).unbind(dim=2)
-            q, k = _l2norm(q), _l2norm(k)
+            q, k = l2norm(q), l2norm(k)
 
         f = at_least_fp32(self.dt_bias).expand(B, T, -1)
         if self.f_down is not None:

@@ -5,7 +5,7 @@ A block is a KDA mixer (or softmax attention: `attn_every`, model/attn.py) and a
 Owns the assembly of the network and its two entry points: `forward` (training and
 evaluation over whole windows) and `step` (recurrent decoding, one byte at a time,
 carrying every module's state in a cache). Parallelism is applied from outside
-(`dormouse/train/distributed.py`); nothing here imports torch.distributed.
+(`dormouse/train/fleet/parallelize.py`); nothing here imports torch.distributed.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 `KDAMixer` normalises q and k (each head's row of head_dim, fp32 inside, eps 1e-6 under the
 root) after the short conv, whose output holds q|k|v side by side ([B, T, 3, H, D]). On the
-torch arm that is `kda._l2norm` on two strided views, and under torch.compile inductor fused it
+torch arm that is `kda.l2norm` on two strided views, and under torch.compile inductor fused it
 with the split into q, k, v: measured on an H200 at b1 32 x 2048 (docs/performance.md), the
 forward and the backward (the norm's gradient fused with the stack of dq|dk|dv back into the
 conv's layout) ran 37 ms of an ~800 ms step at ~1.2 TB/s, and v's own copy for fla's kernel
@@ -15,7 +15,7 @@ another ~4.5 ms. Here, on CUDA with Triton:
   dx = r (dy - y (y . dy)) per row, from the normalised rows (kept by fla's kernel anyway)
   and r: no pre-norm copy is kept.
 
-The torch arm, the CPU and any machine without Triton keep `kda._l2norm`; this module imports
+The torch arm, the CPU and any machine without Triton keep `kda.l2norm`; this module imports
 Triton only when a kernel first runs. The kernels take fixed block shapes (no autotuning): a
 row is head_dim wide (a power of two up to 256 in every preset), BT rows a program.
 """
@@ -27,7 +27,7 @@ import functools
 
 import torch
 
-EPS = 1e-6  # under the root; kda._l2norm (the torch arm) takes the same
+EPS = 1e-6  # under the root; kda.l2norm (the torch arm) takes the same
 _BT = 16  # rows (tokens) a program: 16 x 128 bf16 = 4 KiB a tile; memory-bound either way
 
 
@@ -89,7 +89,7 @@ def _kernels():
     return triton, fwd, bwd
 
 
-def _on(t: torch.Tensor):
+def on_card(t: torch.Tensor):
     """Launch on t's card (Triton launches on the current one; a fleet rank may hold another)."""
     return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
 
@@ -113,7 +113,7 @@ def _qk_l2norm(qkv: torch.Tensor, heads: int) -> tuple[torch.Tensor, torch.Tenso
     q, k, v, r = _outputs(qkv, heads)
     n, d = r.numel() // (2 * heads), q.shape[-1]
     if n:
-        with _on(qkv):
+        with on_card(qkv):
             fwd[(triton.cdiv(n, _BT), 3 * heads)](qkv, q, k, v, r, n, EPS, H=heads, D=d,
                                                    BD=triton.next_power_of_2(d), BT=_BT)  # fmt: skip
     return q, k, v, r
@@ -134,7 +134,7 @@ def _qk_l2norm_bwd(q: torch.Tensor, k: torch.Tensor, r: torch.Tensor, dq: torch.
     dx = q.new_empty(*lead, 3 * heads * d)
     n = r.numel() // (2 * heads)
     if n:
-        with _on(q):
+        with on_card(q):
             bwd[(triton.cdiv(n, _BT), 3 * heads)](q, k, r, dq, dk, dv, dx, n, H=heads, D=d,
                                                    BD=triton.next_power_of_2(d), BT=_BT)  # fmt: skip
     return dx
@@ -163,6 +163,6 @@ _qk_l2norm.register_autograd(_backward, setup_context=_setup)
 
 def qk_l2norm(qkv: torch.Tensor, heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(q, k, v) [B, T, heads, D] from the conv's qkv [B, T, 3 x heads x D]: q and k each
-    row divided by sqrt(|row|^2 + 1e-6) in fp32, as `kda._l2norm`; v as it is."""
+    row divided by sqrt(|row|^2 + 1e-6) in fp32, as `kda.l2norm`; v as it is."""
     q, k, v, _ = torch.ops.dormouse.qk_l2norm(qkv.contiguous(), heads)
     return q, k, v

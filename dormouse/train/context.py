@@ -94,8 +94,12 @@ def unpacked_lines(shapes: Sequence[RankShape], cap: int) -> list[str]:
     return out
 
 
-def packed_split(split: Sequence[int], per_window: Sequence[float], caps: Sequence[int],
-                 limits: Sequence[int | None] | None = None) -> tuple[int, ...]:  # fmt: skip
+def packed_split(
+    split: Sequence[int],
+    per_window: Sequence[float],
+    caps: Sequence[int],
+    limits: Sequence[int | None] | None = None,
+) -> tuple[int, ...]:
     """The split of sum(split) windows nearest `split` whose every share is `packed` at its
     rank's micro-batch cap (`caps`), chosen for the shortest predicted step (max over ranks of
     share x seconds per window) and then the least total move from `split`. Each share stays
@@ -144,8 +148,9 @@ class DPContext:
     heartbeat: object | None = field(default=None, compare=False, repr=False)
 
     @classmethod
-    def single(cls, device: torch.device, batch: int, seq_len: int,
-               global_batch: int = 0) -> DPContext:  # fmt: skip
+    def single(
+        cls, device: torch.device, batch: int, seq_len: int, global_batch: int = 0
+    ) -> DPContext:
         """One process: `global_batch` windows a step (0: `batch`) in micro-batches of at
         most `batch`."""
         shape = accumulate(global_batch or batch, batch, seq_len)
@@ -306,14 +311,18 @@ class DPContext:
         if self.world == 1:
             return f"single process, shape={self.shape.line()}"
         shapes = ",".join(s.line() for s in self.shapes)
-        return (f"rank {self.rank}/{self.world} backend={self.backend} shapes={shapes} "
-                f"reduce={self.reduce} shard={self.shard}")  # fmt: skip
+        return (
+            f"rank {self.rank}/{self.world} backend={self.backend} shapes={shapes} "
+            f"reduce={self.reduce} shard={self.shard}"
+        )
 
     def line(self) -> str:
         """The one line every rank of a fleet prints when it joins."""
-        return (f"dist rank={self.rank}/{self.world} backend={self.backend} "
-                f"device={self.device} shape={self.shape.line()} dtype={self.compute} "
-                f"reduce={self.reduce} shard={self.shard}")  # fmt: skip
+        return (
+            f"dist rank={self.rank}/{self.world} backend={self.backend} "
+            f"device={self.device} shape={self.shape.line()} dtype={self.compute} "
+            f"reduce={self.reduce} shard={self.shard}"
+        )
 
 
 def local_shard(t: torch.Tensor) -> torch.Tensor:
@@ -354,8 +363,9 @@ def merge_row_grads(
                 f"{rows.unique().numel()} distinct); a rank's set must be summed per row first "
                 f"(HostTables.pending is)"
             )
-    union, inv = torch.unique(torch.cat([rows for rows, _ in parts]), sorted=True,
-                              return_inverse=True)  # fmt: skip
+    union, inv = torch.unique(
+        torch.cat([rows for rows, _ in parts]), sorted=True, return_inverse=True
+    )
     grads = [grad for _, grad in parts]
     out = grads[0].new_zeros(union.numel(), dim)
     start = 0

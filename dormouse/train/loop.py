@@ -1,8 +1,8 @@
 """The training loop, the same code in one process and on every rank of a fleet.
 
-`train(model, wrapped, opt, ctx, run)` runs the steps (`step.train_step`) and owns what lies
-between them: the LR schedule's position, logging, evaluation, the best checkpoint,
-checkpoints, resume, a graceful stop. What differs on a fleet is asked of the data-parallel
+`train(model, wrapped, opt, ctx, run, autocast, hooks)` runs the steps (`step.train_step`) and
+owns what lies between them: the LR schedule's position, logging, evaluation, the best
+checkpoint, checkpoints, resume, a graceful stop (on the flag signals.py raises). What differs on a fleet is asked of the data-parallel
 context (`context.DPContext`: the identity in one process); the model arrives built and
 wrapped (`run.py`), the run folder held (`store/folder.py`). `Callbacks` are observation
 points: the gates record runs through them.
@@ -13,20 +13,30 @@ from __future__ import annotations
 import itertools
 import logging
 import math
-import signal
 import sys
-import threading
 import time
 from dataclasses import dataclass, field
 
 import torch
 
 from ..errors import UserError
-from . import step as steps  # by module: a planted bug (gates/mutations.py) reaches the loop
 from .context import DPContext, OneStream
 from .data import DataError, fingerprint_mismatch, open_data
 from .optim.scaler import LossScaler, loss_scaled
-from .step import LN2, Callbacks, Step, Wrapped, _call, _Deferred, _Settled, device_verdict
+from .signals import GracefulStop
+from .step import (
+    LN2,
+    Callbacks,
+    Deferred,
+    Settled,
+    Step,
+    Wrapped,
+    device_verdict,
+    evaluate_fleet,
+    lr_factor,
+    notify,
+    train_step,
+)
 from .store import checkpoint as ckpt
 from .store.folder import METRICS, PLOT, RunDir, RunDirError, read_rows
 from .store.metrics import Sinks
@@ -36,65 +46,6 @@ log = logging.getLogger(__name__)
 
 class TrainingError(UserError, RuntimeError):
     pass
-
-
-# ---- stopping on a signal -------------------------------------------------------------
-
-
-class _GracefulStop:
-    """SIGINT / SIGTERM while training: finish the step in hand, checkpoint, then stop.
-
-    A signal only raises a flag; the loop reads it between steps, where model, optimizer
-    and data position agree, so the checkpoint written then resumes exactly (a
-    KeyboardInterrupt raised mid-step could not promise that). A second Ctrl-C stops at
-    once, without a checkpoint. Schedulers send SIGTERM before they preempt a job: it is
-    honoured the same way. A disposition of SIG_IGN (a shell's background job) is left
-    alone. Some libraries put their own SIGINT handler in place on first use, so the loop
-    re-installs ours between steps and says so once. Off the main thread (where Python
-    cannot set handlers) this does nothing.
-    """
-
-    NAMES = ("SIGINT", "SIGTERM")
-
-    def __init__(self):
-        self.caught: str | None = None
-        self.stopped = False  # the loop stopped on the signal, with a checkpoint
-        self._handler = self._on_signal  # one bound method, so `is` finds it again
-        self._previous: dict = {}
-        self._told = False
-
-    def _on_signal(self, signum, _frame) -> None:
-        if self.caught is not None and signum == signal.SIGINT:
-            raise KeyboardInterrupt  # the second Ctrl-C: stop now
-        self.caught = signal.Signals(signum).name
-
-    def install(self) -> None:
-        if threading.current_thread() is not threading.main_thread():
-            return
-        for name in self.NAMES:
-            sig = getattr(signal, name, None)
-            if sig is None:
-                continue
-            old = signal.getsignal(sig)
-            if old is signal.SIG_IGN:
-                continue
-            self._previous[sig] = old
-            signal.signal(sig, self._handler)
-
-    def keep_installed(self) -> None:
-        for sig in self._previous:
-            now = signal.getsignal(sig)
-            if now is not self._handler:
-                if not self._told:
-                    log.info(f"note: the {signal.Signals(sig).name} handler was replaced "
-                             f"({now!r}) by something the run loaded; re-installed so a stop "
-                             f"still writes a checkpoint")  # fmt: skip
-                    self._told = True
-                signal.signal(sig, self._handler)
-
-    def restore(self) -> None:
-        for sig, old in self._previous.items():
-            signal.signal(sig, old if old is not None else signal.SIG_DFL)
 
 
 class _Progress:
@@ -234,12 +185,27 @@ def _say_first_step(t_step: float, device: torch.device) -> None:
 # ---- the loop -------------------------------------------------------------------------------
 
 
+@dataclass
+class Hooks:
+    """What a caller asks of one run beside its config. `resume`: from the run folder's
+    checkpoint. `stop_at`: end after that many steps, keeping the full run's schedule (an
+    interrupted run, for resume tests; the final checkpoint is written). `progress`: a
+    progress bar on a terminal. `callbacks`: observation points (the gates record runs
+    there). `folder`: the run folder as the CLI holds it; else opened from out_dir."""
+
+    resume: bool = False
+    stop_at: int | None = None
+    progress: bool = False
+    callbacks: Callbacks = field(default_factory=Callbacks)
+    folder: RunDir | None = None
+
+
 class _Run:
     """One run's state between its steps, and the moves the loop makes with it: resume,
     save, evaluate, settle a step's verdict (log, metrics, skips), stop."""
 
-    def __init__(self, s: Step, run, folder: RunDir | None, sinks: Sinks, progress: bool,
-                 stop_at: int | None, stream_of=OneStream):  # fmt: skip
+    def __init__(self, s: Step, run, hooks: Hooks, sinks: Sinks, stream_of=OneStream):
+        folder, progress, stop_at = hooks.folder, hooks.progress, hooks.stop_at
         cfg = self.cfg = run.train
         self.s, self.run, self.sinks, self.main = s, run, sinks, s.ctx.is_main
         self.data = open_data(cfg)
@@ -259,7 +225,7 @@ class _Run:
         self.skips = self.consecutive = self.tokens = self.since_log = 0
         self.last_loss, self.t_log = math.nan, time.perf_counter()
         self.last_saved: int | None = None
-        self.pending: _Settled | None = None  # verdict=device: settled behind the next step
+        self.pending: Settled | None = None  # verdict=device: settled behind the next step
 
     # -- before the first step ---------------------------------------------------------------
 
@@ -363,7 +329,7 @@ class _Run:
         checkpoint worth keeping."""
         s, cfg, best = self.s, self.cfg, self.best
         self.beat.at(step, "eval")
-        res = steps.evaluate_fleet(s.model, self.val, s.ctx, s.autocast)
+        res = evaluate_fleet(s.model, self.val, s.ctx, s.autocast)
         tag = (f" dist={s.ctx.rank}/{s.ctx.world} (split over the ranks)" if s.ctx.world > 1
                else "")  # fmt: skip
         log.info(f"eval step={step} loss={res['loss']:.4f} bpb={res['bpb']:.4f} on "
@@ -385,13 +351,13 @@ class _Run:
                             f"best (early_stop={cfg.early_stop}); best was step {best.step} "
                             f"(val {best.loss:.4f}, in {self.best_file})")  # fmt: skip
                 stop = True
-        _call(s.callbacks.on_eval, step=step, val=res if self.main else {}, **s.seen())
+        notify(s.callbacks.on_eval, step=step, val=res if self.main else {}, **s.seen())
         return res, stop
 
     def logs(self, done: int) -> bool:
         return bool(self.cfg.log_every and (done % self.cfg.log_every == 0 or done == self.end))
 
-    def settle(self, p: _Settled) -> bool:
+    def settle(self, p: Settled) -> bool:
         """The bookkeeping of step p.step once its verdict is read: the skip count (and the
         divergence stop), the log line and metrics row, the bar. False: skipped."""
         s, cfg, scaler = self.s, self.cfg, self.s.scaler
@@ -424,16 +390,16 @@ class _Run:
         self.bar.update(done, self.last_loss)
         return True
 
-    def _log_row(self, p: _Settled, done: int, gnorm: float) -> None:
+    def _log_row(self, p: Settled, done: int, gnorm: float) -> None:
         s, cfg, scaler, ctx = self.s, self.cfg, self.s.scaler, self.s.ctx
         fleet, local = p.losses(ctx)
-        _call(s.callbacks.on_log, loss=fleet, local_loss=local, **s.seen())
+        notify(s.callbacks.on_log, loss=fleet, local_loss=local, **s.seen())
         p.wait()
         now = time.perf_counter()
         ms = 1000 * (now - self.t_log) / max(1, self.since_log)
         tps = ctx.global_tokens * self.since_log / max(1e-9, now - self.t_log)
         self.t_log, self.since_log, self.last_loss = now, 0, fleet
-        lr_now = cfg.lr * steps.lr_factor(p.step, cfg)
+        lr_now = cfg.lr * lr_factor(p.step, cfg)
         self.bar.clear()
         said = "" if scaler is None else f" scale={scaler.scale:g}"
         log.info(f"step={done} loss={fleet:.4f} bpb={fleet / LN2:.4f} lr={lr_now:.3e} "
@@ -461,7 +427,7 @@ class _Run:
             p, self.pending = self.pending, None
             self.settle(p)
 
-    def stop_checks(self, step: int, stopper: _GracefulStop, every: int) -> None:
+    def stop_checks(self, step: int, stopper: GracefulStop, every: int) -> None:
         """Before step `step` (`step` steps complete: the one place a stop leaves a resumable
         state): a signal, here or on another rank, or a data file shrunk under the run ends
         the run with a checkpoint. Every rank stops on the same step."""
@@ -492,23 +458,20 @@ class _Run:
             )
 
 
-def train(model: torch.nn.Module, wrapped: Wrapped, opt, ctx: DPContext, run, *,
-          autocast: torch.dtype | None = None, resume: bool = False, stop_at: int | None = None,
-          progress: bool = False, callbacks: Callbacks | None = None,
-          folder: RunDir | None = None, stream_of=OneStream) -> dict:  # fmt: skip
+def train(model: torch.nn.Module, wrapped: Wrapped, opt, ctx: DPContext, run,
+          autocast: torch.dtype | None, hooks: Hooks, stream_of=OneStream) -> dict:  # fmt: skip
     """Train `model` (the forward runs on `wrapped.net`, on ctx.device) as `run` says (a
-    validated, resolved run: train_run's); returns a report. `stop_at` ends the run after
-    that many steps while keeping the schedule of the full run (an interrupted run, for resume
-    tests); the final checkpoint is written. `folder`: the run folder as the CLI holds it.
+    validated, resolved run: train_run's) and `hooks` ask; returns a report.
     `stream_of(data, ctx, run, model)`: this rank's stream of training windows (a fleet's
     re-splits on its agreed steps: fleet/balance.py FleetStream)."""
     cfg = run.train
-    # fp16 anywhere in the fleet: one loss scale, the same on every rank (scaler.py)
+    # fp16 anywhere in the fleet: one loss scale, the same on every rank (optim/scaler.py)
     scaler = LossScaler(cfg.loss_scale_every) if loss_scaled(autocast, ctx) else None
-    s = Step(model, wrapped, opt, ctx, cfg, autocast, scaler, callbacks or Callbacks())
+    s = Step(model, wrapped, opt, ctx, cfg, autocast, scaler, hooks.callbacks)
     sinks = Sinks()
+    resume = hooks.resume
     try:
-        r = _Run(s, run, folder, sinks, progress, stop_at, stream_of)
+        r = _Run(s, run, hooks, sinks, stream_of)
         if resume:
             r.resume()
         r.open_folder(resume)
@@ -562,7 +525,7 @@ def _steps(r: _Run) -> tuple[bool, dict]:
     s, cfg = r.s, r.cfg
     # a fleet must stop on the same step on every rank: the ranks agree every 10 steps
     every = 1 if s.ctx.world == 1 else 10
-    stopper = _GracefulStop()
+    stopper = GracefulStop()
     stopper.install()
     last_val, step = {}, r.start
     try:
@@ -573,7 +536,7 @@ def _steps(r: _Run) -> tuple[bool, dict]:
             t_step = time.perf_counter()
             x, y = r.stream.next()
             s.ctx = r.stream.ctx  # a fleet's re-split replaces its context
-            loss, aux, ok = steps.train_step(s, x, y, steps.lr_factor(step, cfg), step)
+            loss, aux, ok = train_step(s, x, y, lr_factor(step, cfg), step)
             if step == r.start:  # the first step may be long on one rank (kernel autotune)
                 r.beat.settled()
                 _say_first_step(t_step, s.ctx.device)
@@ -583,9 +546,9 @@ def _steps(r: _Run) -> tuple[bool, dict]:
             saves = bool(cfg.ckpt_every and done % cfg.ckpt_every == 0 and done != r.end)
             # (a step decided on the host anyway, e.g. a reference's dropped batch: settled)
             this = (
-                _Deferred(step, loss, aux, ok, want_load=r.logs(done))
+                Deferred(step, loss, aux, ok, want_load=r.logs(done))
                 if s.defer and torch.is_tensor(ok)
-                else _Settled(step, loss, aux, ok)
+                else Settled(step, loss, aux, ok)
             )
             r.flush()  # the step before, read while this one runs
             if s.defer and not (evals or saves or done == r.end):

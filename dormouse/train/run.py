@@ -15,10 +15,17 @@ from dataclasses import replace
 
 import torch
 
-from ..config import RunConfig, validate
-from .context import DPContext, unpacked_lines
-from .loop import TrainingError, train
+from ..config import DROPOUT_AUTO, RunConfig, validate
+from ..model import active_params, make_model
+from ..model.arms import require_arms
+from .context import DPContext, RefusedError, unpacked_lines
+from .data import open_data, train_bytes
+from .loop import Hooks, TrainingError, train
+from .optim.mix import MixOptimizer
+from .plan.device import probe_device, resolve_dtype
+from .plan.fit import apply_fit
 from .step import Callbacks, Wrapped
+from .store import checkpoint as ckpt
 
 log = logging.getLogger(__name__)
 
@@ -42,21 +49,20 @@ def resolve_device(name: str, local_rank: int | None = None) -> torch.device:
 
 def resolve_autocast(run: RunConfig, device: torch.device) -> torch.dtype | None:
     """The forward's compute dtype (None = plain fp32), by the device policy."""
-    from .plan.device import probe_device, resolve_dtype
 
     dtype, _ = resolve_dtype(run.train.dtype, probe_device(device))
     return None if dtype in (None, torch.float32) else dtype
 
 
 def dtype_name(dtype: torch.dtype | None) -> str:
-    return {None: "fp32", torch.float32: "fp32", torch.bfloat16: "bf16",
-            torch.float16: "fp16"}[dtype]  # fmt: skip
+    return {None: "fp32", torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[
+        dtype
+    ]
 
 
 def build_model(run: RunConfig, meta: bool = False) -> torch.nn.Module:
     """The model of `run`, seeded by run.train.seed (every rank builds the same one). An arm
     this build does not have (moe_impl=triton) is the model's own refusal, a UserError."""
-    from ..model import make_model
 
     if meta:
         with torch.device("meta"):
@@ -67,7 +73,6 @@ def build_model(run: RunConfig, meta: bool = False) -> torch.nn.Module:
 
 def check_arms(run: RunConfig, device: torch.device, autocast: torch.dtype | None) -> None:
     """Refuse a pinned kernel arm that cannot run on this device before any step runs."""
-    from ..model.arms import require_arms
 
     if run.model.arch == "dormouse":  # the GPT baseline has no kernel arms
         require_arms(run.model, device, autocast or torch.float32)
@@ -86,10 +91,6 @@ AUTO_PASSES, AUTO_DROPOUT = 3.0, 0.4
 def resolve_dropout(run: RunConfig, world: int = 1) -> RunConfig:
     """`dropout=auto` -> a probability, from the passes the run will make over its data
     (logged: what it read, what it chose); any other value is the user's."""
-    from dataclasses import replace
-
-    from ..config import DROPOUT_AUTO
-    from .data import train_bytes
 
     if run.model.dropout != DROPOUT_AUTO:
         return run
@@ -99,10 +100,12 @@ def resolve_dropout(run: RunConfig, world: int = 1) -> RunConfig:
     have = max(1, train_bytes(t))
     passes = read / have
     p = AUTO_DROPOUT if passes >= AUTO_PASSES else 0.0
-    log.info(f"dropout=auto: {t.steps} steps x {windows} windows x {t.seq_len + 1} bytes = "
-             f"{read / 2**20:.1f} MiB read from a train split of {have / 2**20:.2f} MiB = "
-             f"{passes:.1f} passes -> dropout={p:g} ({AUTO_DROPOUT:g} from {AUTO_PASSES:g} passes "
-             f"on, measured in docs/learning.md; --set dropout=X pins it)")  # fmt: skip
+    log.info(
+        f"dropout=auto: {t.steps} steps x {windows} windows x {t.seq_len + 1} bytes = "
+        f"{read / 2**20:.1f} MiB read from a train split of {have / 2**20:.2f} MiB = "
+        f"{passes:.1f} passes -> dropout={p:g} ({AUTO_DROPOUT:g} from {AUTO_PASSES:g} passes "
+        f"on, measured in docs/learning.md; --set dropout=X pins it)"
+    )
     return replace(run, model=replace(run.model, dropout=p))
 
 
@@ -126,7 +129,6 @@ def resolve_compile(run: RunConfig, device: torch.device, world: int = 1) -> Run
     optimizer) where the shapes are static: one process on CUDA, no accumulation, nothing
     streamed from host memory (engram_ram, moe_offload), inductor; else default (a fleet's
     all-reduce hooks sit between the compiled pieces: gate g31 holds default mode there)."""
-    from dataclasses import replace
 
     t = run.train
     if t.compile == "auto":
@@ -141,22 +143,30 @@ def resolve_compile(run: RunConfig, device: torch.device, world: int = 1) -> Run
                 else f" (inductor's Triton needs sm_{COMPILE_MIN_SM[0]}{COMPILE_MIN_SM[1]})"
             )
         )
-        log.info(f"compile=auto: {why} -> compile={str(on).lower()} (--set compile=true|false "
-                 f"pins it)")  # fmt: skip
+        log.info(
+            f"compile=auto: {why} -> compile={str(on).lower()} (--set compile=true|false pins it)"
+        )
         t = replace(t, compile=on)
     if t.compile_mode == "auto":
         accum = bool(t.global_batch) and t.global_batch > t.batch * world
         work = step_tflop(run) if t.compile and device.type == "cuda" else 0.0
-        blockers = [why for why, hit in (
-            (f"{work:.3g} TFLOP a step (6N x {t.batch} x {t.seq_len}) > {GRAPHS_MAX_TFLOP:g}: "
-             f"kernel-bound, CUDA graphs' pools would cost memory", work > GRAPHS_MAX_TFLOP),
-            (f"a fleet of {world}", t.dist or world > 1),
-            (f"on {device.type}", device.type != "cuda"),
-            (f"accumulation (global_batch={t.global_batch} > batch={t.batch})", accum),
-            ("engram_ram streams rows from host memory", run.model.engram_ram),
-            ("moe_offload streams experts from host memory", run.model.moe_offload),
-            (f"compile_backend={t.compile_backend}", t.compile_backend != "inductor"),
-        ) if hit]  # fmt: skip
+        blockers = [
+            why
+            for why, hit in (
+                (
+                    f"{work:.3g} TFLOP a step (6N x {t.batch} x {t.seq_len}) > {GRAPHS_MAX_TFLOP:g}: "
+                    f"kernel-bound, CUDA graphs' pools would cost memory",
+                    work > GRAPHS_MAX_TFLOP,
+                ),
+                (f"a fleet of {world}", t.dist or world > 1),
+                (f"on {device.type}", device.type != "cuda"),
+                (f"accumulation (global_batch={t.global_batch} > batch={t.batch})", accum),
+                ("engram_ram streams rows from host memory", run.model.engram_ram),
+                ("moe_offload streams experts from host memory", run.model.moe_offload),
+                (f"compile_backend={t.compile_backend}", t.compile_backend != "inductor"),
+            )
+            if hit
+        ]
         mode = "default" if blockers or not t.compile else "reduce-overhead"
         if t.compile:
             log.info(
@@ -175,21 +185,19 @@ def resolve_compile(run: RunConfig, device: torch.device, world: int = 1) -> Run
 
 def step_tflop(run: RunConfig) -> float:
     """TFLOP of one micro-batch's forward + backward by the 6N rule (built on the meta device)."""
-    from ..model import active_params
 
     return (
         6 * active_params(build_model(run, meta=True)) * run.train.batch * run.train.seq_len / 1e12
     )
 
 
-def prepare(run: RunConfig, device_type: str | None = None, local_rank: int | None = None,
-            world: int = 1) -> tuple[RunConfig, torch.device, torch.dtype | None]:  # fmt: skip
+def prepare(
+    run: RunConfig, device_type: str | None = None, local_rank: int | None = None, world: int = 1
+) -> tuple[RunConfig, torch.device, torch.dtype | None]:
     """(run with --fit, dropout=auto and compile=auto applied, device, compute dtype): what
     every run checks first."""
     run = resolve_dropout(validate(run), world)  # the one validation of a run
     if run.train.fit_gb:
-        from .plan.fit import apply_fit
-
         if run.model.arch != "dormouse":
             raise TrainingError(
                 f"--fit models dormouse's own architecture; arch={run.model.arch} is the "
@@ -204,8 +212,9 @@ def prepare(run: RunConfig, device_type: str | None = None, local_rank: int | No
     return run, device, autocast
 
 
-def compiled(w: Wrapped, run: RunConfig, device: torch.device,
-             autocast: torch.dtype | None) -> Wrapped:  # fmt: skip
+def compiled(
+    w: Wrapped, run: RunConfig, device: torch.device, autocast: torch.dtype | None
+) -> Wrapped:
     """What the step runs on: `w` itself, or with compile=true torch.compile(w.net) in
     compile_mode (static shapes: a run's windows never change shape), with its CUDA-graph
     step marks under reduce-overhead. The optimizer, the checkpoints and evaluation hold the
@@ -217,14 +226,21 @@ def compiled(w: Wrapped, run: RunConfig, device: torch.device,
     if not t.compile:
         return w
     if t.compile_mode == "reduce-overhead" and device.type != "cuda":
-        log.info(f"compile_mode=reduce-overhead on {device.type}: CUDA graphs need a GPU; "
-                 f"inductor compiles without them here")  # fmt: skip
-    kw = ({"mode": t.compile_mode} if t.compile_backend == "inductor" else
-          {"backend": t.compile_backend})  # fmt: skip
+        log.info(
+            f"compile_mode=reduce-overhead on {device.type}: CUDA graphs need a GPU; "
+            f"inductor compiles without them here"
+        )
+    kw = (
+        {"mode": t.compile_mode}
+        if t.compile_backend == "inductor"
+        else {"backend": t.compile_backend}
+    )
     how = ", ".join(f"{k}={v}" for k, v in kw.items())
-    log.info(f"compile=true: torch.compile(model, {how}, dynamic=False) on "
-             f"{device.type}; the first step traces and compiles (tens of seconds; inductor "
-             f"caches its work for the next run), evaluation runs uncompiled")  # fmt: skip
+    log.info(
+        f"compile=true: torch.compile(model, {how}, dynamic=False) on "
+        f"{device.type}; the first step traces and compiles (tens of seconds; inductor "
+        f"caches its work for the next run), evaluation runs uncompiled"
+    )
     for m in w.net.modules():
         if hasattr(m, "resolve_arm"):
             m.resolve_arm(autocast or torch.float32)
@@ -234,7 +250,6 @@ def compiled(w: Wrapped, run: RunConfig, device: torch.device,
 
 def _optimizer(model: torch.nn.Module, run: RunConfig, device: torch.device):
     """The optimizer, built once on the model itself (a wrapper shares its parameters)."""
-    from .optim.mix import MixOptimizer
 
     return MixOptimizer.from_config(model, run.train, device.type)
 
@@ -262,6 +277,7 @@ def train_run(
     group up for a caller that gathers more afterwards. `prepared`: what `prepare` returned
     for this run (the CLI prepares before it plans the run folder); else prepared here.
     """
+    hooks = Hooks(resume, stop_at, progress, callbacks or Callbacks(), folder)
     if not run.train.dist:
         run, device, autocast = prepared or prepare(run, device_type)
         t = run.train
@@ -269,27 +285,42 @@ def train_run(
         for line in unpacked_lines(ctx.shapes, t.batch):
             log.warning(line)
         model = (model if model is not None else build_model(run)).to(device).train()
-        return train(model, compiled(Wrapped(model), run, device, autocast),
-                     _optimizer(model, run, device), ctx, run, autocast=autocast,
-                     resume=resume, stop_at=stop_at, progress=progress,
-                     callbacks=callbacks, folder=folder)  # fmt: skip
-    from .fleet.watchdog import ending
+        return train(
+            model,
+            compiled(Wrapped(model), run, device, autocast),
+            _optimizer(model, run, device),
+            ctx,
+            run,
+            autocast,
+            hooks,
+        )
+    from .fleet.watchdog import ending  # a fleet only (as in _train_fleet)
 
     try:
-        return _train_fleet(run, resume=resume, stop_at=stop_at, model=model,
-                            callbacks=callbacks, device_type=device_type, rate=rate,
-                            timeout_s=timeout_s, close=close, folder=folder,
-                            prepared=prepared)  # fmt: skip
+        return _train_fleet(
+            run, hooks, model, prepared, device_type, rate=rate, timeout_s=timeout_s, close=close
+        )
     except BaseException:
         ending()  # a refusal while joining: every rank says its line before the agent's SIGTERM
         raise
 
 
-def _train_fleet(run: RunConfig, *, resume, stop_at, model, callbacks, device_type, rate,
-                 timeout_s, close, folder, prepared) -> dict:  # fmt: skip
+def _train_fleet(
+    run: RunConfig,
+    hooks: Hooks,
+    model: torch.nn.Module | None,
+    prepared: tuple | None,
+    device_type: str | None,
+    *,
+    rate: float | None,
+    timeout_s: float | None,
+    close: bool,
+) -> dict:
+    """train_run on a fleet rank (its arguments: train_run's)."""
+    # a fleet's modules load on a fleet only: one process never imports them
+    # (tests/test_layout.py holds it)
     import torch.distributed as dist
 
-    from .context import RefusedError
     from .fleet import launch as fleet
     from .fleet.balance import FleetStream
     from .fleet.parallelize import parallelize
@@ -317,10 +348,16 @@ def _train_fleet(run: RunConfig, *, resume, stop_at, model, callbacks, device_ty
         model = (model if model is not None else build_model(run)).to(device).train()
         wrapped = compiled(parallelize(model, ctx), run, device, autocast)
         try:
-            report = train(model, wrapped, _optimizer(model, run, device), ctx, run,
-                           autocast=autocast, resume=resume, stop_at=stop_at,
-                           callbacks=callbacks, folder=folder,
-                           stream_of=FleetStream)  # fmt: skip
+            report = train(
+                model,
+                wrapped,
+                _optimizer(model, run, device),
+                ctx,
+                run,
+                autocast,
+                hooks,
+                FleetStream,
+            )
         except Exception as e:
             ending()  # before the explaining: it may wait a second for the launcher's exit
             if not fleet_failure(e):
@@ -328,8 +365,12 @@ def _train_fleet(run: RunConfig, *, resume, stop_at, model, callbacks, device_ty
             # a peer died or the ranks fell out of step: one line naming what each peer was
             # doing, instead of the backend's traceback
             raise fleet.DistError(ctx.heartbeat.explain(e)) from None
-        report.update(shapes=[s.line() for s in ctx.shapes], backend=ctx.backend,
-                      reduce=ctx.reduce, device=str(ctx.device))  # fmt: skip
+        report.update(
+            shapes=[s.line() for s in ctx.shapes],
+            backend=ctx.backend,
+            reduce=ctx.reduce,
+            device=str(ctx.device),
+        )
         if close:
             ctx.barrier()  # without it, gloo teardown aborts intermittently
         ok = True
@@ -352,7 +393,7 @@ def prepare_for_launch(run: RunConfig) -> tuple[RunConfig, torch.device, torch.d
     """`prepare` as this process will train: one process, or a torchrun rank of its fleet."""
     if not run.train.dist:
         return prepare(run)
-    from .fleet import launch as fleet
+    from .fleet import launch as fleet  # a fleet only (as in _train_fleet)
 
     return prepare(run, None, _local_rank(), fleet.world_from(os.environ) or 1)
 
@@ -361,8 +402,6 @@ def dry_run(run: RunConfig, device: torch.device, autocast, plan: str, folder) -
     """Everything a run checks before its first step (the model on the meta device, the
     optimizer's routing, the data, a resumed checkpoint's shape), without training or writing
     a file; returns the line that says so."""
-    from .data import open_data
-    from .store import checkpoint as ckpt
 
     model = build_model(run, meta=True)
     n = sum(p.numel() for p in model.parameters())

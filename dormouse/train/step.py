@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..config import ConfigError
+from ..config import ConfigError, TrainConfig
 from ..model.layers import row_keys
 from .context import DPContext
 from .optim.scaler import LossScaler
@@ -67,7 +67,7 @@ class Callbacks:
     on_eval: Callable[[dict], None] | None = None
 
 
-def _call(hook, **info) -> None:
+def notify(hook, **info) -> None:
     if hook is not None:
         hook(info)
 
@@ -114,7 +114,7 @@ class Step:
     wrapped: Wrapped
     opt: object
     ctx: DPContext
-    cfg: object  # TrainConfig
+    cfg: TrainConfig
     autocast: torch.dtype | None = None
     scaler: LossScaler | None = None
     callbacks: Callbacks = field(default_factory=lambda: Callbacks())
@@ -143,7 +143,7 @@ def train_step(s: Step, x, y, factor: float, step: int | None = None):
     is the verdict as a bool tensor on the device, which the optimizer step and the LFB
     update apply themselves, and aux["gnorm"] a tensor (nan when the loss is not finite).
     """
-    model, opt, ctx, cfg, scaler, cb = s.model, s.opt, s.ctx, s.cfg, s.scaler, s.callbacks
+    model, opt, ctx, cfg, scaler = s.model, s.opt, s.ctx, s.cfg, s.scaler
     device = ctx.device
     opt.set_lr_factor(factor)
     if s.defer and device.type == "cuda" and not x.is_pinned():
@@ -155,7 +155,7 @@ def train_step(s: Step, x, y, factor: float, step: int | None = None):
     losses = []
     for j, (xj, yj) in enumerate(zip(x.chunk(k), y.chunk(k))):
         # the reducer runs once, on the last micro-batch's backward
-        with s.wrapped.no_sync(j == k - 1), _autocast(device, s.autocast):
+        with s.wrapped.no_sync(j == k - 1), autocast_on(device, s.autocast):
             loss_j, aux = graph_forward(s.wrapped, xj, yj, **kw[j])
             weighted = loss_j * ctx.loss_scale
             # x a power of two after the fleet's weight: exact, so an unscaled gradient is the
@@ -166,61 +166,66 @@ def train_step(s: Step, x, y, factor: float, step: int | None = None):
     # equal micro-batches: their mean is the token-weighted mean of this rank's windows
     loss = losses[0] if k == 1 else torch.stack(losses).mean()
     if s.defer:
-        return _deferred_step(s, loss, aux)
+        local, agreed, gnorm = _device_verdict(s, loss, aux)
+        return _apply_verdict(s, loss, aux, local, agreed, gnorm, None)
     loss_ok, gnorm, finite, agreed = clip_and_verdict(model, opt, ctx, loss, cfg, scaler)
     aux["gnorm"] = gnorm if loss_ok else float("nan")
     if scaler is not None:
         # the agreed verdict, never this rank's: every rank's scale moves identically
         aux["scale_line"] = scaler.update(agreed)
-    seen = s.seen()
     scale = None if scaler is None else scaler.scale
-    _call(cb.after_backward, local=finite, agreed=agreed, **seen)
-    if not agreed:
+    return _apply_verdict(s, loss, aux, finite, agreed, gnorm, scale)
+
+
+def _apply_verdict(s: Step, loss, aux, local, agreed, gnorm, scale):
+    """The step's tail, one for either verdict: the callbacks, then the optimizer step and the
+    LFB update, or the skip. On the host `agreed` is a bool, and a skip drops the gradients
+    and the routers' counts here. Under verdict=device it is a bool tensor that the optimizer
+    step and the LFB update apply themselves (MixOptimizer.step(commit=...),
+    lfb_update(ok=...)), nothing read back; a callback that observes the verdict or the norm
+    reads it on the host (the gates' recorders: slower, the same arithmetic)."""
+    model, opt, cb = s.model, s.opt, s.callbacks
+    on_device = torch.is_tensor(agreed)
+    seen = s.seen()
+    if cb.after_backward is not None:
+        cb.after_backward({"local": bool(local), "agreed": bool(agreed), **seen})
+    if not on_device and not agreed:
         # A skipped step leaves no trace: no gradient carried into the next step, and the
         # routers' counts of the dropped batch do not steer the load balancer.
         opt.zero_grad(set_to_none=True)
         if hasattr(model, "lfb_discard"):
             model.lfb_discard()
-        _call(cb.after_step, stepped=False, gnorm=gnorm, scale=scale, **seen)
-        return loss, aux, False
-    with _phase("optimizer"):
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    if hasattr(model, "lfb_update"):  # a model with MoE routers balances their load
-        with _phase("lfb"):
-            model.lfb_update(reduce=ctx.lfb_reduce)
-    _call(cb.after_step, stepped=True, gnorm=gnorm, scale=scale, **seen)
-    return loss, aux, True
+    else:
+        with _phase("optimizer"):
+            opt.step(**({"commit": agreed} if on_device else {}))
+            opt.zero_grad(set_to_none=True)
+        if hasattr(model, "lfb_update"):  # a model with MoE routers balances their load
+            with _phase("lfb"):
+                model.lfb_update(reduce=s.ctx.lfb_reduce, **({"ok": agreed} if on_device else {}))
+    if cb.after_step is not None:
+        stepped = bool(agreed)
+        cb.after_step({"stepped": stepped, "gnorm": float(gnorm), "scale": scale, **seen})
+    return loss, aux, agreed
 
 
-def _deferred_step(s: Step, loss, aux):
-    """train_step after the backward under verdict=device: the clip and the verdict as device
-    tensors, the optimizer step and the LFB update taking the verdict on the device
-    (MixOptimizer.step(commit=...), lfb_update(ok=...)), nothing read back. Callbacks that
-    observe the verdict get it read on the host (the gates' recorders: slower, the same
-    arithmetic)."""
-    model, opt, ctx, cfg, cb = s.model, s.opt, s.ctx, s.cfg, s.callbacks
+def _device_verdict(s: Step, loss, aux):
+    """verdict=device's clip phase: the clip and the verdict as device tensors. Returns
+    (local: this rank's verdict, agreed: the fleet's, the pre-clip norm, nan where the loss is
+    not finite), none of them read back."""
     with _phase("clip"):
-        clip = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
-        norm = opt.clip_grad_norm_(clip).detach()
+        norm = s.opt.clip_grad_norm_(clip_norm(s.cfg)).detach()
         loss_ok = torch.isfinite(loss)
         local = loss_ok & torch.isfinite(norm)
         # a DDP fleet: the norm is of the reduced gradients, the loss this rank's; one
         # all-reduce on the device makes the verdict every rank's
-        ok = ctx.all_finite_on_device(local)
+        agreed = s.ctx.all_finite_on_device(local)
         aux["gnorm"] = torch.where(loss_ok, norm, torch.full_like(norm, float("nan")))
-    seen = s.seen()
-    if cb.after_backward is not None:
-        _call(cb.after_backward, local=bool(local), agreed=bool(ok), **seen)
-    with _phase("optimizer"):
-        opt.step(commit=ok)
-        opt.zero_grad(set_to_none=True)
-    if hasattr(model, "lfb_update"):
-        with _phase("lfb"):
-            model.lfb_update(reduce=ctx.lfb_reduce, ok=ok)
-    if cb.after_step is not None:
-        _call(cb.after_step, stepped=bool(ok), gnorm=float(aux["gnorm"]), scale=None, **seen)
-    return loss, aux, ok
+    return local, agreed, aux["gnorm"]
+
+
+def clip_norm(cfg) -> float:
+    """The clip's threshold: grad_clip, or no clip (inf: the norm is still computed) at 0."""
+    return cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
 
 
 def graph_forward(w: Wrapped, x, y, **kw):
@@ -253,8 +258,7 @@ def clip_and_verdict(model, opt, ctx: DPContext, loss, cfg, scaler: LossScaler |
         # it returns is the pre-clip global norm (the fleet's, once the reducer has run). It
         # runs whatever the loss: a skipped step's gradients are dropped by the caller, and
         # under FSDP2 the norm is a collective every rank must enter.
-        clip = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
-        norm = opt.clip_grad_norm_(clip)
+        norm = opt.clip_grad_norm_(clip_norm(cfg))
         # the loss's and the norm's verdicts reach the host together: one synchronisation
         loss_ok, gnorm = torch.stack([torch.isfinite(loss).to(norm), norm.detach()]).tolist()
         finite = bool(loss_ok) and math.isfinite(gnorm)
@@ -277,15 +281,19 @@ def device_verdict(cfg, ctx: DPContext, opt, scaler: LossScaler | None) -> bool:
         return False
     why = ""
     if ctx.world > 1 and want == "auto":
-        why = ("a fleet reads its agreed verdict on the host unless verdict=device is asked "
-               "(not measured on a GPU fleet yet)")  # fmt: skip
+        why = (
+            "a fleet reads its agreed verdict on the host unless verdict=device is asked "
+            "(not measured on a GPU fleet yet)"
+        )
     elif scaler is not None:
         why = "the fp16 loss scale moves with every verdict, on the host"
     elif not hasattr(opt, "commit_on_device"):
         why = f"{type(opt).__name__} takes no verdict on the device"
-    elif want == "auto" and getattr(opt, "_graph", None) is None:
-        why = ("the optimizer steps on the host (its device-side step, a CUDA graph, comes "
-               "with compile=true compile_mode=reduce-overhead on CUDA)")  # fmt: skip
+    elif want == "auto" and not getattr(opt, "device_side", False):
+        why = (
+            "the optimizer steps on the host (its device-side step, a CUDA graph, comes "
+            "with compile=true compile_mode=reduce-overhead on CUDA)"
+        )
     elif want == "auto":
         need = opt.written_bytes()
         total = torch.cuda.get_device_properties(device).total_memory
@@ -294,7 +302,7 @@ def device_verdict(cfg, ctx: DPContext, opt, scaler: LossScaler | None) -> bool:
                 f"its copy aside of what the optimizer writes ({need / 2**30:.2f} GiB) is "
                 f"over {DEVICE_VERDICT_SHARE:.3g} of the card ({total / 2**30:.1f} GiB)"
             )
-    if not why and getattr(opt, "_graph", None) is None:  # verdict=device, eager optimizer
+    if not why and not getattr(opt, "device_side", False):  # verdict=device, eager optimizer
         why = opt.capture_step(capture=False)  # its device-side arithmetic, eagerly
     why = why or opt.commit_on_device()
     if why and want == "device":
@@ -302,13 +310,15 @@ def device_verdict(cfg, ctx: DPContext, opt, scaler: LossScaler | None) -> bool:
     if why:
         log.info(f"verdict=auto: on the host ({why})")
         return False
-    log.info(f"verdict={want}: on the device; the optimizer copies what it writes aside "
-             f"({opt.written_bytes() / 2**20:.0f} MiB) and puts it back on a skip, and the loop "
-             f"reads each verdict a step late")  # fmt: skip
+    log.info(
+        f"verdict={want}: on the device; the optimizer copies what it writes aside "
+        f"({opt.written_bytes() / 2**20:.0f} MiB) and puts it back on a skip, and the loop "
+        f"reads each verdict a step late"
+    )
     return True
 
 
-class _Settled:
+class Settled:
     """A step decided on the host (verdict=host): what the loop's bookkeeping reads of it."""
 
     def __init__(self, step: int, loss, aux: dict, ok: bool):
@@ -331,15 +341,18 @@ class _Settled:
             torch.cuda.synchronize(self.loss.device)
 
 
-class _Deferred(_Settled):
+class Deferred(Settled):
     """A step whose verdict is still on the device (verdict=device): its verdict, loss, norm
     (and at log steps the experts' load) copied to pinned host memory behind its kernels, and
     an event at their end, so reading it waits for this step only, not the one queued after."""
 
     def __init__(self, step: int, loss, aux: dict, ok, want_load: bool):
         super().__init__(step, loss, aux, ok)
-        vals = [ok.to(torch.float32).reshape(1), loss.detach().float().reshape(1),
-                aux["gnorm"].float().reshape(1)]  # fmt: skip
+        vals = [
+            ok.to(torch.float32).reshape(1),
+            loss.detach().float().reshape(1),
+            aux["gnorm"].float().reshape(1),
+        ]
         load = aux.get("load") if want_load else None
         if load is not None:
             vals.append(load.detach().float().reshape(-1))
@@ -403,7 +416,7 @@ def _sums(model, batches, device, autocast_dtype, pad: list | None = None) -> tu
     with torch.no_grad():
         for i, (x, y) in enumerate(batches):
             x, y = x.to(device), y.to(device)
-            with _autocast(device, autocast_dtype):
+            with autocast_on(device, autocast_dtype):
                 _, loss, _ = model(x, y)
             if n_real is None or i < n_real:
                 total += float(loss) * y.numel()
@@ -439,7 +452,7 @@ def evaluate_fleet(model, batches, ctx: DPContext, autocast_dtype) -> dict[str, 
     return _result(total, int(count))
 
 
-def _autocast(device: torch.device, dtype):
+def autocast_on(device: torch.device, dtype):
     if dtype is None:
         return nullcontext()
     return torch.autocast(device_type=device.type, dtype=dtype)

@@ -96,7 +96,7 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "device_skip_restores_nothing",
         "verdict=device: the optimizer's copy aside is never put back, so a refused step is taken",
-        (("dormouse.train.optim.mix:_StepGraph._transacted", _transaction_without_restore),),
+        (("dormouse.train.optim.graph:StepGraph._transacted", _transaction_without_restore),),
         ("g05_nonfinite",),
     ),
     Mutation(

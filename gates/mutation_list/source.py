@@ -154,7 +154,7 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "kda_k_unnormalised",
         "the torch KDA arm skips k's L2 norm (q is normalised, k is not)",
-        (("dormouse.model.kda:_l2norm", _k_unnormalised),),
+        (("dormouse.model.kda:l2norm", _k_unnormalised),),
         ("g32_reference_model",),
         scope="source",
     ),

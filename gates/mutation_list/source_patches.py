@@ -156,11 +156,11 @@ def _skip_zeroes_bias(_orig):
 def _k_unnormalised(orig):
     calls = [0]
 
-    def _l2norm(x, *args, **kw):
+    def l2norm(x, *args, **kw):
         calls[0] += 1
-        return orig(x, *args, **kw) if calls[0] % 2 else x  # q, k = _l2norm(q), k
+        return orig(x, *args, **kw) if calls[0] % 2 else x  # q, k = l2norm(q), k
 
-    return _l2norm
+    return l2norm
 
 
 def _without_since_best(orig):

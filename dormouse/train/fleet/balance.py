@@ -14,7 +14,7 @@ rank's measured compute, and never exceeds what fits a rank's memory.
 * `FleetStream` — the loop's data stream on a fleet: at a re-split every rank rebuilds its
   stream at the new offset at the same position and replaces its DPContext, on the same step;
   its state (position and the split in force) goes into the checkpoint, so a resume continues
-  the split it stopped in. The bytes of a step do not depend on the split (data.py's layout).
+  the split it stopped in. The bytes of a step do not depend on the split (train/data.py's layout).
 * `fleet_table` — rank 0's one table of the fleet.
 """
 
@@ -39,8 +39,9 @@ log = logging.getLogger(__name__)
 # ---- the split -------------------------------------------------------------------------------
 
 
-def split_capped(rates: Sequence[float], total: int,
-                 caps: Sequence[int | None] | None = None) -> tuple[list[int], list[int]]:  # fmt: skip
+def split_capped(
+    rates: Sequence[float], total: int, caps: Sequence[int | None] | None = None
+) -> tuple[list[int], list[int]]:
     """(`total` windows split in proportion to `rates`, the ranks a cap decided).
 
     Without caps this is fleet.split_by_rates. With caps, a rank whose proportional share
@@ -120,8 +121,11 @@ class StepTimer:
         if self.cuda:
             self.ev0 = torch.cuda.Event(enable_timing=True)
             self.ev1 = torch.cuda.Event(enable_timing=True)
-        self.handles = [p.register_post_accumulate_grad_hook(self._ready)
-                        for p in model.parameters() if p.requires_grad]  # fmt: skip
+        self.handles = [
+            p.register_post_accumulate_grad_hook(self._ready)
+            for p in model.parameters()
+            if p.requires_grad
+        ]
 
     def _ready(self, _p) -> None:
         if self.t0 is None:
@@ -242,8 +246,13 @@ class RateMeter:
 class Balancer:
     """Every rank holds one and feeds it the same gathered numbers: the same decision."""
 
-    def __init__(self, total: int, threshold: float, caps: Sequence[int | None] | None = None,
-                 micro: Sequence[int] | None = None):  # fmt: skip
+    def __init__(
+        self,
+        total: int,
+        threshold: float,
+        caps: Sequence[int | None] | None = None,
+        micro: Sequence[int] | None = None,
+    ):
         """`caps`: windows a step each rank's memory holds (None: no cap); `micro`: each rank's
         micro-batch cap under global_batch (None: a share is one forward), so that a new
         share is one `accumulate` runs in few full micro-batches (context.packed_split)."""
@@ -300,8 +309,10 @@ def parse_schedule(text: str, world: int, total: int) -> dict[int, tuple[int, ..
             split = tuple(int(b) for b in shares.split(","))
             step = int(step)
         except ValueError:
-            raise DistError(f"rebalance_at={text!r}: {item!r} is not STEP:B0,B1,... (e.g. "
-                            f"4:{','.join(['1'] * world)})") from None  # fmt: skip
+            raise DistError(
+                f"rebalance_at={text!r}: {item!r} is not STEP:B0,B1,... (e.g. "
+                f"4:{','.join(['1'] * world)})"
+            ) from None
         if len(split) != world or min(split) < 1 or sum(split) != total or step < 0:
             raise DistError(
                 f"rebalance_at={text!r}: {item!r} must give each of {world} ranks >= 1 window "
@@ -344,8 +355,10 @@ class FleetStream:
                 "forwards all-gather, so a rank's compute cannot be timed apart from waiting"
             )
         if off and self.schedule:
-            raise DistError(f"rebalance_at={t.rebalance_at!r} cannot re-split this fleet: {off}; "
-                            f"drop rebalance_at")  # fmt: skip
+            raise DistError(
+                f"rebalance_at={t.rebalance_at!r} cannot re-split this fleet: {off}; "
+                f"drop rebalance_at"
+            )
         budget = budget_bytes(run, ctx.device)
         cap = rank_window_cap(run, budget, ctx.world) if budget is not None else 0
         rows = _gather_objects(ctx, _card_row(run, ctx, cap))
@@ -360,13 +373,15 @@ class FleetStream:
                 log.info(f"rebalance off: {off} (the start-up split stays)")
             else:
                 self.every = int(t.rebalance_every)
-        from .launch import parse_slow  # a fleet only: one process never imports fleet.py
+        from .launch import parse_slow  # a fleet only: one process never imports launch.py
 
         slow = parse_slow(t.emulate_slow, ctx.rank)
         if slow:
-            log.info(f"emulate_slow: rank {ctx.rank} sleeps {slow:g} x its own compute every "
-                     f"step (EMULATION of a slower card, not a measurement of one)",
-                     extra={"every_rank": True})  # fmt: skip
+            log.info(
+                f"emulate_slow: rank {ctx.rank} sleeps {slow:g} x its own compute every "
+                f"step (EMULATION of a slower card, not a measurement of one)",
+                extra={"every_rank": True},
+            )
         if self.every or slow:
             self.timer = StepTimer(model, ctx.device, slow)
             self.meter = RateMeter(KEEP_PERIODS * (self.every or 1))
@@ -404,8 +419,10 @@ class FleetStream:
         if step in self.schedule:
             new = self.schedule[step]
             if new != self._split():
-                log.info(f"rebalance step={step}: {_text(self._split())} -> {_text(new)} "
-                         f"(forced by rebalance_at)")  # fmt: skip
+                log.info(
+                    f"rebalance step={step}: {_text(self._split())} -> {_text(new)} "
+                    f"(forced by rebalance_at)"
+                )
                 self._switch(new)
         elif self.every and step > 0 and step % self.every == 0:
             self._rebalance(step)
@@ -465,9 +482,9 @@ class FleetStream:
         return self.data.train_stream(s.windows, s.seq_len, offset=ctx.offset, stride=ctx.stride)
 
     def _rebalance(self, step: int) -> None:
-        from .launch import _agree
+        from .launch import agree_values
 
-        per_window = _agree([self.meter.value()], self.ctx.device)  # the ONE collective
+        per_window = agree_values([self.meter.value()], self.ctx.device)  # the ONE collective
         if not all(math.isfinite(s) and s > 0 for s in per_window):
             return  # a rank without a measured step since the last switch (a resume): wait
         d = self.balancer.decide(step, self._split(), per_window)
@@ -487,12 +504,22 @@ def _card_row(run, ctx: DPContext, cap: int) -> dict:
     dev = ctx.device
     card = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
     pol = policy_for(probe_device(dev))
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16,
-             "fp16": torch.float16}.get(ctx.compute, torch.float32)  # fmt: skip
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}.get(
+        ctx.compute, torch.float32
+    )
     kda, moe = require_arms(run.model, dev, dtype)
-    return {"rank": ctx.rank, "card": card, "dtype": ctx.compute, "rung": pol.rung,
-            "fallbacks": fallback_count(), "fallback": pol.fallback, "kda": kda.name,
-            "moe": moe.name, "cap": cap, "share": ctx.shape.windows}  # fmt: skip
+    return {
+        "rank": ctx.rank,
+        "card": card,
+        "dtype": ctx.compute,
+        "rung": pol.rung,
+        "fallbacks": fallback_count(),
+        "fallback": pol.fallback,
+        "kda": kda.name,
+        "moe": moe.name,
+        "cap": cap,
+        "share": ctx.shape.windows,
+    }
 
 
 def _row_text(row: dict) -> str:
@@ -528,9 +555,11 @@ def fleet_table(
         rate = f"{1 / per_window[r]:.1f}" if per_window else "-"
         idx = f"{slowest / per_window[r]:.2f}" if per_window else "-"
         dtype = row["dtype"] + (f" (fallback x{row['fallbacks']})" if row["fallback"] else "")
-        body.append([str(r), row["card"], dtype, f"{row['kda']}/{row['moe']}", rate,
-                     str(split[r]), idx])  # fmt: skip
+        body.append(
+            [str(r), row["card"], dtype, f"{row['kda']}/{row['moe']}", rate, str(split[r]), idx]
+        )
     widths = [max(len(x) for x in col) for col in zip(head, *body)]
-    lines = ["fleet:"] + ["  " + "  ".join(x.ljust(w) for x, w in zip(line, widths))
-                          for line in [head, *body]]  # fmt: skip
+    lines = ["fleet:"] + [
+        "  " + "  ".join(x.ljust(w) for x, w in zip(line, widths)) for line in [head, *body]
+    ]
     return "\n".join(lines)

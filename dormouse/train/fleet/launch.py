@@ -36,7 +36,7 @@ from ..context import (
     RefusedError,
     accumulate,
     packed_split,
-)  # fmt: skip
+)
 from .watchdog import (
     COLLECTIVE_TIMEOUT_FACTOR,
     FIRST_STEP_TIMEOUT_S,
@@ -240,8 +240,10 @@ def parse_capacity(
         t = int(m.group(2)) if m.group(2) is not None else seq_len
         k = int(m.group(3)) if m.group(3) is not None else 1
         if b < 1 or k < 1:
-            raise ValueError(f"--capacity {spec!r}: rank {r} has batch {b} x {k} micro-batches; "
-                             f"every rank needs >= 1 of each")  # fmt: skip
+            raise ValueError(
+                f"--capacity {spec!r}: rank {r} has batch {b} x {k} micro-batches; "
+                f"every rank needs >= 1 of each"
+            )
         if not 1 <= t <= max_seq_len:
             raise ValueError(
                 f"--capacity {spec!r}: rank {r} asks for windows of {t} bytes; the model takes "
@@ -267,8 +269,9 @@ def measure_rate(device: torch.device | str, reps: int = 5) -> float:
     if device.type == "cuda":
         n = 4096
         cap = torch.cuda.get_device_capability(device)
-        dtype = (torch.bfloat16 if cap >= (8, 0)
-                 else torch.float16 if cap >= (5, 3) else torch.float32)  # fmt: skip
+        dtype = (
+            torch.bfloat16 if cap >= (8, 0) else torch.float16 if cap >= (5, 3) else torch.float32
+        )
     else:
         n, dtype = 256, torch.float32
     gen = torch.Generator(device="cpu").manual_seed(0)
@@ -344,18 +347,24 @@ PER_RANK_FIELDS = {
 }
 
 
-def agreement_fields(run: RunConfig, shapes: Sequence[RankShape], device_type: str,
-                     data_prints: Sequence[dict] | None) -> dict[str, str]:  # fmt: skip
+def agreement_fields(
+    run: RunConfig,
+    shapes: Sequence[RankShape],
+    device_type: str,
+    data_prints: Sequence[dict] | None,
+) -> dict[str, str]:
     """name -> the text every rank must share: every config field but PER_RANK_FIELDS, the
     capacity split, the device type and the data's fingerprint."""
     out = {"preset/source": run.source}
     out.update({k: repr(v) for k, v in dataclasses.asdict(run.model).items()})
-    out.update({k: repr(v) for k, v in dataclasses.asdict(run.train).items()
-                if k not in PER_RANK_FIELDS})  # fmt: skip
+    out.update(
+        {k: repr(v) for k, v in dataclasses.asdict(run.train).items() if k not in PER_RANK_FIELDS}
+    )
     out["capacity split"] = ",".join(s.line() for s in shapes)
     out["device type"] = device_type
-    out["data bytes"] = (repr([(p["size"], p["digest"]) for p in data_prints])
-                         if data_prints is not None else "?")  # fmt: skip
+    out["data bytes"] = (
+        repr([(p["size"], p["digest"]) for p in data_prints]) if data_prints is not None else "?"
+    )
     return out
 
 
@@ -373,13 +382,19 @@ def disagreement(table: Sequence[Sequence[int]], names: Sequence[str]) -> dict[s
     return out
 
 
-def disagreement_message(diff: Mapping[str, list[int]], mine: Mapping[str, str], rank: int,
-                         data_prints: Sequence[dict] | None = None) -> str:  # fmt: skip
+def disagreement_message(
+    diff: Mapping[str, list[int]],
+    mine: Mapping[str, str],
+    rank: int,
+    data_prints: Sequence[dict] | None = None,
+) -> str:
     def ranks(rs):
         return f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}"
 
-    parts = [f"{k} ({ranks(rs)} differ{'s' if len(rs) == 1 else ''} from rank 0)"
-             for k, rs in diff.items()]  # fmt: skip
+    parts = [
+        f"{k} ({ranks(rs)} differ{'s' if len(rs) == 1 else ''} from rank 0)"
+        for k, rs in diff.items()
+    ]
     here = []
     for k in diff:
         if k == "data bytes" and data_prints:
@@ -400,8 +415,7 @@ def disagreement_message(diff: Mapping[str, list[int]], mine: Mapping[str, str],
     )
 
 
-def _agree_config(run: RunConfig, shapes: list[RankShape], device: torch.device,
-                  rank: int) -> None:  # fmt: skip
+def _agree_config(run: RunConfig, shapes: list[RankShape], device: torch.device, rank: int) -> None:
     """All-gather a hash of each field; refuse on EVERY rank, naming the fields and ranks."""
     from ..data import DataError, data_fingerprint, default_corpus
 
@@ -446,7 +460,7 @@ def _agree_ints(values: list[int], device: torch.device) -> list[list[int]]:
 # ---- joining the fleet --------------------------------------------------------------------
 
 
-def _agree(values: list[float], device: torch.device) -> list[float]:
+def agree_values(values: list[float], device: torch.device) -> list[float]:
     """All-gather one float per rank."""
     mine = torch.tensor(values, dtype=torch.float64, device=device)
     out = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
@@ -506,8 +520,13 @@ def join(
             # per attempt: a restarted rank could read a dead attempt's address from it (gloo:
             # "Connection refused" to a port nobody holds, measured on about half the
             # restarts of gate g22 on the CPU box). Each attempt gets keys of its own.
-            base = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), world,
-                                 is_master=False, timeout=kw["timeout"])  # fmt: skip
+            base = dist.TCPStore(
+                env["MASTER_ADDR"],
+                int(env["MASTER_PORT"]),
+                world,
+                is_master=False,
+                timeout=kw["timeout"],
+            )
             kw["store"] = dist.PrefixStore(f"dormouse/attempt_{restart}", base)
         dist.init_process_group(backend, rank=rank, world_size=world, **kw)
     heartbeat = start_heartbeat(rank, world, limit, collective if patient else None, env)
@@ -518,22 +537,36 @@ def join(
         refuse_uneven_fsdp(shapes, cfg.dist_shard)
         _agree_config(run, shapes, device, rank)
         # every rank's compute dtype: a bf16 card beside an fp16 one is a fleet by design
-        codes = _agree([float(("fp32", "bf16", "fp16").index(compute))], device)
+        codes = agree_values([float(("fp32", "bf16", "fp16").index(compute))], device)
         names = tuple(("fp32", "bf16", "fp16")[int(c)] for c in codes)
         reduce = cfg.dist_reduce
         if reduce == "auto":
             reduce = names[0] if len(set(names)) == 1 else "fp32"
-            log.info(f"dist_reduce=auto -> {reduce} (fleet compute dtypes: {','.join(names)}"
-                     f"{'; they differ: the exact fp32 reduce' if len(set(names)) > 1 else ''})")  # fmt: skip
+            log.info(
+                f"dist_reduce=auto -> {reduce} (fleet compute dtypes: {','.join(names)}"
+                f"{'; they differ: the exact fp32 reduce' if len(set(names)) > 1 else ''})"
+            )
         if "fp16" in names and len(set(names)) > 1:
-            log.info(f"compute dtypes {','.join(names)} by rank: every rank carries the fp16 "
-                     f"ranks' loss scale (DDP averages scaled gradients), and all skip together")  # fmt: skip
+            log.info(
+                f"compute dtypes {','.join(names)} by rank: every rank carries the fp16 "
+                f"ranks' loss scale (DDP averages scaled gradients), and all skip together"
+            )
     except BaseException as e:
         heartbeat.leave("failed", short(e))
         raise
-    return DPContext(device, tuple(shapes), rank=rank, world=world, backend=backend,
-                     reduce=reduce, shard=cfg.dist_shard, bucket_mb=float(cfg.bucket_mb),
-                     compute=compute, computes=names, heartbeat=heartbeat)  # fmt: skip
+    return DPContext(
+        device,
+        tuple(shapes),
+        rank=rank,
+        world=world,
+        backend=backend,
+        reduce=reduce,
+        shard=cfg.dist_shard,
+        bucket_mb=float(cfg.bucket_mb),
+        compute=compute,
+        computes=names,
+        heartbeat=heartbeat,
+    )
 
 
 def parse_slow(text: str, rank: int) -> float:
@@ -544,8 +577,10 @@ def parse_slow(text: str, rank: int) -> float:
         r, f = text.split(":")
         r, f = int(r), float(f)
     except ValueError:
-        raise DistError(f"emulate_slow={text!r} is not RANK:FACTOR (e.g. 1:1.0: rank 1 sleeps "
-                        f"as long as it computes, a card at half speed)") from None  # fmt: skip
+        raise DistError(
+            f"emulate_slow={text!r} is not RANK:FACTOR (e.g. 1:1.0: rank 1 sleeps "
+            f"as long as it computes, a card at half speed)"
+        ) from None
     if not (f >= 0 and math.isfinite(f)):
         raise DistError(f"emulate_slow={text!r}: FACTOR must be finite and >= 0")
     return f if r == rank else 0.0
@@ -565,8 +600,9 @@ def refuse_uneven_fsdp(shapes: Sequence[RankShape], shard: str) -> None:
         )
 
 
-def _capacity(run: RunConfig, device: torch.device, world: int,
-              rate: float | None) -> list[RankShape]:  # fmt: skip
+def _capacity(
+    run: RunConfig, device: torch.device, world: int, rate: float | None
+) -> list[RankShape]:
     cfg = run.train
     spec = cfg.dist_capacity.strip()
     rates = None
@@ -576,9 +612,11 @@ def _capacity(run: RunConfig, device: torch.device, world: int,
         # EMULATION (emulate_slow): the rank named trains 1 + FACTOR times slower, and its
         # start-up guess says so too (a matmul burst would not see a sleep)
         mine /= 1.0 + parse_slow(cfg.emulate_slow, int(os.environ.get("RANK", "0")))
-        rates = _agree([mine], device)
-        log.info(f"capacity auto: matmul rates {', '.join(f'{r / 1e9:.2f}' for r in rates)} "
-                 f"GFLOP/s {'(injected)' if rate is not None else '(measured)'}")  # fmt: skip
+        rates = agree_values([mine], device)
+        log.info(
+            f"capacity auto: matmul rates {', '.join(f'{r / 1e9:.2f}' for r in rates)} "
+            f"GFLOP/s {'(injected)' if rate is not None else '(measured)'}"
+        )
     try:
         shapes = parse_capacity(
             spec,

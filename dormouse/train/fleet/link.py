@@ -111,8 +111,10 @@ def _count_params(preset_name: str) -> tuple[int, str]:
         why = f"{type(e).__name__}: {e}".splitlines()[0]
         if preset_name in PRESET_PARAMS:
             n = int(PRESET_PARAMS[preset_name])
-            return n, (f"preset {preset_name}: NOMINAL size from the design, not a count; "
-                       f"count_params unavailable: {why}; pass --params N for a count")  # fmt: skip
+            return n, (
+                f"preset {preset_name}: NOMINAL size from the design, not a count; "
+                f"count_params unavailable: {why}; pass --params N for a count"
+            )
         raise LinkError(
             f"cannot count preset {preset_name!r}'s parameters (count_params unavailable: {why}) "
             f"and it has no nominal size; pass --params N"
@@ -148,10 +150,15 @@ def main_link(argv: list[str] | None = None, out: Callable[[str], None] = print)
     ap = argparse.ArgumentParser(prog="dormouse link", description=main_link.__doc__)
     ap.add_argument("--preset", help="count this preset's parameters")
     ap.add_argument("--params", type=int, help="parameter count (overrides --preset)")
-    ap.add_argument("--world", type=int, default=2,
-                    help="ranks (default 2); 2 and 4 are always shown")  # fmt: skip
-    ap.add_argument("--reduce", choices=sorted(REDUCE_BYTES), default="bf16",
-                    help="gradient dtype on the wire (as dist_reduce; default bf16)")  # fmt: skip
+    ap.add_argument(
+        "--world", type=int, default=2, help="ranks (default 2); 2 and 4 are always shown"
+    )
+    ap.add_argument(
+        "--reduce",
+        choices=sorted(REDUCE_BYTES),
+        default="bf16",
+        help="gradient dtype on the wire (as dist_reduce; default bf16)",
+    )
     ap.add_argument("--gen", type=int, help="PCIe generation (default: read, else gen4)")
     ap.add_argument("--width", type=int, help="PCIe lanes (default: read, else x16)")
     argv = list(argv or [])
@@ -206,11 +213,15 @@ def _run_link(args, out) -> int:
     out(f"  reduce      {args.reduce} = {rb} B per gradient (--reduce; fp32 is the exact one)")
     out(f"  payload     {_mb(payload)} = params x {rb} B")
     out(f"  link        PCIe gen{gen} x{width} = {theo / 1e9:.2f} GB/s theoretical ({l_src})")
-    out(f"  efficiency  {LINK_EFFICIENCY:.2f} -> {eff / 1e9:.2f} GB/s "
-        f"(LINK_EFFICIENCY: an assumption, not a measurement)")  # fmt: skip
-    out(f"  bucket      {bucket_mb_for(payload):.1f} MiB (bucket_mb_for: payload/{BUCKET_DIVISOR} "
+    out(
+        f"  efficiency  {LINK_EFFICIENCY:.2f} -> {eff / 1e9:.2f} GB/s "
+        f"(LINK_EFFICIENCY: an assumption, not a measurement)"
+    )
+    out(
+        f"  bucket      {bucket_mb_for(payload):.1f} MiB (bucket_mb_for: payload/{BUCKET_DIVISOR} "
         f"clamped to {BUCKET_MIN_MB:g}..{BUCKET_MAX_MB:g} MiB; "
-        f"a guess until two cards sweep it)")  # fmt: skip
+        f"a guess until two cards sweep it)"
+    )
     out("  formula     bytes/rank = 2(P-1)/P x payload; seconds = bytes/rank / (link x efficiency)")
     out("")
     out(f"  {'ranks':>5}  {'payloads/rank':>13}  {'bytes/rank':>11}  {'ms/all-reduce':>13}")

@@ -80,18 +80,30 @@ def _ddp(model: torch.nn.Module, ctx: DPContext) -> torch.nn.Module:
     # The only buffers are the LFB controller's, kept identical by the context's lfb_reduce;
     # DDP's per-forward broadcast would overwrite every rank's counts with rank 0's. (torch
     # 2.13 renames the switch; 2.11 knows only the old name.)
-    no_sync = ({"forward_sync_buffers": False}
-               if "forward_sync_buffers" in inspect.signature(DDP.__init__).parameters
-               else {"broadcast_buffers": False})  # fmt: skip
-    ddp = DDP(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None,
-              bucket_cap_mb=mb, find_unused_parameters=bool(unused), **no_sync)  # fmt: skip
+    no_sync = (
+        {"forward_sync_buffers": False}
+        if "forward_sync_buffers" in inspect.signature(DDP.__init__).parameters
+        else {"broadcast_buffers": False}
+    )
+    ddp = DDP(
+        model,
+        device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None,
+        bucket_cap_mb=mb,
+        find_unused_parameters=bool(unused),
+        **no_sync,
+    )
     if ctx.reduce in ("bf16", "fp16"):
         ddp.register_comm_hook(None, compress_hook(REDUCE_DTYPES[ctx.reduce]))
-    why = (f"probe: {len(unused)} parameter(s) got no gradient, e.g. {unused[0]}" if unused
-           else "probe: every parameter received a gradient")  # fmt: skip
-    log.info(f"ddp: reduce={ctx.reduce} bucket_cap_mb={mb:.1f} (payload "
-             f"{payload / 2**20:.2f} MiB{'' if ctx.bucket_mb > 0 else ', bucket_mb_for'}) "
-             f"find_unused_parameters={int(bool(unused))} ({why})")  # fmt: skip
+    why = (
+        f"probe: {len(unused)} parameter(s) got no gradient, e.g. {unused[0]}"
+        if unused
+        else "probe: every parameter received a gradient"
+    )
+    log.info(
+        f"ddp: reduce={ctx.reduce} bucket_cap_mb={mb:.1f} (payload "
+        f"{payload / 2**20:.2f} MiB{'' if ctx.bucket_mb > 0 else ', bucket_mb_for'}) "
+        f"find_unused_parameters={int(bool(unused))} ({why})"
+    )
     return ddp
 
 

@@ -59,9 +59,18 @@ class Heartbeat:
     so, and its peers stop watching it; one the watchdog ended says so, and its peers end too.
     """
 
-    def __init__(self, rank: int, world: int, timeout_s: float, connect: Callable[[], object],
-                 prefix: str, *, store_where: str = "the fleet's store",
-                 launcher_pid: int | None = None, settle_to: float | None = None):  # fmt: skip
+    def __init__(
+        self,
+        rank: int,
+        world: int,
+        timeout_s: float,
+        connect: Callable[[], object],
+        prefix: str,
+        *,
+        store_where: str = "the fleet's store",
+        launcher_pid: int | None = None,
+        settle_to: float | None = None,
+    ):
         self.rank, self.world, self.timeout = int(rank), int(world), float(timeout_s)
         self.interval = min(2.0, max(0.05, self.timeout / 10))
         self.connect, self.prefix, self.where = connect, prefix, store_where
@@ -78,8 +87,10 @@ class Heartbeat:
         self._moved = threading.Event()
         self._barriers = 0
         self._main = None
-        self._threads = [threading.Thread(target=f, name=f"dormouse-{n}-r{rank}", daemon=True)
-                         for n, f in (("pulse", self._pulse), ("watch", self._watch))]  # fmt: skip
+        self._threads = [
+            threading.Thread(target=f, name=f"dormouse-{n}-r{rank}", daemon=True)
+            for n, f in (("pulse", self._pulse), ("watch", self._watch))
+        ]
 
     # -- what the loop tells it -------------------------------------------------------------
 
@@ -152,9 +163,18 @@ class Heartbeat:
         return self._main
 
     def _record(self, n: int) -> str:
-        return json.dumps({"n": n, "step": self.step, "phase": self.phase, "saved": self.saved,
-                           "pid": self.pid, "host": self.host, "state": self.state,
-                           "why": self.why})  # fmt: skip
+        return json.dumps(
+            {
+                "n": n,
+                "step": self.step,
+                "phase": self.phase,
+                "saved": self.saved,
+                "pid": self.pid,
+                "host": self.host,
+                "state": self.state,
+                "why": self.why,
+            }
+        )
 
     _count = 0
 
@@ -226,8 +246,7 @@ class Heartbeat:
                 self.changed = dict.fromkeys(self.changed, now)
                 continue
             if self._launcher_gone():
-                self._end(f"the torchrun agent that launched it (pid {self.launcher_pid}) is "
-                          f"gone")  # fmt: skip
+                self._end(f"the torchrun agent that launched it (pid {self.launcher_pid}) is gone")
             for r, rec in list(self.seen.items()):
                 if rec.get("state") == "ended" and r not in self.left:
                     self._end(f"rank {r} ended itself ({rec.get('why')})")
@@ -235,15 +254,23 @@ class Heartbeat:
                 if r in self.left or now - t <= self.timeout:
                     continue
                 rec = self.seen.get(r)
-                last = (f"its last heartbeat: step {rec['step']} ({rec['phase']})" if rec
-                        else "it never sent a heartbeat")  # fmt: skip
-                how = ("its process exited" if r in self._dead_peers()
-                       else "it stopped, froze or died")  # fmt: skip
-                self._end(f"rank {r} has sent no heartbeat for {now - t:.1f} s (dist_timeout="
-                          f"{self.timeout:g} s): {how}; {last}")  # fmt: skip
+                last = (
+                    f"its last heartbeat: step {rec['step']} ({rec['phase']})"
+                    if rec
+                    else "it never sent a heartbeat"
+                )
+                how = (
+                    "its process exited" if r in self._dead_peers() else "it stopped, froze or died"
+                )
+                self._end(
+                    f"rank {r} has sent no heartbeat for {now - t:.1f} s (dist_timeout="
+                    f"{self.timeout:g} s): {how}; {last}"
+                )
             if now - self.last_io > self.timeout:
-                self._end(f"{self.where} has not answered for {now - self.last_io:.1f} s "
-                          f"(dist_timeout={self.timeout:g} s)")  # fmt: skip
+                self._end(
+                    f"{self.where} has not answered for {now - self.last_io:.1f} s "
+                    f"(dist_timeout={self.timeout:g} s)"
+                )
 
     def _saved(self) -> str:
         # rank 0 knows its last file; the others know the last save the fleet agreed on
@@ -330,10 +357,15 @@ class Heartbeat:
 
     def _dead_peers(self) -> list[int]:
         """Peers on this host whose process exited without saying they left."""
-        return [r for r, rec in list(self.seen.items())
-                if r not in self.left and rec.get("state") == "alive"
-                and rec.get("host") == self.host and rec.get("pid")
-                and not pid_alive(int(rec["pid"]))]  # fmt: skip
+        return [
+            r
+            for r, rec in list(self.seen.items())
+            if r not in self.left
+            and rec.get("state") == "alive"
+            and rec.get("host") == self.host
+            and rec.get("pid")
+            and not pid_alive(int(rec["pid"]))
+        ]
 
     def explain(self, e: BaseException) -> str:
         """One line for a collective (or store call) that failed: what each peer was doing."""
@@ -358,19 +390,25 @@ class Heartbeat:
                 continue
             culprits.append(r)
             # the step's age: see _age
-            peers.append(f"rank {r} {how}; its last heartbeat, {silent:.1f} s before, said step "
-                         f"{rec.get('step')} ({rec.get('phase')})")  # fmt: skip
+            peers.append(
+                f"rank {r} {how}; its last heartbeat, {silent:.1f} s before, said step "
+                f"{rec.get('step')} ({rec.get('phase')})"
+            )
         text = str(e)
         if self._launcher_gone(wait_s=0.0 if culprits or "imed out" in text else LAUNCHER_EXIT_S):
             hint = f"the torchrun agent that launched this rank (pid {self.launcher_pid}) is gone"
         elif culprits:
             hint = f"rank {', '.join(map(str, culprits))} stopped"
         elif "imed out" in text:
-            hint = ("every peer still beats, so the ranks fell out of step (a bug: please report "
-                    "it with the log)")  # fmt: skip
+            hint = (
+                "every peer still beats, so the ranks fell out of step (a bug: please report "
+                "it with the log)"
+            )
         else:
-            hint = (f"a peer or {self.where} dropped its connection (no rank is known to have "
-                    f"died here; another host?)")  # fmt: skip
+            hint = (
+                f"a peer or {self.where} dropped its connection (no rank is known to have "
+                f"died here; another host?)"
+            )
         return (
             f"rank {self.rank} lost the fleet at step {self.step} ({self.phase}): {hint} "
             f"({'; '.join(peers)}); the failed call: {short(e, 120)}. {self._saved()}; "
@@ -395,16 +433,26 @@ def fleet_failure(e: BaseException) -> bool:
     if isinstance(e, getattr(dist, "DistError", ())):  # DistBackendError, DistStoreError, ...
         return True
     text = str(e)
-    return isinstance(e, RuntimeError) and any(s in text for s in (
-        "Connection closed by peer", "Connection reset by peer", "Broken pipe", "Timed out",
-        "timed out", "gloo", "NCCL"))  # fmt: skip
+    return isinstance(e, RuntimeError) and any(
+        s in text
+        for s in (
+            "Connection closed by peer",
+            "Connection reset by peer",
+            "Broken pipe",
+            "Timed out",
+            "timed out",
+            "gloo",
+            "NCCL",
+        )
+    )
 
 
 _SESSIONS = 0
 
 
-def start_heartbeat(rank: int, world: int, timeout_s: float, settle_to: float | None,
-                     env: Mapping[str, str]) -> Heartbeat:  # fmt: skip
+def start_heartbeat(
+    rank: int, world: int, timeout_s: float, settle_to: float | None, env: Mapping[str, str]
+) -> Heartbeat:
     """A Heartbeat on this fleet's store: its own TCPStore clients at MASTER_ADDR:PORT (so a
     blocked call of one thread cannot block another), else the process group's store."""
     global _SESSIONS
@@ -427,6 +475,13 @@ def start_heartbeat(rank: int, world: int, timeout_s: float, settle_to: float | 
         where = "the process group's store"
     restart = env.get("TORCHELASTIC_RESTART_COUNT", "0")
     launched = env.get("TORCHELASTIC_RUN_ID") is not None
-    return Heartbeat(rank, world, timeout_s, connect, f"dormouse/{restart}/{_SESSIONS}",
-                     store_where=where, launcher_pid=os.getppid() if launched else None,
-                     settle_to=settle_to).start()  # fmt: skip
+    return Heartbeat(
+        rank,
+        world,
+        timeout_s,
+        connect,
+        f"dormouse/{restart}/{_SESSIONS}",
+        store_where=where,
+        launcher_pid=os.getppid() if launched else None,
+        settle_to=settle_to,
+    ).start()

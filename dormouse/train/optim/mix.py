@@ -30,16 +30,15 @@ decay uses the scheduled `lr` (p *= 1 - lr*wd), as torch.optim.Muon and AdamW do
 from __future__ import annotations
 
 import logging
-import math
-import statistics
-import time
+from dataclasses import replace
 
 import torch
 from torch import Tensor, nn
 
-from ...config import ConfigError
+from ...config import ConfigError, Optim, TrainConfig
 from ...model.engram import HostTables, touched_rows
 from ..context import local_shard
+from .graph import GRAPH_WARMUP, StepGraph
 from .muon import DTYPES, muon_step_
 from .quant import BLOCK
 from .routing import Route, route_params, strip_name
@@ -47,25 +46,8 @@ from .rowadam import moments, row_adam_, row_adam_dense_, row_state
 
 log = logging.getLogger(__name__)
 
-#: Adam's epsilon, the AdamW groups' and the Engram group's (torch AdamW's default); the
-#: config's adam_eps.
-ADAM_EPS = 1e-8
-#: muon_state_dtype / engram_state_dtype values; "int8": blockwise codes (dormouse.train.optim.quant)
-STATE_DTYPES = ("fp32", "bf16", "int8")
 #: Group entries a load leaves as built: the kernel choice is this machine's, not the run's.
 _KEEP_ON_LOAD = ("params", "fused", "foreach")
-#: Eager steps before the optimizer step is captured (`MixOptimizer.capture_step`): AdamW's
-#: kernels, cuBLAS's workspace on the capture stream and the allocator settle first (the
-#: first, on the capture stream), and the host-side eager step is timed (the others).
-GRAPH_WARMUP = 3
-#: Replays timed after the capture, against the timed eager steps: the graph stays only when
-#: its median is at most GRAPH_KEEP x the eager median. Measured on one H200 (the log's own
-#: line, docs/performance.md): small at 64 x 256 1.85 ms replayed against 25.15 ms eager
-#: (launch-bound); b1 at 24 x 2048 97.0 ms replayed against 84.4 ms eager (the captured step
-#: updates every Engram row by mask, the eager one only the touched rows), so the choice goes
-#: both ways. 1.05: a tie keeps the graph (it frees the host); a few percent of noise does
-#: not flip it.
-GRAPH_TIMED, GRAPH_KEEP = 3, 1.05
 
 
 def _check_sharding(name: str, p: Tensor) -> None:
@@ -95,17 +77,18 @@ def _resolve_ns_dtype(ns_dtype: str, device_type: str) -> str:
     return chosen
 
 
-def _check(name: str, value, options: tuple) -> None:
-    if value not in options:
-        raise ConfigError(f"{name}={value!r} is not one of {options}")
-
-
 def _refuse_sharded_int8(named: list, muon_state_dtype: str, engram_state_dtype: str) -> None:
     """int8 state is kept per process in blocks of the local elements; an FSDP2 shard's would
     have to be resharded through fp32 whenever the world size changes (nothing does that)."""
-    on = [r.name for r, p in named if hasattr(p, "placements")
-          and ((r.owner == "muon" and muon_state_dtype == "int8")
-               or (r.owner == "engram" and engram_state_dtype == "int8"))]  # fmt: skip
+    on = [
+        r.name
+        for r, p in named
+        if hasattr(p, "placements")
+        and (
+            (r.owner == "muon" and muon_state_dtype == "int8")
+            or (r.owner == "engram" and engram_state_dtype == "int8")
+        )
+    ]
     if on:
         raise ConfigError(
             f"muon_state_dtype={muon_state_dtype}, engram_state_dtype={engram_state_dtype}: "
@@ -141,38 +124,16 @@ class MixOptimizer(torch.optim.Optimizer):
     resharded through fp32 on a resume at another world size, which nothing here does.
     """
 
-    def __init__(
-        self,
-        model: nn.Module,
-        lr: float,
-        wd: float = 0.0,
-        opt: str = "mix",
-        ns_steps: int = 5,
-        ns_kind: str = "quintic",
-        ns_dtype: str = "fp32",
-        muon_state_dtype: str = "fp32",
-        engram_state_dtype: str = "fp32",
-        muon_variant: str = "nesterov",
-        muon_sf: str = "rms",
-        momentum: float = 0.95,
-        adam_betas: tuple[float, float] = (0.9, 0.95),
-        engram_lr_mult: float = 5.0,
-        optim_8bit: bool = False,
-        adam_eps: float = ADAM_EPS,
-    ):
-        _check("opt", opt, ("mix", "adamw"))
-        _check("ns_kind", ns_kind, ("quintic", "polar_express"))
-        _check("ns_dtype", ns_dtype, ("auto", "fp32", "bf16"))
-        _check("muon_state_dtype", muon_state_dtype, STATE_DTYPES)
-        _check("engram_state_dtype", engram_state_dtype, STATE_DTYPES)
+    def __init__(self, model: nn.Module, cfg: Optim):
+        """`cfg`: the optimizer's part of the run's config (`run.train.optim`); its rules are
+        Optim.check's (config.py), run here for an optimizer built without a run."""
+        cfg.check()
+        opt, lr, wd, ns_dtype = cfg.opt, cfg.lr, cfg.wd, cfg.ns_dtype
+        muon_state_dtype, engram_state_dtype = cfg.muon_state_dtype, cfg.engram_state_dtype
+        adam_betas, adam_eps = tuple(cfg.adam_betas), cfg.adam_eps
+        self.cfg = cfg
         self._engram_state_dtype = engram_state_dtype
-        _check("muon_variant", muon_variant, ("nesterov", "plain"))
-        _check("muon_sf", muon_sf, ("rms", "jordan"))
-        if ns_steps < 1:
-            raise ConfigError(f"ns_steps={ns_steps} must be >= 1")
-        if not (math.isfinite(adam_eps) and adam_eps > 0):
-            raise ConfigError(f"adam_eps={adam_eps} must be a finite number > 0")
-        self.optim_8bit = optim_8bit
+        self.optim_8bit = cfg.optim_8bit
         self.routes = route_params(model, opt)
         named = [(r, p) for r, (_, p) in zip(self.routes, model.named_parameters(), strict=True)]
 
@@ -188,21 +149,23 @@ class MixOptimizer(torch.optim.Optimizer):
             buckets.setdefault((r.matrix, p.dtype, str(p.device)), []).append((r, p))
         groups: list[dict] = []
         for (mat, _dt, _dev), members in buckets.items():
-            groups.append({
-                "params": [p for _, p in members],
-                "names": [r.name for r, _ in members],
-                "kind": "muon",
-                "lr": lr,
-                "base_lr": lr,
-                "weight_decay": wd,
-                "momentum": momentum,
-                "nesterov": muon_variant == "nesterov",
-                "ns_steps": ns_steps,
-                "ns_kind": ns_kind,
-                "ns_dtype": ns_dtype,
-                "muon_sf": muon_sf,
-                "matrix": mat,
-            })  # fmt: skip
+            groups.append(
+                {
+                    "params": [p for _, p in members],
+                    "names": [r.name for r, _ in members],
+                    "kind": "muon",
+                    "lr": lr,
+                    "base_lr": lr,
+                    "weight_decay": wd,
+                    "momentum": cfg.muon_momentum,
+                    "nesterov": cfg.muon_variant == "nesterov",
+                    "ns_steps": cfg.ns_steps,
+                    "ns_kind": cfg.ns_kind,
+                    "ns_dtype": ns_dtype,
+                    "muon_sf": cfg.muon_sf,
+                    "matrix": mat,
+                }
+            )
 
         # ---- AdamW groups ----
         adam_specs = (
@@ -213,28 +176,42 @@ class MixOptimizer(torch.optim.Optimizer):
         for kind, pick, glr, gwd in adam_specs:
             sel = [(r, p) for r, p in named if pick(r)]
             if sel:
-                adam_groups.append({
-                    "params": [p for _, p in sel], "names": [r.name for r, _ in sel],
-                    "kind": kind, "lr": glr, "base_lr": glr, "weight_decay": gwd,
-                })  # fmt: skip
-        self.adamw = (self._make_adamw(adam_groups, lr, tuple(adam_betas), adam_eps)
-                      if adam_groups else None)  # fmt: skip
+                adam_groups.append(
+                    {
+                        "params": [p for _, p in sel],
+                        "names": [r.name for r, _ in sel],
+                        "kind": kind,
+                        "lr": glr,
+                        "base_lr": glr,
+                        "weight_decay": gwd,
+                    }
+                )
+        self.adamw = (
+            self._make_adamw(adam_groups, lr, tuple(adam_betas), adam_eps) if adam_groups else None
+        )
 
         # ---- the Engram group: VRAM tables (parameters) and host stores (not) ----
         vram = [(r, p) for r, p in named if r.owner == "engram"]
         self._host: list[tuple[str, HostTables]] = [
-            (strip_name(n) + ".table", m) for n, m in model.named_modules()
+            (strip_name(n) + ".table", m)
+            for n, m in model.named_modules()
             if isinstance(m, HostTables)
-        ]  # fmt: skip
+        ]
         engram = []
         if vram or self._host:
-            glr = lr * engram_lr_mult
-            engram = [{
-                "params": [p for _, p in vram],
-                "names": [r.name for r, _ in vram] + [n for n, _ in self._host],
-                "kind": "engram", "lr": glr, "base_lr": glr, "weight_decay": 0.0,
-                "betas": tuple(adam_betas), "eps": adam_eps,
-            }]  # fmt: skip
+            glr = lr * cfg.engram_lr_mult
+            engram = [
+                {
+                    "params": [p for _, p in vram],
+                    "names": [r.name for r, _ in vram] + [n for n, _ in self._host],
+                    "kind": "engram",
+                    "lr": glr,
+                    "base_lr": glr,
+                    "weight_decay": 0.0,
+                    "betas": tuple(adam_betas),
+                    "eps": adam_eps,
+                }
+            ]
 
         self._muon_groups = groups
         all_groups = groups + (self.adamw.param_groups if self.adamw is not None else []) + engram
@@ -242,7 +219,7 @@ class MixOptimizer(torch.optim.Optimizer):
             raise ConfigError("the model has no parameters to optimise")
         super().__init__(all_groups, {"lr": lr})
         self._sealed = True  # Optimizer.__init__ used add_param_group; nobody else may
-        self._graph: _StepGraph | None = None
+        self._graph: StepGraph | None = None
         self._engram_group = self.param_groups[-1] if engram else None
         if "int8" in (muon_state_dtype, engram_state_dtype):
             _refuse_sharded_int8(named, muon_state_dtype, engram_state_dtype)
@@ -321,8 +298,9 @@ class MixOptimizer(torch.optim.Optimizer):
         if self._engram_group is not None:
             for p in self._engram_group["params"]:
                 self.state[p].update(row_state(p, self._engram_state_dtype))
-        self.host_state = {name: row_state(store.table, self._engram_state_dtype)
-                           for name, store in self._host}  # fmt: skip
+        self.host_state = {
+            name: row_state(store.table, self._engram_state_dtype) for name, store in self._host
+        }
 
     def add_param_group(self, param_group: dict) -> None:
         if getattr(self, "_sealed", False):
@@ -334,23 +312,19 @@ class MixOptimizer(torch.optim.Optimizer):
     # ---- public surface ----
 
     @classmethod
-    def from_config(cls, model: nn.Module, train_cfg, device_type: str) -> MixOptimizer:
+    def from_config(
+        cls, model: nn.Module, train_cfg: TrainConfig, device_type: str
+    ) -> MixOptimizer:
         """Build from a TrainConfig; ns_dtype="auto" -> bf16 on cuda, fp32 elsewhere (logged).
         compile_mode=reduce-overhead on CUDA also captures the optimizer step in a CUDA graph
         (`capture_step`; logged, with the reason when it cannot)."""
-        t = train_cfg
+        t, o = train_cfg, train_cfg.optim
         ns_dtype = (
-            _resolve_ns_dtype(t.ns_dtype, device_type)
-            if t.opt == "mix"
-            else ("fp32" if t.ns_dtype == "auto" else t.ns_dtype)
+            _resolve_ns_dtype(o.ns_dtype, device_type)
+            if o.opt == "mix"
+            else ("fp32" if o.ns_dtype == "auto" else o.ns_dtype)
         )
-        opt = cls(
-            model, lr=t.lr, wd=t.wd, opt=t.opt, ns_steps=t.ns_steps, ns_kind=t.ns_kind,
-            ns_dtype=ns_dtype, muon_state_dtype=t.muon_state_dtype, muon_variant=t.muon_variant,
-            muon_sf=t.muon_sf, momentum=t.muon_momentum, adam_betas=tuple(t.adam_betas),
-            engram_lr_mult=t.engram_lr_mult, optim_8bit=t.optim_8bit,
-            engram_state_dtype=t.engram_state_dtype, adam_eps=t.adam_eps,
-        )  # fmt: skip
+        opt = cls(model, replace(o, ns_dtype=ns_dtype))
         if t.compile and t.compile_mode == "reduce-overhead" and device_type == "cuda":
             why = opt.capture_step()
             log.info(
@@ -374,7 +348,7 @@ class MixOptimizer(torch.optim.Optimizer):
         """One step. `commit` (a bool tensor, the loop's finiteness verdict left on the device):
         the step is taken only where it holds. After `commit_on_device` the device step
         applies it without the host: every tensor the step writes is copied aside first and
-        put back where `commit` is False (`_StepGraph.transact`); any other path reads it on
+        put back where `commit` is False (`StepGraph.transact`); any other path reads it on
         the host first (one synchronisation) and steps or not."""
         loss = None
         if closure is not None:
@@ -386,14 +360,22 @@ class MixOptimizer(torch.optim.Optimizer):
             self._step_body(None)
         return loss
 
+    @property
+    def device_side(self) -> bool:
+        """Whether step() runs its device-side form (`capture_step`: a CUDA graph, or that
+        arithmetic eagerly), the one that can take the verdict on the device."""
+        return self._graph is not None
+
     def commit_on_device(self) -> str:
         """From the next step on, step(commit=...) decides on the device (see step): "" when
         on, else why it cannot be. Needs the device-side step (`capture_step`), before its
         capture; the copy aside costs `written_bytes()` of device memory."""
         g = self._graph
         if g is None:
-            return ("the optimizer steps on the host (its device-side step comes with "
-                    "compile_mode=reduce-overhead on CUDA, or verdict=device)")  # fmt: skip
+            return (
+                "the optimizer steps on the host (its device-side step comes with "
+                "compile_mode=reduce-overhead on CUDA, or verdict=device)"
+            )
         if g.graph is not None:
             return "the optimizer graph was captured already, without the copy aside"
         g.transact = True
@@ -408,8 +390,13 @@ class MixOptimizer(torch.optim.Optimizer):
             out.update({id(t): t for t in (buf, absmax) if t is not None})
         views = ("momentum_buffer", "momentum_q", "momentum_absmax")
         for p in params:
-            out.update({id(v): v for k, v in self.state[p].items()
-                        if torch.is_tensor(v) and k not in views})  # fmt: skip
+            out.update(
+                {
+                    id(v): v
+                    for k, v in self.state[p].items()
+                    if torch.is_tensor(v) and k not in views
+                }
+            )
         return list(out.values())
 
     def written_bytes(self) -> int:
@@ -451,8 +438,9 @@ class MixOptimizer(torch.optim.Optimizer):
                 continue
             if lr_t is not None:  # graph mode: rows by mask, no host synchronisation
                 st = self.state[p]
-                row_adam_dense_(p, st["exp_avg"], st["exp_avg_sq"], st["step"], p.grad, lr_t,
-                                *hyper[1:])  # fmt: skip
+                row_adam_dense_(
+                    p, st["exp_avg"], st["exp_avg_sq"], st["step"], p.grad, lr_t, *hyper[1:]
+                )
                 continue
             grad = local_shard(p.grad).reshape(-1, p.shape[-1])
             rows = touched_rows(grad)
@@ -467,13 +455,22 @@ class MixOptimizer(torch.optim.Optimizer):
             if rows.numel():
                 st = self.host_state[name]
                 m, v, scales = moments(st)
-                row_adam_(store.table, m, v, st["step"], rows, grad.to("cpu", torch.float32),
-                          *hyper, scales=scales)  # fmt: skip
+                row_adam_(
+                    store.table,
+                    m,
+                    v,
+                    st["step"],
+                    rows,
+                    grad.to("cpu", torch.float32),
+                    *hyper,
+                    scales=scales,
+                )
 
     # ---- the step as one CUDA graph ----
 
-    def capture_step(self, warmup: int = GRAPH_WARMUP, capture: bool = True,
-                     keep: str = "auto") -> str:  # fmt: skip
+    def capture_step(
+        self, warmup: int = GRAPH_WARMUP, capture: bool = True, keep: str = "auto"
+    ) -> str:
         """From now on step() replays one CUDA graph of the whole optimizer step (every Muon
         group's momentum and polar, the fused AdamW, the Engram rows) instead of launching
         its ~500 kernels one by one from Python: `warmup` eager steps, then a capture, then
@@ -497,7 +494,7 @@ class MixOptimizer(torch.optim.Optimizer):
             return why
         if keep not in ("auto", "always"):
             raise ValueError(f"capture_step(keep={keep!r}): 'auto' or 'always'")
-        self._graph = _StepGraph(self, warmup if capture else None, timed=keep == "auto")
+        self._graph = StepGraph(self, warmup if capture else None, timed=keep == "auto")
         return ""
 
     def _graph_refusal(self, capture: bool) -> str:
@@ -625,8 +622,10 @@ class MixOptimizer(torch.optim.Optimizer):
         sd = state_dict
         if not isinstance(sd, dict) or "param_groups" not in sd:
             keys = sorted(sd)[:6] if isinstance(sd, dict) else type(sd).__name__
-            raise ConfigError(f"not a torch optimizer state (it has {keys}): the checkpoint "
-                              f"was written by another optimizer or dormouse version")  # fmt: skip
+            raise ConfigError(
+                f"not a torch optimizer state (it has {keys}): the checkpoint "
+                f"was written by another optimizer or dormouse version"
+            )
         saved = sd["param_groups"]
         mine = [g["names"] for g in self.param_groups]
         theirs = [list(g.get("names", ())) for g in saved]
@@ -652,177 +651,6 @@ class MixOptimizer(torch.optim.Optimizer):
             _copy_state(st, host.get(name), name)
 
 
-class _StepGraph:
-    """MixOptimizer.step as one CUDA graph (`MixOptimizer.capture_step`); warmup=None: the
-    same device-side arithmetic, eagerly, never captured."""
-
-    def __init__(self, opt: MixOptimizer, warmup: int | None, timed: bool = False):
-        self.opt = opt
-        # eager vs replayed ms (keep="auto"; capture only): see MixOptimizer.capture_step
-        self.times: dict[str, list[float]] | None = (
-            {"eager": [], "replay": []} if timed and warmup is not None else None
-        )
-        self.params = [p for g in opt.param_groups for p in g["params"]]
-        self.device = self.params[0].device
-        self.lrs = torch.zeros(len(opt.param_groups), dtype=torch.float64, device=self.device)
-        # the host side of the lr copy: pinned, so the copy queues without waiting for the
-        # device; `copied` marks when the last copy has read it, before it is written again
-        # (long done by then: the loop's verdict has synchronised since)
-        self.host_lrs = torch.zeros(len(opt.param_groups), dtype=torch.float64,
-                                    pin_memory=warmup is not None)  # fmt: skip
-        self.copied = torch.cuda.Event() if warmup is not None else None
-        self.warmup = warmup
-        self.steps = 0
-        self.graph = None
-        self.key: tuple[bool, ...] = ()
-        self.static: list[Tensor] = []
-        self.stream = torch.cuda.Stream(self.device) if warmup is not None else None
-        self.said = False
-        # commit_on_device: the step copies what it writes aside and puts it back where the
-        # device-side verdict `ok` is False (`_transacted`), captured so in the graph
-        self.transact = False
-        self.ok = torch.ones((), dtype=torch.bool, device=self.device)
-        # (what the step writes, its copy aside): made once, before any capture (`_aside`)
-        self.backup: tuple[list[Tensor], list[Tensor]] | None = None
-
-    def step(self, commit: Tensor | None = None) -> None:
-        opt = self.opt
-        if self.copied is not None:
-            self.copied.synchronize()
-        for i, g in enumerate(opt.param_groups):
-            self.host_lrs[i] = float(g["lr"])
-        self.lrs.copy_(self.host_lrs, non_blocking=True)
-        if self.copied is not None:
-            self.copied.record()
-        grads = [p.grad for p in self.params]
-        key = tuple(g is not None for g in grads)
-        replays = self.graph is not None and key == self.key
-        if commit is not None and not (self.transact and (replays or self.warmup is None)):
-            # a path that does not take the verdict on the device: decided on the host
-            if not bool(commit):
-                return
-            commit = None
-        self.steps += 1
-        if replays:
-
-            def replay() -> None:
-                torch._foreach_copy_(self.static, [g for g in grads if g is not None])
-                if commit is not None:
-                    self.ok.copy_(commit)
-                elif self.transact:
-                    self.ok.fill_(True)
-                self.graph.replay()
-
-            if self.times is None:
-                replay()
-                return
-            self.times["replay"].append(self._timed(replay))
-            if len(self.times["replay"]) == GRAPH_TIMED:
-                self._choose()
-            return
-        if commit is not None:  # the device-side arithmetic, eagerly (warmup None): by `ok`
-            self.ok.copy_(commit)
-            self._transacted(lambda: opt._step_body(self.lrs))
-            return
-        if self.warmup is None:
-            opt._step_body(self.lrs)
-            return
-        if self.graph is None and self.steps > self.warmup:
-            self._capture(key)
-            self.ok.fill_(True)  # the host has decided this one (above)
-            self.graph.replay()
-            return
-        if self.times is not None and self.graph is None and self.steps > 1:
-            # the host-side eager step, as it runs without the graph: what a replay must beat
-            self.times["eager"].append(self._timed(lambda: opt._step_body(None)))
-            return
-        if self.graph is not None and not self.said:
-            self.said = True
-            log.info(f"optimizer graph: step {self.steps} has gradients on "
-                     f"{sum(key)}/{len(key)} parameters, the graph was captured with "
-                     f"{sum(self.key)}; such steps run eagerly")  # fmt: skip
-        # eager, on the capture stream: its cuBLAS workspace and allocations are warm
-        main = torch.cuda.current_stream(self.device)
-        self.stream.wait_stream(main)
-        with torch.cuda.stream(self.stream):
-            opt._step_body(self.lrs)
-        main.wait_stream(self.stream)
-
-    def _transacted(self, body) -> None:
-        """body() (the step), then every tensor it wrote put back where `self.ok` is False:
-        torch.where, so a skipped step leaves the state bit for bit as it was, NaN or not."""
-        written, aside = self._aside()
-        torch._foreach_copy_(aside, written)
-        body()
-        for t, b in zip(written, aside, strict=True):
-            torch.where(self.ok, t, b, out=t)  # in place: one kernel a tensor
-
-    def _aside(self) -> tuple[list[Tensor], list[Tensor]]:
-        """(every tensor the step writes, a buffer like each), listed and allocated once."""
-        if self.backup is None:
-            written = self.opt.written()
-            self.backup = (written, [torch.empty_like(t) for t in written])
-        return self.backup
-
-    def _timed(self, fn) -> float:
-        """ms of fn() with the device synchronised before and after (the loop's verdict has
-        synchronised just before the optimizer anyway: the wait costs nothing here)."""
-        torch.cuda.synchronize(self.device)
-        t0 = time.perf_counter()
-        fn()
-        torch.cuda.synchronize(self.device)
-        return 1000 * (time.perf_counter() - t0)
-
-    def _choose(self) -> None:
-        """Keep the graph or drop it (the optimizer's eager step from the next step on)."""
-        eager, replay = (statistics.median(self.times[k]) if self.times[k] else None
-                         for k in ("eager", "replay"))  # fmt: skip
-        self.times = None
-        if eager is None:  # every warm-up step was the first: nothing to compare with
-            return
-        keep = replay <= GRAPH_KEEP * eager
-        log.info(f"optimizer graph: a replay takes {replay:.2f} ms, the eager step {eager:.2f} "
-                 f"ms (medians, device synchronised): " + (
-                     "the graph stays" if keep else
-                     f"the eager step is faster, so it runs from the next step on (the graph "
-                     f"is kept only within {GRAPH_KEEP:g}x of it)"))  # fmt: skip
-        if not keep:
-            self.graph = None
-            self.static = []
-            self.backup = None  # the eager step decides a deferred verdict on the host
-            self.opt._graph = None
-
-    def _capture(self, key: tuple[bool, ...]) -> None:
-        opt = self.opt
-        have = [p for p, k in zip(self.params, key) if k]
-        self.static = [p.grad.detach().clone() for p in have]
-        for p, s in zip(have, self.static):
-            p.grad = s
-        adam = opt.adamw.param_groups if opt.adamw is not None else []
-        for g in adam:
-            g["capturable"] = True  # torch refuses a capture otherwise
-        self.stream.wait_stream(torch.cuda.current_stream(self.device))
-        graph = torch.cuda.CUDAGraph()
-
-        def body() -> None:
-            opt._step_body(self.lrs)
-
-        if self.transact:
-            self._aside()  # allocated outside the graph's pool
-        try:
-            with torch.cuda.graph(graph, stream=self.stream):
-                if self.transact:
-                    self._transacted(body)
-                else:
-                    body()
-        finally:
-            for g in adam:
-                g["capturable"] = False
-        self.graph, self.key = graph, key
-        log.info(f"optimizer graph: the step captured after {self.steps - 1} eager step(s) "
-                 f"({sum(key)} parameters with gradients); replayed from now on")  # fmt: skip
-
-
 def _placed_like(p: Tensor, flat: Tensor) -> Tensor:
     """`flat` (p's local element count) shaped as p's local part: a view, and for an FSDP2
     parameter a DTensor placed like it, so the checkpoint's gatherer sees a whole momentum."""
@@ -830,8 +658,14 @@ def _placed_like(p: Tensor, flat: Tensor) -> Tensor:
         return flat.view(p.shape)
     from torch.distributed.tensor import DTensor
 
-    return DTensor.from_local(flat.view(p.to_local().shape), p.device_mesh, p.placements,
-                              run_check=False, shape=p.shape, stride=p.stride())  # fmt: skip
+    return DTensor.from_local(
+        flat.view(p.to_local().shape),
+        p.device_mesh,
+        p.placements,
+        run_check=False,
+        shape=p.shape,
+        stride=p.stride(),
+    )
 
 
 def _copy_state(mine: dict, saved: dict | None, name: str) -> None:
@@ -847,8 +681,10 @@ def _copy_state(mine: dict, saved: dict | None, name: str) -> None:
         if not torch.is_tensor(t):  # bitsandbytes counts its steps in a Python int
             mine[k] = src
         elif tuple(src.shape) != tuple(t.shape):
-            raise ConfigError(f"optimizer state {k!r} of {name}: saved shape "
-                              f"{tuple(src.shape)}, this model needs {tuple(t.shape)}")  # fmt: skip
+            raise ConfigError(
+                f"optimizer state {k!r} of {name}: saved shape "
+                f"{tuple(src.shape)}, this model needs {tuple(t.shape)}"
+            )
         else:
             t.copy_(src)
 

@@ -151,22 +151,31 @@ def muon_step_(
     G = (torch.cat(grads) if len(grads) > 1 else grads[0]).to(torch.float32)
     sizes = [t.numel() for t in grads]
     if absmax is not None:
-        U = _momentum_int8_(g, buf, absmax, [(offsets[i], offsets[i + 1]) for i in have], G,
-                            sizes, whole=len(have) == len(params))  # fmt: skip
+        U = _momentum_int8_(
+            g,
+            buf,
+            absmax,
+            [(offsets[i], offsets[i + 1]) for i in have],
+            G,
+            sizes,
+            whole=len(have) == len(params),
+        )
     else:
         # Only the slots of parameters that have a gradient take part; the others' momentum is
         # neither decayed nor touched. One fp32 slot (the usual case: every parameter has a
         # gradient) is updated in place; anything else in an fp32 copy, written back.
-        slots = ([buf] if len(have) == len(params)
-                 else [buf[offsets[i]:offsets[i + 1]] for i in have])  # fmt: skip
+        slots = (
+            [buf] if len(have) == len(params) else [buf[offsets[i] : offsets[i + 1]] for i in have]
+        )
         M = (slots[0] if len(slots) == 1 else torch.cat(slots)).float()
         M.mul_(mu).add_(G)
         U = G.add(M, alpha=mu) if g["nesterov"] else M
         if M is not slots[0]:
             torch._foreach_copy_(slots, list(M.split([t.numel() for t in slots])))
     mine = [params[i] for i in have]
-    O = newton_schulz(_whole_matrices(mine, U, sizes, R, C), g["ns_steps"], g["ns_kind"],
-                      DTYPES[g["ns_dtype"]])  # fmt: skip
+    O = newton_schulz(
+        _whole_matrices(mine, U, sizes, R, C), g["ns_steps"], g["ns_kind"], DTYPES[g["ns_dtype"]]
+    )
     lr, wd = g["lr"], g["weight_decay"]
     views = [local_shard(p).view(-1) for p in mine]
     scale = muon_scale(g["muon_sf"], R, C)
@@ -182,8 +191,15 @@ def muon_step_(
     torch._foreach_add_(views, O, alpha=-lr * scale)
 
 
-def _momentum_int8_(g: dict, codes: Tensor, absmax: Tensor, spans: list[tuple[int, int]],
-                    G: Tensor, sizes: list[int], whole: bool) -> Tensor:  # fmt: skip
+def _momentum_int8_(
+    g: dict,
+    codes: Tensor,
+    absmax: Tensor,
+    spans: list[tuple[int, int]],
+    G: Tensor,
+    sizes: list[int],
+    whole: bool,
+) -> Tensor:
     """muon_step_'s momentum update on int8 blocks: the blocks `spans` (of the parameters with
     a gradient; `whole`: all of them) dequantised to fp32, m <- mu*m + g there, quantised back
     (round to nearest). Returns the direction u (flat fp32, those parameters' elements).

@@ -101,8 +101,13 @@ def route_params(model: nn.Module, opt: str = "mix") -> list[Route]:
         raise ConfigError(f"opt={opt!r} is not one of ('mix', 'adamw')")
     kinds: dict[int, str] = {}
     for m in model.modules():
-        kind = ("embedding" if isinstance(m, nn.Embedding)
-                else "conv" if isinstance(m, nn.modules.conv._ConvNd) else None)  # fmt: skip
+        kind = (
+            "embedding"
+            if isinstance(m, nn.Embedding)
+            else "conv"
+            if isinstance(m, nn.modules.conv._ConvNd)
+            else None
+        )
         if kind:
             kinds.update({id(p): kind for p in m.parameters(recurse=False)})
     routes = []
@@ -123,8 +128,9 @@ def format_routes(routes: Iterable[Route]) -> str:
     lines = [f"{'parameter':<{w}}  {'shape':<18} {'owner':<6} {'wd':<3} reason"]
     for r in routes:
         shape = "x".join(map(str, r.shape)) or "scalar"
-        lines.append(f"{r.name:<{w}}  {shape:<18} {r.owner:<6} {'yes' if r.decay else 'no':<3} "
-                     f"{r.reason}")  # fmt: skip
+        lines.append(
+            f"{r.name:<{w}}  {shape:<18} {r.owner:<6} {'yes' if r.decay else 'no':<3} {r.reason}"
+        )
     lines.append("")
     total_n = sum(r.numel for r in routes)
     lines.append(f"{'owner':<8} {'tensors':>8} {'params':>14} {'share':>7}")

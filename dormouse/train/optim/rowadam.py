@@ -36,9 +36,12 @@ def row_state(table: torch.Tensor, state_dtype: str = "fp32") -> dict[str, torch
 
     state = {"step": like(torch.int32, table[..., 0])}
     if state_dtype == "int8":
-        state.update(exp_avg_q=like(torch.int8), exp_avg_absmax=like(torch.float32, table[..., 0]),
-                     exp_avg_sq_q=like(torch.uint8),
-                     exp_avg_sq_sqrtmax=like(torch.float32, table[..., 0]))  # fmt: skip
+        state.update(
+            exp_avg_q=like(torch.int8),
+            exp_avg_absmax=like(torch.float32, table[..., 0]),
+            exp_avg_sq_q=like(torch.uint8),
+            exp_avg_sq_sqrtmax=like(torch.float32, table[..., 0]),
+        )
         return state
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[state_dtype]
     state.update(exp_avg=like(dtype), exp_avg_sq=like(dtype))
@@ -48,8 +51,11 @@ def row_state(table: torch.Tensor, state_dtype: str = "fp32") -> dict[str, torch
 def moments(state: dict[str, torch.Tensor]) -> tuple:
     """`row_adam_`'s moment arguments from a `row_state`: (exp_avg, exp_avg_sq, scales)."""
     if "exp_avg_q" in state:
-        return (state["exp_avg_q"], state["exp_avg_sq_q"],
-                (state["exp_avg_absmax"], state["exp_avg_sq_sqrtmax"]))  # fmt: skip
+        return (
+            state["exp_avg_q"],
+            state["exp_avg_sq_q"],
+            (state["exp_avg_absmax"], state["exp_avg_sq_sqrtmax"]),
+        )
     return state["exp_avg"], state["exp_avg_sq"], None
 
 
@@ -109,8 +115,10 @@ def row_adam_(
         exp_avg.index_copy_(0, rows, m.to(exp_avg.dtype))
         exp_avg_sq.index_copy_(0, rows, v.to(exp_avg_sq.dtype))
         return
-    for codes, scale, (q, s) in ((exp_avg, m_scale, quantize_signed_(m)),
-                                 (exp_avg_sq, v_scale, quantize_sqrt_(v))):  # fmt: skip
+    for codes, scale, (q, s) in (
+        (exp_avg, m_scale, quantize_signed_(m)),
+        (exp_avg_sq, v_scale, quantize_sqrt_(v)),
+    ):
         codes.index_copy_(0, rows, q)
         scale.index_copy_(0, rows, s)
 

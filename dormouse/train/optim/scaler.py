@@ -46,8 +46,10 @@ class LossScaler:
     def _check(self) -> None:
         m, _ = math.frexp(self.scale)
         if not (math.isfinite(self.scale) and self.scale > 0 and m == 0.5):
-            raise ValueError(f"loss scale {self.scale!r} is not a positive power of two: "
-                             f"unscaling by it would round every gradient")  # fmt: skip
+            raise ValueError(
+                f"loss scale {self.scale!r} is not a positive power of two: "
+                f"unscaling by it would round every gradient"
+            )
 
     @property
     def inverse(self) -> float:

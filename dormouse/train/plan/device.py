@@ -296,30 +296,52 @@ def policy_for(record: DeviceRecord, torch_version: str | None = None) -> Policy
         raise DeviceError(f"{record.label} ({record.name}) has no compute capability recorded")
     card = Card(record.kind, record.sm, record.name, release(torch_version or torch.__version__))
     no_fla, no_gmm = why_not("kda", "fla", card), why_not("moe", "grouped", card)
-    fused = (not no_gmm and card.type == "cuda"
-             and choose_arm("moe", "auto", card, torch.bfloat16).name == "grouped")  # fmt: skip
+    fused = (
+        not no_gmm
+        and card.type == "cuda"
+        and choose_arm("moe", "auto", card, torch.bfloat16).name == "grouped"
+    )
     why = [f"fla_kda: {no_fla}; the torch arm runs"] if no_fla else []
     if no_gmm:
         why.append(f"grouped_mm: {no_gmm}; the batched arm runs")
     elif card.type == "cuda" and not fused:
-        why.append("grouped_mm: runs through torch's mm-loop fallback (a host sync per call); "
-                   "moe_impl=auto takes the batched arm")  # fmt: skip
+        why.append(
+            "grouped_mm: runs through torch's mm-loop fallback (a host sync per call); "
+            "moe_impl=auto takes the batched arm"
+        )
     arms = dict(fla_kda=not no_fla, grouped_mm=not no_gmm, grouped_mm_fused=fused)
     if record.kind == "cpu":
         # CPU autocast runs bf16 and (torch 2.13) fp16, so an explicit request is honoured;
         # auto stays fp32 because the CPU arm is the reference path and a half dtype there is
         # opt-in, not a default (and slower: the CPU converts instead of computing in it).
-        why.append("auto: fp32 on the CPU (the reference arm); dtype=bf16 or fp16 opts into "
-                   "autocast")  # fmt: skip
-        return Policy(record, bf16=True, fp16=True, rung="fp32", auto="fp32", fallback="",
-                      why=tuple(why), **arms)  # fmt: skip
+        why.append(
+            "auto: fp32 on the CPU (the reference arm); dtype=bf16 or fp16 opts into autocast"
+        )
+        return Policy(
+            record,
+            bf16=True,
+            fp16=True,
+            rung="fp32",
+            auto="fp32",
+            fallback="",
+            why=tuple(why),
+            **arms,
+        )
     sm = record.sm
     bf16 = sm >= BF16_SM
     fp16 = sm >= FP16_SM
     rung = "bf16" if bf16 else "fp16" if fp16 else "fp32"
     auto, fallback = rung, ""
-    return Policy(record, bf16=bf16, fp16=fp16, rung=rung, auto=auto, fallback=fallback,
-                  why=tuple(why), **arms)  # fmt: skip
+    return Policy(
+        record,
+        bf16=bf16,
+        fp16=fp16,
+        rung=rung,
+        auto=auto,
+        fallback=fallback,
+        why=tuple(why),
+        **arms,
+    )
 
 
 def _sm(sm: tuple[int, int]) -> str:
@@ -357,7 +379,7 @@ def resolve_dtype(requested: str, record: DeviceRecord | None = None) -> tuple[t
     """Turn `dtype=` into the forward's compute dtype, with the line that says why (logged).
 
     Returns torch.float32 for fp32 (plain, no autocast), torch.bfloat16 for bf16 and
-    torch.float16 for fp16 (the loop then carries a loss scale, scaler.py); probes the device
+    torch.float16 for fp16 (the loop then carries a loss scale, train/optim/scaler.py); probes the device
     `auto` would pick when `record` is None and the answer depends on the card.
     """
     global _fallbacks
@@ -369,8 +391,9 @@ def resolve_dtype(requested: str, record: DeviceRecord | None = None) -> tuple[t
     else:
         record = record or probe_device(None)
         pol = policy_for(record)
-        reading = (f"device={record.name} sm={record.sm_text} bf16={int(pol.bf16)} "
-                   f"fp16={int(pol.fp16)}")  # fmt: skip
+        reading = (
+            f"device={record.name} sm={record.sm_text} bf16={int(pol.bf16)} fp16={int(pol.fp16)}"
+        )
         dtype, verdict = pol.auto, pol.auto
         if requested == "bf16" and not pol.bf16:
             raise DtypeError(
@@ -390,8 +413,9 @@ def resolve_dtype(requested: str, record: DeviceRecord | None = None) -> tuple[t
                 verdict += " with a dynamic loss scale"
         elif pol.fallback:
             _fallbacks += 1
-            verdict = (f"{pol.rung} -> {pol.auto} (counted fp32 fallback #{_fallbacks}: "
-                       f"{pol.fallback})")  # fmt: skip
+            verdict = (
+                f"{pol.rung} -> {pol.auto} (counted fp32 fallback #{_fallbacks}: {pol.fallback})"
+            )
         elif record.kind == "cpu":
             verdict = (
                 f"{pol.auto} (CPU: auto stays fp32; dtype=bf16 or fp16 opts into CPU autocast)"
@@ -412,8 +436,21 @@ def _gib(n: int) -> str:
 
 def format_probe_table(records: list[DeviceRecord]) -> str:
     """One row per device: the reading, the budget and the policy's verdicts."""
-    head = ("device", "name", "sm", "total", "free", "budget", "pcie max", "SMs/cores",
-            "bf16", "fp16", "auto", "fla_kda", "grouped_mm")  # fmt: skip
+    head = (
+        "device",
+        "name",
+        "sm",
+        "total",
+        "free",
+        "budget",
+        "pcie max",
+        "SMs/cores",
+        "bf16",
+        "fp16",
+        "auto",
+        "fla_kda",
+        "grouped_mm",
+    )
     rows = [head]
     notes = []
     for r in records:
@@ -422,9 +459,23 @@ def format_probe_table(records: list[DeviceRecord]) -> str:
         link = f"gen{r.pcie_gen_max} x{r.pcie_width_max}" if r.pcie_gen_max else "-"
         gmm = ("fused" if p.grouped_mm_fused else "loop") if p.grouped_mm else "no"
         auto = f"{p.auto} ({p.rung} rung)" if p.fallback else p.auto
-        rows.append((r.label, r.name, r.sm_text, _gib(r.total_mem), _gib(r.free_mem),
-                     "unknown" if budget is None else _gib(budget), link, str(r.multiprocessors),
-                     _yn(p.bf16), _yn(p.fp16), auto, _yn(p.fla_kda), gmm))  # fmt: skip
+        rows.append(
+            (
+                r.label,
+                r.name,
+                r.sm_text,
+                _gib(r.total_mem),
+                _gib(r.free_mem),
+                "unknown" if budget is None else _gib(budget),
+                link,
+                str(r.multiprocessors),
+                _yn(p.bf16),
+                _yn(p.fp16),
+                auto,
+                _yn(p.fla_kda),
+                gmm,
+            )
+        )
         said = [r.note] + list(p.why) + [p.fallback]
         notes += [f"  {r.label}: {text}" for text in said if text]
     widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
@@ -432,8 +483,10 @@ def format_probe_table(records: list[DeviceRecord]) -> str:
     lines.insert(1, "  ".join("-" * w for w in widths))
     if notes:
         lines += ["", "notes:"] + notes
-    lines.append(f"budget = free - {BUDGET_RESERVE // MiB} MiB; pcie max = the trained maximum "
-                 f"(NVML), not the idle current value")  # fmt: skip
+    lines.append(
+        f"budget = free - {BUDGET_RESERVE // MiB} MiB; pcie max = the trained maximum "
+        f"(NVML), not the idle current value"
+    )
     return "\n".join(lines)
 
 

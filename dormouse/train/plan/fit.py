@@ -52,13 +52,13 @@ ACT_ROUTED = ((7.0, 8.0), (10.0, 16.0))
 ACT_CKPT_INPUT = (4.0, 2.0)
 
 #: Bytes of Muon's momentum per value, by muon_state_dtype. int8: the code and one fp32 absmax
-#: per BLOCK (256) values (train/quant.py). A parameter's last block is padded, up to 255 B a
+#: per BLOCK (256) values (train/optim/quant.py). A parameter's last block is padded, up to 255 B a
 #: tensor more; every preset's Muon tensors are multiples of 256 values, so none is padded.
 MUON_STATE_BYTES = {"fp32": 4, "bf16": 2, "int8": 1 + 4 / BLOCK}
 #: Bytes of the two Adam moments of one Engram table value, by engram_state_dtype.
 ENGRAM_MOMENT_BYTES = {"fp32": 8, "bf16": 4, "int8": 2}
 #: Bytes per Engram table row beside the moments: its int32 step count, and for int8 the two
-#: moments' fp32 scales (a block is one row: train/rowadam.py `row_state`).
+#: moments' fp32 scales (a block is one row: train/optim/rowadam.py `row_state`).
 ENGRAM_ROW_BYTES = {"fp32": 4, "bf16": 4, "int8": 12}
 
 #: The ladder, cheapest first: (name, config field, value that engages it, its default).
@@ -140,13 +140,25 @@ class Estimate:
     @property
     def phase(self) -> str:
         """Which moment of the step sets the peak."""
-        return max(("backward", self.backward), ("midpoint", self.midpoint),
-                   ("step", self.step), key=lambda kv: kv[1])[0]  # fmt: skip
+        return max(
+            ("backward", self.backward),
+            ("midpoint", self.midpoint),
+            ("step", self.step),
+            key=lambda kv: kv[1],
+        )[0]
 
     def components(self) -> dict[str, int]:
-        return {"masters": self.masters, "grads": self.grads, "adamw": self.adamw,
-                "muon": self.muon, "engram": self.engram, "casts": self.casts,
-                "act": self.act, "opt_work": self.opt_work, "buffers": self.comm}  # fmt: skip
+        return {
+            "masters": self.masters,
+            "grads": self.grads,
+            "adamw": self.adamw,
+            "muon": self.muon,
+            "engram": self.engram,
+            "casts": self.casts,
+            "act": self.act,
+            "opt_work": self.opt_work,
+            "buffers": self.comm,
+        }
 
 
 # ---- reading the model (meta device) --------------------------------------------------
@@ -163,8 +175,9 @@ def param_split(run: RunConfig) -> ParamSplit:
     from ...model import DormouseModel
     from ..optim.routing import route_params
 
-    m = replace(run.model, engram_ram=False, moe_offload=False, act_ckpt=False,
-                act_ckpt_quant=False)  # fmt: skip
+    m = replace(
+        run.model, engram_ram=False, moe_offload=False, act_ckpt=False, act_ckpt_quant=False
+    )
     key = (dataclasses.astuple(m), run.train.opt)
     if key in _SPLITS:
         return _SPLITS[key]
@@ -186,11 +199,16 @@ def param_split(run: RunConfig) -> ParamSplit:
         if r.name.startswith("blocks."):
             body += r.numel
     split = ParamSplit(
-        total=sum(r.numel for r in routes), muon=by_owner["muon"], adamw=by_owner["adamw"],
-        engram=by_owner["engram"], expert=expert, body=body, matrices=matrices,
+        total=sum(r.numel for r in routes),
+        muon=by_owner["muon"],
+        adamw=by_owner["adamw"],
+        engram=by_owner["engram"],
+        expert=expert,
+        body=body,
+        matrices=matrices,
         muon_groups=tuple(sorted(groups.items(), key=lambda kv: -kv[1])),
         shapes=tuple((r.name, r.owner, tuple(r.shape)) for r in routes),
-    )  # fmt: skip
+    )
     _SPLITS[key] = split
     return split
 
@@ -302,8 +320,14 @@ def layout(split: ParamSplit, m, world: int = 1, shard: str = "none") -> Layout:
     engram_ram = m.engram_ram
     if world == 1 or shard != "fsdp":
         eng = 0 if engram_ram else split.engram
-        return Layout(dev=split.total - split.engram + eng, muon=split.muon, adamw=split.adamw,
-                      engram=eng, engram_rows=eng // m.engram_dim, body=split.body)  # fmt: skip
+        return Layout(
+            dev=split.total - split.engram + eng,
+            muon=split.muon,
+            adamw=split.adamw,
+            engram=eng,
+            engram_rows=eng // m.engram_dim,
+            body=split.body,
+        )
     if not split.shapes:
         raise ValueError("an FSDP2 layout needs the parameter shapes (param_split's `shapes`)")
 
@@ -333,10 +357,17 @@ def layout(split: ParamSplit, m, world: int = 1, shard: str = "none") -> Layout:
         else:
             root += numel(shape)
     group = max(groups.items(), key=lambda kv: kv[1][2]) if groups else None
-    return Layout(dev=sum(own.values()), muon=own["muon"], adamw=own["adamw"],
-                  engram=own["engram"], engram_rows=rows, body=body, root_unit=root,
-                  block_unit=max(blocks.values(), default=0),
-                  muon_group=(group[0], *group[1]) if group else None)  # fmt: skip
+    return Layout(
+        dev=sum(own.values()),
+        muon=own["muon"],
+        adamw=own["adamw"],
+        engram=own["engram"],
+        engram_rows=rows,
+        body=body,
+        root_unit=root,
+        block_unit=max(blocks.values(), default=0),
+        muon_group=(group[0], *group[1]) if group else None,
+    )
 
 
 def reduce_bytes(run: RunConfig) -> int:
@@ -390,8 +421,14 @@ def engram_state_bytes(dtype: str, values: int, rows: int) -> int:
     return ENGRAM_MOMENT_BYTES[dtype] * values + ENGRAM_ROW_BYTES[dtype] * rows
 
 
-def estimate(run: RunConfig, batch: int | None = None, seq: int | None = None, *,
-             world: int = 1, shard: str = "none") -> Estimate:  # fmt: skip
+def estimate(
+    run: RunConfig,
+    batch: int | None = None,
+    seq: int | None = None,
+    *,
+    world: int = 1,
+    shard: str = "none",
+) -> Estimate:
     """Device bytes of one steady-state training step of `run` at batch x seq on ONE rank of
     a fleet of `world` (shard "none": DDP, "fsdp": FSDP2; at world 1 one process, whatever
     `shard` says, as `parallelize` does). batch is the rank's micro-batch. See docs/fit.md."""
@@ -453,11 +490,29 @@ def estimate(run: RunConfig, batch: int | None = None, seq: int | None = None, *
     midpoint = resident + int((casts + saved) * keep) + work + 4 * lay.body + comm
     step = resident + grads + opt_work + comm_step
     return Estimate(
-        masters=masters, grads=grads, adamw=adamw, muon=muon, engram=engram, casts=casts,
-        act=act, opt_work=opt_work, backward=backward, midpoint=midpoint, step=step,
-        params=lay.dev, tokens=tokens, k_act=k, apps=apps, arm=arm, arm_reason=arm_reason,
-        half=half, comm=comm, comm_step=comm_step, world=world, shard=shard,
-    )  # fmt: skip
+        masters=masters,
+        grads=grads,
+        adamw=adamw,
+        muon=muon,
+        engram=engram,
+        casts=casts,
+        act=act,
+        opt_work=opt_work,
+        backward=backward,
+        midpoint=midpoint,
+        step=step,
+        params=lay.dev,
+        tokens=tokens,
+        k_act=k,
+        apps=apps,
+        arm=arm,
+        arm_reason=arm_reason,
+        half=half,
+        comm=comm,
+        comm_step=comm_step,
+        world=world,
+        shard=shard,
+    )
 
 
 def max_share(run: RunConfig, usable_bytes: int, *, world: int, shard: str) -> int:
@@ -608,8 +663,7 @@ def ladder(run: RunConfig, usable: int, world: int = 1) -> tuple[RunConfig, Esti
         run = _grown(run, usable, world)
         est = _est(run, world)
         t = run.train
-        notes.append(f"accumulation: global_batch {t.global_batch} as micro-batches of "
-                     f"{t.batch}")  # fmt: skip
+        notes.append(f"accumulation: global_batch {t.global_batch} as micro-batches of {t.batch}")
     return run, replace(est, notes=tuple(notes)), engaged
 
 
@@ -907,8 +961,10 @@ def plan_fleet(
     if not isinstance(world, int) or world < 1:
         raise FitError(f"--world {world}: a fleet has at least one rank; give an integer >= 1")
     if world > MAX_PLAN_WORLD:
-        raise FitError(f"--world {world}: a fleet plan holds a row a rank, and plans at most "
-                       f"{MAX_PLAN_WORLD} ranks; give --world <= {MAX_PLAN_WORLD}")  # fmt: skip
+        raise FitError(
+            f"--world {world}: a fleet plan holds a row a rank, and plans at most "
+            f"{MAX_PLAN_WORLD} ranks; give --world <= {MAX_PLAN_WORLD}"
+        )
     if len(budgets) not in (1, world):
         raise FitError(
             f"--fit {','.join(f'{g:g}' for g in budgets)} names {len(budgets)} cards but "
@@ -1012,8 +1068,9 @@ def format_fleet_table(planned: RunConfig, rows: list[RankPlan]) -> list[str]:
     return lines
 
 
-def main_plan(run: RunConfig, gb, batch: int | None = None, seq: int | None = None,
-              world: int | None = None) -> RunConfig:  # fmt: skip
+def main_plan(
+    run: RunConfig, gb, batch: int | None = None, seq: int | None = None, world: int | None = None
+) -> RunConfig:
     """`plan PRESET --fit GB[,GB...] [--world N]`: log the arithmetic and the fit line of the
     tightest rank, then one row a rank; FitError when it won't fit."""
     budgets = (
@@ -1054,6 +1111,8 @@ def _compare_with_card(run: RunConfig, gb: float) -> None:
     dev = run.train.device if run.train.device.startswith("cuda") else "cuda"
     budget = memory_budget(probe_device(dev))
     if budget is not None and budget < usable_bytes(gb):
-        log.warning(f"fit: warning: --fit {gb:g} plans for {_g(usable_bytes(gb))} GiB but "
-                    f"{dev} has {_g(budget)} GiB free (free - 512 MiB); lower --fit to what the "
-                    f"card has")  # fmt: skip
+        log.warning(
+            f"fit: warning: --fit {gb:g} plans for {_g(usable_bytes(gb))} GiB but "
+            f"{dev} has {_g(budget)} GiB free (free - 512 MiB); lower --fit to what the "
+            f"card has"
+        )
