@@ -1,6 +1,6 @@
 """Checkpoints in two formats, written atomically and loaded safely, refusing a mismatched
 shape or a damaged entry. Which files a run folder holds, and who may write them, is
-run_dir.py's; `write_atomic` here is how every file of a run is replaced.
+folder.py's; `write_atomic` here is how every file of a run is replaced.
 
 A checkpoint holds the run config, the model (fp32 masters, the LFB buffers and the host-RAM
 Engram tables, which live in its state dict), the optimizer, the data position and the data's
