@@ -26,6 +26,12 @@ class BenchError(UserError, ValueError):
     """A benchmark request that cannot be honoured; names cause and escape."""
 
 
+def check_counts(steps: int, warmup: int) -> None:
+    """Refuse a timing that would time nothing: --steps below 1 or --warmup below 0."""
+    if steps < 1 or warmup < 0:
+        raise BenchError(f"--steps {steps} --warmup {warmup}: steps must be >= 1 and warmup >= 0")
+
+
 def resolve_device(name: str) -> torch.device:
     if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", name):
         raise BenchError(f"--device {name!r} is not auto, cpu, cuda or cuda:N")

@@ -24,7 +24,16 @@ import statistics
 import torch
 import torch.nn.functional as F
 
-from .common import BenchError, configure, machine_lines, report, resolve_device, table, timed
+from .common import (
+    BenchError,
+    check_counts,
+    configure,
+    machine_lines,
+    report,
+    resolve_device,
+    table,
+    timed,
+)
 
 log = logging.getLogger(__name__)
 
@@ -128,10 +137,7 @@ def _norm_rows(qkv, dys, heads, steps, warmup, device, shape) -> list[list[str]]
 
 
 def run(args, command: str) -> str:
-    if args.steps < 1 or args.warmup < 0:
-        raise BenchError(
-            f"--steps {args.steps} --warmup {args.warmup}: steps must be >= 1 and warmup >= 0"
-        )
+    check_counts(args.steps, args.warmup)
     device = resolve_device(args.device)
     if device.type != "cuda":
         raise BenchError(

@@ -5,8 +5,8 @@ measurement behind it. For each preset the MoE of its shape (cfg.model) runs on 
 of [batch x seq_len, d_model] under the run's autocast dtype (bf16 on CUDA sm_80+, fp32
 elsewhere), forward and backward into every weight, with each arm that runs here: grouped,
 batched (dropless: one host sync a call), dense (every expert on every token). "compiled" is
-`torch.compile` (mode default) of the same call. The kernel count is torch.profiler's, one
-call.
+`torch.compile` (mode default) of the same call. The kernel count is bench profile's (its
+device events), one eager call on CUDA.
 
     python -m dormouse bench moe small medium b1 --device cuda --batch 64 --seq 256
 """
@@ -21,12 +21,22 @@ import torch
 
 from ..model.arms import moe_shape, why_not
 from ..model.moe import MoE
-from .common import BenchError, configure, machine_lines, report, resolve_device, table, timed
+from .common import (
+    BenchError,
+    check_counts,
+    configure,
+    machine_lines,
+    report,
+    resolve_device,
+    table,
+    timed,
+)
+from .profile import device_events
 
 log = logging.getLogger(__name__)
 
 HEADER = ["preset", "E x d_ffn (d_model)", "tokens", "arm", "eager ms", "compiled ms",
-          "kernels (eager; ops on the CPU)", "auto picks"]  # fmt: skip
+          "kernels (eager, CUDA)", "auto picks"]  # fmt: skip
 ARMS = ("grouped", "batched", "dense")
 
 
@@ -39,15 +49,14 @@ def add_args(ap) -> None:
     ap.add_argument("--no-compile", action="store_true", help="time the eager call only")
 
 
-def _kernels(fn, device: torch.device) -> int:
-    acts = [torch.profiler.ProfilerActivity.CPU]
-    if device.type == "cuda":
-        acts.append(torch.profiler.ProfilerActivity.CUDA)
+def _kernels(fn, device: torch.device) -> str:
+    """The device kernels one call launches (bench profile's count); "-" off CUDA."""
+    if device.type != "cuda":
+        return "-"
+    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=acts) as prof:
         fn()
-    kind = "cuda" if device.type == "cuda" else "cpu"
-    return sum(1 for e in prof.events() if e.device_type.name.lower() == kind and
-               (kind == "cpu" or e.name not in ("", "Memset")))  # fmt: skip
+    return str(len(device_events(prof.events())))
 
 
 def _rows(name, cfg, tokens, device, dtype, args, said: list[str]) -> list[list[str]]:
@@ -77,16 +86,13 @@ def _rows(name, cfg, tokens, device, dtype, args, said: list[str]) -> list[list[
         if not args.no_compile and arm != "batched":  # batched runs eager (a host sync)
             cm = torch.compile(moe)
             comp = f"{statistics.median(timed(lambda _i: call(cm), args.steps, args.warmup, device)):.3f}"
-        n = _kernels(call, device)
-        rows.append([name, shape, str(tokens), arm, f"{eager:.3f}", comp, str(n),
+        rows.append([name, shape, str(tokens), arm, f"{eager:.3f}", comp, _kernels(call, device),
                      "<- auto" if auto.name == arm else ""])  # fmt: skip
     return rows
 
 
 def run(args, command: str) -> str:
-    if args.steps < 1 or args.warmup < 0:
-        raise BenchError(f"--steps {args.steps} --warmup {args.warmup}: steps must be >= 1 and "
-                         "warmup >= 0")  # fmt: skip
+    check_counts(args.steps, args.warmup)
     device = resolve_device(args.device)
     from ..train.run import resolve_autocast
 

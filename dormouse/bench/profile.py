@@ -88,7 +88,7 @@ def _annotation(e) -> bool:
     )
 
 
-def _device_events(events) -> list:
+def device_events(events) -> list:
     """The GPU's kernels, copies and sets (not the annotations mirrored onto its timeline)."""
     from torch.autograd import DeviceType
 
@@ -182,7 +182,7 @@ def profile_preset(run, device, steps: int, warmup: int, compile: str, top: int)
     plain = timed(lambda i: step(warmup + i, data[warmup + i]), steps, 0, device, chain=chain)
     events = prof.events()
     wall_ms = sum(ms)
-    kern = _device_events(events)
+    kern = device_events(events)
     busy_us = _union_us([(e.time_range.start, e.time_range.end) for e in kern])
     gpu_ms = sum(e.time_range.end - e.time_range.start for e in kern) / 1000
     name = run.source.removeprefix("preset:")

@@ -66,7 +66,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dormouse.config import ModelConfig
-from dormouse.model.arms import Arm, announce, check_request, choose_arm
+from dormouse.model.arms import Arm, announce, check_request, choose_arm, moe_shape
 from dormouse.model.layers import at_least_fp32
 
 #: The grouped matmul this torch provides: the public name (present in 2.11 and 2.13) or
@@ -205,6 +205,7 @@ class MoE(nn.Module):
         self.capacity = float(cfg.moe_capacity)
         self.lb_coef = float(cfg.moe_lb_coef)
         self.impl = cfg.moe_impl
+        self.arm_shape = moe_shape(cfg)  # the dims the arm rule reads
         self.offload = bool(cfg.moe_offload)
         self.replay: dict | None = None  # routing replay for quantized checkpoints (route())
         self.router = nn.Linear(D, E, bias=False)
@@ -321,8 +322,7 @@ class MoE(nn.Module):
 
     def arm(self, device, dtype: torch.dtype) -> Arm:
         """The dispatch arm on `device` (a torch device or a described `arms.Card`) at `dtype`."""
-        shape = {"d_model": self.d_model, "d_ffn": self.d_ffn, "n_experts": self.n_experts}
-        return choose_arm("moe", self.impl, device, dtype, shape)
+        return choose_arm("moe", self.impl, device, dtype, self.arm_shape)
 
     # ---- forward -----------------------------------------------------------------
 

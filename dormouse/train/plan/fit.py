@@ -213,28 +213,34 @@ def param_split(run: RunConfig) -> ParamSplit:
     return split
 
 
-def kda_arm(run: RunConfig) -> Arm:
-    """The KDA arm the training run will use (what the activation term assumes): pinned as
-    pinned, auto by the model's rule on the run's card (which card: docs/fit.md)."""
-    m, dev = run.model, run.train.device
-    if m.kda_impl != "auto":
-        return Arm(m.kda_impl, f"kda_impl={m.kda_impl} (pinned)")
+def _planned_card(run: RunConfig):
+    """(device or described card, compute dtype) the arm rule reads for the run's card (which
+    card: docs/fit.md): a CUDA card described where this machine has none."""
+    dev = run.train.device
     if dev != "cpu" and not torch.cuda.is_available():
         dev = replace(card_of("cpu"), type="cuda", name="the planned card")
     elif dev == "auto":
         dev = "cuda"
-    dtype = torch.bfloat16 if half_compute(run) else torch.float32
-    return choose_arm("kda", "auto", dev, dtype, {"head_dim": m.head_dim})
+    return dev, torch.bfloat16 if half_compute(run) else torch.float32
+
+
+def kda_arm(run: RunConfig) -> Arm:
+    """The KDA arm the training run will use (what the activation term assumes): pinned as
+    pinned, auto by the model's rule on the run's card."""
+    m = run.model
+    if m.kda_impl != "auto":
+        return Arm(m.kda_impl, f"kda_impl={m.kda_impl} (pinned)")
+    return choose_arm("kda", "auto", *_planned_card(run), {"head_dim": m.head_dim})
 
 
 def moe_dense(run: RunConfig) -> bool:
-    """Whether the run's MoE computes every expert on every token (`moe_impl=dense`, or auto on
-    a CUDA card for a narrow MoE: arms.DENSE_MAX_WIDTH): its activations then scale with
+    """Whether the run's MoE computes every expert on every token (`moe_impl=dense`, or auto
+    where the model's rule takes it on the run's card): its activations then scale with
     n_experts, not moe_topk."""
-    m, dev = run.model, run.train.device
-    if m.moe_impl in ("dense", "grouped", "batched"):
+    m = run.model
+    if m.moe_impl != "auto":
         return m.moe_impl == "dense"
-    return dev != "cpu" and m.n_experts * m.d_ffn <= arms.DENSE_MAX_WIDTH
+    return choose_arm("moe", "auto", *_planned_card(run), arms.moe_shape(m)).name == "dense"
 
 
 def half_compute(run: RunConfig) -> bool:
