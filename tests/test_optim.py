@@ -230,12 +230,13 @@ def test_lr_factor_scales_every_group_from_its_base_lr():
 # ---- (b) an external check: torch.optim.Muon --------------------------------------------
 
 
-@pytest.mark.skipif(not hasattr(torch.optim, "Muon"), reason="torch.optim.Muon needs torch >= 2.9")
-@pytest.mark.parametrize("sf,adjust", [("jordan", "original"), ("rms", "match_rms_adamw")])
-def test_tracks_torch_muon_in_bf16(sf, adjust):
+def _against_torch_muon(shape, steps, ns_dtype, nesterov, sf, adjust, mu=0.95):
+    """dormouse's Muon and torch.optim.Muon stepped `steps` times on one copied [shape] matrix
+    with the same gradients: (relative distance of their displacements, our optimizer and
+    module, torch's optimizer and module)."""
     torch.manual_seed(0)
     mine = nn.Module()
-    mine.q_proj = nn.Linear(128, 64, bias=False)  # [64, 128]: wide; rms and jordan differ
+    mine.q_proj = nn.Linear(shape[1], shape[0], bias=False)
     theirs = copy.deepcopy(mine)
     p0 = mine.q_proj.weight.detach().clone()
     opt = MixOptimizer(
@@ -243,25 +244,32 @@ def test_tracks_torch_muon_in_bf16(sf, adjust):
         Optim(
             lr=0.02,
             wd=0.1,
-            ns_dtype="bf16",
+            ns_dtype=ns_dtype,
             ns_kind="quintic",
-            muon_variant="nesterov",
+            muon_variant="nesterov" if nesterov else "plain",
             muon_sf=sf,
-            muon_momentum=0.95,
+            muon_momentum=mu,
         ),
     )
-    ref = torch.optim.Muon([theirs.q_proj.weight], lr=0.02, weight_decay=0.1, momentum=0.95,
-                           nesterov=True, ns_steps=5, adjust_lr_fn=adjust)  # fmt: skip
+    ref = torch.optim.Muon([theirs.q_proj.weight], lr=0.02, weight_decay=0.1, momentum=mu,
+                           nesterov=nesterov, ns_steps=5, adjust_lr_fn=adjust)  # fmt: skip
     gen = torch.Generator().manual_seed(7)
-    for _ in range(5):
-        g = torch.randn(64, 128, generator=gen)
+    for _ in range(steps):
+        g = torch.randn(*shape, generator=gen)
         mine.q_proj.weight.grad = g.clone()
         theirs.q_proj.weight.grad = g.clone()
         opt.step()
         ref.step()
     d_mine = mine.q_proj.weight.detach() - p0
     d_ref = theirs.q_proj.weight.detach() - p0
-    rel = float((d_mine - d_ref).norm() / d_ref.norm())
+    return float((d_mine - d_ref).norm() / d_ref.norm()), (opt, mine), (ref, theirs)
+
+
+@pytest.mark.skipif(not hasattr(torch.optim, "Muon"), reason="torch.optim.Muon needs torch >= 2.9")
+@pytest.mark.parametrize("sf,adjust", [("jordan", "original"), ("rms", "match_rms_adamw")])
+def test_tracks_torch_muon_in_bf16(sf, adjust):
+    # [64, 128]: wide; rms and jordan differ
+    rel, _, _ = _against_torch_muon((64, 128), 5, "bf16", True, sf, adjust)
     # Both run 5 quintic iterations in bf16 (unit round-off 2^-8 = 3.9e-3) but round
     # differently: torch keeps an EMA momentum ((1-mu) x ours, which the normalisation
     # cancels only up to rounding) and normalises in bf16, we normalise in fp32. Each
@@ -298,36 +306,10 @@ def test_equals_torch_muon_in_fp32_where_conventions_agree(monkeypatch, shape, n
     import torch.optim._muon as torch_muon
 
     monkeypatch.setattr(torch_muon, "_zeropower_via_newtonschulz", _keller_ns_fp32)
-    torch.manual_seed(0)
-    mine = nn.Module()
-    mine.q_proj = nn.Linear(shape[1], shape[0], bias=False)
-    theirs = copy.deepcopy(mine)
-    p0 = mine.q_proj.weight.detach().clone()
     mu = 0.95
-    opt = MixOptimizer(
-        mine,
-        Optim(
-            lr=0.02,
-            wd=0.1,
-            ns_dtype="fp32",
-            ns_kind="quintic",
-            muon_variant="nesterov" if nesterov else "plain",
-            muon_sf=sf,
-            muon_momentum=mu,
-        ),
+    rel, (opt, mine), (ref, theirs) = _against_torch_muon(
+        shape, 3, "fp32", nesterov, sf, adjust, mu
     )
-    ref = torch.optim.Muon([theirs.q_proj.weight], lr=0.02, weight_decay=0.1, momentum=mu,
-                           nesterov=nesterov, ns_steps=5, adjust_lr_fn=adjust)  # fmt: skip
-    gen = torch.Generator().manual_seed(7)
-    for _ in range(3):
-        g = torch.randn(*shape, generator=gen)
-        mine.q_proj.weight.grad = g.clone()
-        theirs.q_proj.weight.grad = g.clone()
-        opt.step()
-        ref.step()
-    d_mine = mine.q_proj.weight.detach() - p0
-    d_ref = theirs.q_proj.weight.detach() - p0
-    rel = float((d_mine - d_ref).norm() / d_ref.norm())
     # fp32 both, the same polynomial: measured <= 1.6e-6 over 3 steps (round-off of a
     # momentum 20x larger in ours, and of torch's two lerps); 1e-5 leaves ~6x, while a scale
     # rule off by x1.6..2.3 or a dropped Nesterov term moves the displacement by O(1)
