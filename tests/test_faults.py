@@ -729,6 +729,16 @@ class Fleet:
         self.pids = sorted(_children(self.p.pid), key=_rank_of)
         return self.pids
 
+    def stderr_line(self, rank: int, needle: str, limit: float) -> str:
+        """The first line of rank's stderr holding `needle`, waited for up to `limit` seconds
+        (and half a second more, so the line is whole)."""
+        t0 = time.monotonic()
+        while needle not in self.log(rank, "stderr"):
+            assert time.monotonic() - t0 < limit, self.log(rank, "stderr")[-2000:]
+            time.sleep(0.1)
+        time.sleep(0.5)
+        return next(ln for ln in self.log(rank, "stderr").splitlines() if needle in ln)
+
     def close(self) -> None:
         # the workers too, one by one: torchrun may start them in sessions of their own, and
         # a SIGSTOPped one outlived the agent's group (left stopped after the suite)
@@ -764,12 +774,7 @@ def test_the_watchdog_names_the_peers_real_last_step(tmp_path, corpus):
     try:
         _, rank1 = fleet.workers(30)
         os.kill(rank1, signal.SIGSTOP)
-        t0 = time.monotonic()
-        while "fleet watchdog on rank 0" not in fleet.log(0, "stderr"):
-            assert time.monotonic() - t0 < STOP_TIMEOUT_S + 20, fleet.log(0, "stderr")[-2000:]
-            time.sleep(0.1)
-        time.sleep(0.5)
-        line = next(ln for ln in fleet.log(0, "stderr").splitlines() if "fleet watchdog" in ln)
+        line = fleet.stderr_line(0, "fleet watchdog on rank 0", STOP_TIMEOUT_S + 20)
     finally:
         fleet.close()
     peer = int(re.search(r"its last heartbeat: step (\d+)", line)[1])

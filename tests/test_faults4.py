@@ -441,12 +441,7 @@ def test_a_killed_rank_is_named_at_its_real_last_step(tmp_path, corpus):
         _, rank1 = fleet.workers(30)
         time.sleep(1.0)  # mid-way between two of the survivor's reads
         os.kill(rank1, signal.SIGKILL)
-        t0 = time.monotonic()
-        while "said step" not in fleet.log(0, "stderr"):
-            assert time.monotonic() - t0 < 60, fleet.log(0, "stderr")[-2000:]
-            time.sleep(0.1)
-        time.sleep(0.5)
-        line = next(ln for ln in fleet.log(0, "stderr").splitlines() if "said step" in ln)
+        line = fleet.stderr_line(0, "said step", 60)
     finally:
         fleet.close()
     peer = int(re.search(r"said step (\d+)", line)[1])
