@@ -166,10 +166,11 @@ def _grouped_slow(card: Card, dtype: torch.dtype) -> str | None:
 
 
 def _dense_fits(card: Card, shape: Mapping[str, int]) -> str | None:
-    """Why `auto` computes every expert on every token here, or None. On CUDA a narrow MoE's
-    dispatch (a sort, gathers, a grouped matmul and their backward per call) costs more in
-    kernel launches than the E/k-fold matmul work of the dense arm; off CUDA the arithmetic
-    is what costs, so the dispatch stays."""
+    """Why `auto` computes every expert on every token here, or None. The wager: on CUDA a
+    narrow MoE's dispatch (gathers, a grouped matmul and their backward per call) may cost
+    more in kernel launches than the E/k-fold matmul work of the dense arm, up to a width
+    DENSE_MAX_WIDTH is to hold once measured; off CUDA the arithmetic is what costs, so the
+    dispatch stays."""
     width = shape.get("n_experts", 0) * shape.get("d_ffn", 0)
     if card.type != "cuda" or not 0 < width <= DENSE_MAX_WIDTH:
         return None

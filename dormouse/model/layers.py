@@ -27,15 +27,14 @@ class RMSNorm(nn.Module):
 
 
 class LowRankDelta(nn.Module):
-    """x -> B(A x), with B zero-initialised so the delta starts at exactly zero."""
+    """The low-rank delta B A of a weight, B zero-initialised so it starts at exactly zero. The
+    mixers add its `matrix()` to the weight it adjusts (`with_deltas`) rather than computing
+    B (A x) beside W x."""
 
     def __init__(self, d_in: int, d_out: int, rank: int, std: float = 0.02):
         super().__init__()
         self.A = nn.Parameter(torch.randn(rank, d_in) * std)
         self.B = nn.Parameter(torch.zeros(d_out, rank))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return (x @ self.A.t().to(x.dtype)) @ self.B.t().to(x.dtype)
 
     def matrix(self) -> torch.Tensor:
         """B A [d_out, d_in], in fp32 whatever autocast says: the delta as a weight, so that
