@@ -167,8 +167,9 @@ def _experts_dropless_batched(xs, counts, e_sorted, n_experts, w1, w3, w2):
 
 
 @torch.compiler.assume_constant_result
-def _arm_name(impl: str, d_model: int, d_ffn: int, n_experts: int, device: torch.device,
-              dtype: torch.dtype) -> str:  # fmt: skip
+def _arm_name(
+    impl: str, d_model: int, d_ffn: int, n_experts: int, device: torch.device, dtype: torch.dtype
+) -> str:
     """MoE.arm's name, announced. A compiled graph calls this once while tracing and keeps the
     answer (asking the card for its name and capability inside the graph would split it)."""
     shape = {"d_model": d_model, "d_ffn": d_ffn, "n_experts": n_experts}
